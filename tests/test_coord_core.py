@@ -1,0 +1,199 @@
+"""The coordinator's pure core: membership and the job state machine, driven by hand with a
+fake clock. No processes, no sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from unicron.coord.decide import Decision, DetectDecider
+from unicron.coord.job import JobCore, JobSpec, Phase
+from unicron.coord.membership import Membership
+from unicron.coord.outbox import Emit, Finish, OpenStore, Send
+
+
+class ScriptedDecider:
+    def __init__(self, *decisions: Decision) -> None:
+        self.decisions = list(decisions)
+        self.seen: list[list[dict[str, Any]]] = []
+
+    def decide(self, faults, stacks, now, **_kw) -> Decision:
+        self.seen.append(faults)
+        return self.decisions.pop(0)
+
+
+RESTART = Decision("restart", 0.0, "restart it", "SEV2", "test")
+
+
+def join(node: str, nproc: int = 2, node_rank: int | None = None, mn: int = 2, mx: int = 2) -> dict[str, Any]:
+    return {"node_id": node, "host": f"h-{node}", "nproc": nproc, "node_rank": node_rank, "pid": 1,
+            "min_nodes": mn, "max_nodes": mx, "max_restarts": 3, "last_call_s": 5, "heartbeat_timeout_s": 3,
+            "join_timeout_s": 60, "stop_timeout_s": 10}
+
+
+def spec(mn: int = 2, mx: int = 2) -> JobSpec:
+    return JobSpec("job", mn, mx, max_restarts=3, last_call_s=5, heartbeat_timeout_s=3, join_timeout_s=60,
+                   stop_timeout_s=10)
+
+
+def sends(outs, kind: str) -> dict[str, dict[str, Any]]:
+    return {o.node_id: o.body for o in outs if isinstance(o, Send) and o.kind == kind}
+
+
+def started(core: JobCore, now: float) -> dict[str, dict[str, Any]]:
+    outs = core.tick(now)
+    assert any(isinstance(o, OpenStore) for o in outs), outs
+    return sends(core.start_attempt("", 1234, now), "assign")
+
+
+def test_membership_honours_requested_ranks_and_keeps_layout() -> None:
+    m = Membership(1, 3, last_call_s=1, heartbeat_timeout_s=3)
+    assert m.join("a", "ha", 1, None, 0).accepted
+    assert m.join("b", "hb", 1, 0, 1).accepted
+    assert not m.join("c", "hc", 1, 0, 2).accepted  # rank 0 already requested
+    assert not m.join("d", "hd", 1, 5, 2).accepted  # not below max
+    ranks = {n.node_id: n.node_rank for n in m.assign_ranks()}
+    assert ranks == {"b": 0, "a": 1}
+    assert m.join("c", "hc", 1, None, 3).accepted
+    assert {n.node_id: n.node_rank for n in m.assign_ranks()} == {"b": 0, "a": 1, "c": 2}
+    assert not m.join("e", "he", 1, None, 4).accepted  # full
+    epoch = m.epoch
+    assert [n.node_id for n in m.expire(10.0)] == ["b", "a", "c"]
+    assert m.epoch == epoch + 3
+
+
+def test_waits_for_min_then_last_call_then_max_starts_at_once() -> None:
+    core = JobCore(spec(1, 3), ScriptedDecider(), now=0)
+    core.on_join("a", join("a", mn=1, mx=3), 0)
+    assert not [o for o in core.tick(1) if isinstance(o, OpenStore)]
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 5)
+    assert [o for o in core.tick(5.5) if isinstance(o, OpenStore)]  # last call (5 s) over
+    core2 = JobCore(spec(1, 2), ScriptedDecider(), now=0)
+    core2.on_join("a", join("a", mn=1, mx=2), 0)
+    core2.on_join("b", join("b", mn=1, mx=2), 0.1)
+    assert [o for o in core2.tick(0.2) if isinstance(o, OpenStore)]
+
+
+def test_assignment_offsets_and_world() -> None:
+    core = JobCore(spec(), ScriptedDecider(), now=0)
+    core.on_join("a", join("a", nproc=3), 0)
+    core.on_join("b", join("b", nproc=2, node_rank=0), 0)
+    assigns = started(core, 1)
+    assert assigns["b"]["node_rank"] == 0 and assigns["b"]["rank_offset"] == 0
+    assert assigns["a"]["node_rank"] == 1 and assigns["a"]["rank_offset"] == 2
+    assert {a["world_size"] for a in assigns.values()} == {5}
+    assert assigns["a"]["local_world_sizes"] == [2, 3]
+    assert assigns["a"]["inject"] is True and assigns["a"]["restart_count"] == 0
+
+
+def test_fault_stops_everyone_then_restarts_with_restore_step() -> None:
+    decider = ScriptedDecider(RESTART)
+    core = JobCore(spec(), decider, now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    outs = core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 3, "exitcode": -9, "ts": 2}}, 2)
+    assert set(sends(outs, "stop")) == {"a", "b"} and core.phase is Phase.STOPPING
+    # A second (victim) report is kept for root-cause analysis, not acted on twice.
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "exception", "rank": 0, "ts": 2.1}}, 2.1)
+    assert core.on_stopped("a", {"attempt": 0, "snapshots": {"0": [4, 5], "1": [4, 5]}, "stacks": {}}, 3) \
+        .__len__() == 1
+    outs = core.on_stopped("b", {"attempt": 0, "snapshots": {"2": [5, 6], "3": [4, 5]}, "stacks": {}}, 3)
+    assert len(decider.seen[0]) == 2
+    assert any(isinstance(o, OpenStore) and o.attempt == 1 for o in outs)
+    assigns = sends(core.start_attempt("", 999, 3), "assign")
+    assert {a["restore_step"] for a in assigns.values()} == {5}
+    assert {a["restart_count"] for a in assigns.values()} == {1}
+    assert {a["inject"] for a in assigns.values()} == {False}
+    assert core.restarts_used == 1
+
+
+def test_all_finished_ends_the_job() -> None:
+    core = JobCore(spec(), ScriptedDecider(), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    assert not [o for o in core.on_finished("a", {"attempt": 0}, 2) if isinstance(o, Finish)]
+    finish = [o for o in core.on_finished("b", {"attempt": 0}, 2) if isinstance(o, Finish)]
+    assert finish == [Finish(0, "all workers finished successfully")] and core.phase is Phase.DONE
+
+
+def test_lost_node_in_elastic_job_reforms_with_survivors() -> None:
+    core = JobCore(spec(1, 2), ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 3.5)
+    outs = core.tick(4.5)  # b silent for 4.5 s > 3 s
+    assert any(isinstance(o, Emit) and o.kind == "node_lost" for o in outs)
+    assert set(sends(outs, "stop")) == {"a"}
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": {"0": [7], "1": [7]}, "stacks": {}}, 5)
+    assert any(isinstance(o, OpenStore) for o in outs)
+    assigns = sends(core.start_attempt("", 1, 5), "assign")
+    assert list(assigns) == ["a"] and assigns["a"]["world_size"] == 2
+    assert assigns["a"]["restore_step"] is None  # world size changed: b's ranks are gone
+
+
+def test_stop_decision_finishes_with_code_and_stale_messages_are_ignored() -> None:
+    core = JobCore(spec(1, 1), ScriptedDecider(Decision("stop", 0, "user error", "FATAL", "import", 1)), now=0)
+    core.on_join("a", join("a", mn=1, mx=1), 0)
+    started(core, 1)
+    assert [o.kind for o in core.on_fault("a", {"attempt": 7, "fault": {"kind": "exit"}}, 2)
+            if isinstance(o, Emit)] == ["fault_stale"]
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "exit", "rank": 0, "ts": 2}}, 2)
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 2)
+    assert [o for o in outs if isinstance(o, Finish)] == [Finish(1, "user error")]
+    assert core.phase is Phase.FAILED
+    assert sends(core.on_join("z", join("z", mn=1, mx=1), 3), "reject")
+
+
+def test_unacknowledged_stop_times_out_and_node_is_dropped() -> None:
+    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 2}}, 2)
+    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 2.5)
+    for t in (3, 4, 5, 6, 7, 8, 9, 10, 11):
+        core.on_heartbeat("a", {"workers": [], "health": {}}, t)
+        core.on_heartbeat("b", {"workers": [], "health": {}}, t)  # alive, but never acks the stop
+        outs = core.tick(t + 0.5)
+    outs = core.tick(12.5)
+    assert any(isinstance(o, Emit) and o.kind == "node_lost" for o in outs)
+    assert any(isinstance(o, OpenStore) for o in outs)
+
+
+def test_join_refusals() -> None:
+    core = JobCore(spec(2, 2), ScriptedDecider(), now=0)
+    assert "mismatch" in sends(core.on_join("x", join("x", mn=1, mx=2), 0), "reject")["x"]["reason"]
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    assert "full" in sends(core.on_join("c", join("c"), 0), "reject")["c"]["reason"]
+
+
+def test_late_joiner_grows_the_job_without_spending_budget() -> None:
+    core = JobCore(spec(1, 2), ScriptedDecider(), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 5.9)
+    started(core, 6)
+    outs = core.on_join("b", join("b", mn=1, mx=2), 7)
+    assert set(sends(outs, "stop")) == {"a"}
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 7.5)
+    assert any(isinstance(o, OpenStore) for o in outs)
+    assigns = sends(core.start_attempt("", 1, 7.5), "assign")
+    assert set(assigns) == {"a", "b"} and core.restarts_used == 0
+
+
+@pytest.mark.parametrize("fault, action", [
+    ({"kind": "exit", "rank": 1, "exitcode": -9, "ts": 1.0, "progress": 5}, "restart"),
+    ({"kind": "exception", "rank": 0, "error_type": "ModuleNotFoundError",
+      "message": "ModuleNotFoundError: No module named 'nope'", "ts": 1.0, "progress": 0,
+      "steps_completed": 0}, "stop"),
+])
+def test_detect_decider_on_real_fault_shapes(fault, action) -> None:
+    decision = DetectDecider().decide([dict(fault, node_id="n", host="h", summary="x", pid=3)], {}, 2.0,
+                                      max_restarts=3, active_nodes=1, min_nodes=1)
+    assert decision.action == action
+    if action == "stop":
+        assert decision.exit_code != 0

@@ -1,0 +1,3 @@
+from unicron.cli import entrypoint
+
+entrypoint()

@@ -1,0 +1,345 @@
+"""The node agent: joins the job, runs each attempt's workers, reports, obeys.
+
+One thread, one poll loop over two sockets (the coordinator DEALER and the workers' PULL)
+with a short timeout, so an exit is seen within ``monitor_interval_s`` and heartbeats keep
+their pace. Decisions are the coordinator's; the agent only observes and carries out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+import zmq
+
+from unicron.agent.logs import ConsoleTee, RunLogDir
+from unicron.agent.settings import AgentSettings
+from unicron.agent.workers import GroupSpec, WorkerGroup
+from unicron.detect.hang import HangDetector
+from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
+from unicron.events import EventLog
+from unicron.proto.messages import Codec
+
+log = logging.getLogger(__name__)
+
+JOIN_RETRY_S = 1.0
+HEALTH_EVERY_S = 2.0
+
+
+class Agent:
+    def __init__(self, s: AgentSettings, *, endpoint: str, run_logs: RunLogDir, events: EventLog,
+                 ui: Any, signals: Any) -> None:
+        self.s = s
+        self.endpoint = endpoint
+        self.run_logs = run_logs
+        self.events = events
+        self.ui = ui
+        self.signals = signals
+        self.host = s.local_addr
+        self.node_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.codec = Codec(s.secret, self.node_id, job=s.run_id)
+        self.ctx: zmq.Context = zmq.Context.instance()
+        self.work_dir = tempfile.mkdtemp(prefix="unicron-agent-")  # short: ipc paths are limited to ~100 bytes
+        self.shm_dir = _shm_dir(s.run_id)
+        self.stack_dir = os.path.join(self.work_dir, "stacks")
+        os.makedirs(self.stack_dir, exist_ok=True)
+        self.tee = ConsoleTee()
+        self.group: WorkerGroup | None = None
+        self.epoch = 0
+        self.last_from_coordinator = time.monotonic()
+        self.last_heartbeat = 0.0
+        self.health: dict[str, Any] = {}
+        self.last_health = 0.0
+        self.dropped_local = 0
+
+    # ---- main loop -----------------------------------------------------------------
+    def run(self) -> int:
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        dealer.setsockopt(zmq.LINGER, 1000)
+        dealer.connect(self.endpoint)
+        pull = self.ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.agent_addr = f"ipc://{self.work_dir}/agent.sock"
+        pull.bind(self.agent_addr)
+        self.dealer = dealer
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        joined_at = time.monotonic()
+        welcomed = False
+        last_join = 0.0
+        try:
+            while True:
+                now_m = time.monotonic()
+                self.signals.raise_if_received()
+                if not welcomed and now_m - last_join >= JOIN_RETRY_S:
+                    if now_m - joined_at > self.s.join_timeout_s:
+                        raise RendezvousError(f"no coordinator answered at {self.endpoint} within "
+                                              f"{self.s.join_timeout_s:g} s")
+                    self._send("join", self._join_body())
+                    last_join = now_m
+                timeout_ms = int(min(self.s.monitor_interval_s, 0.05) * 1000)
+                for sock, _ in poller.poll(timeout_ms):
+                    if sock is dealer:
+                        result = self._drain_coordinator(dealer)
+                        if result is not None:
+                            return result
+                        welcomed = True
+                    else:
+                        self._drain_workers(pull)
+                self._watch_workers()
+                self._heartbeat()
+                if welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
+                    raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
+                                          f"{self._coordinator_timeout():g} s")
+        except (Interrupted, UnicronError) as err:
+            self._stop_group(reason=str(err))
+            try:
+                self._send("leave", {"node_id": self.node_id, "reason": str(err)})
+            except zmq.ZMQError:
+                pass
+            self.events.emit("agent_exit", error=str(err))
+            raise
+        finally:
+            self._stop_group(reason="agent exit")
+            self.tee.close()
+            dealer.close(linger=500)
+            pull.close(0)
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    def _coordinator_timeout(self) -> float:
+        return max(3 * self.s.heartbeat_timeout_s, 10.0)
+
+    # ---- coordinator messages ------------------------------------------------------
+    def _drain_coordinator(self, dealer: zmq.Socket) -> int | None:
+        while True:
+            try:
+                raw = dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                msg = self.codec.decode(raw)
+            except ProtocolError as err:
+                log.debug("dropped coordinator message: %s", err)
+                continue
+            self.last_from_coordinator = time.monotonic()
+            body = msg.body
+            if msg.kind == "welcome":
+                self.epoch = body["epoch"]
+            elif msg.kind == "ack":
+                self.epoch = body["epoch"]
+            elif msg.kind == "assign":
+                self._start_attempt(body)
+            elif msg.kind == "stop":
+                self._on_stop(body)
+            elif msg.kind == "shutdown":
+                self._stop_group(reason=body["reason"])
+                self.events.emit("shutdown", exit_code=body["exit_code"], reason=body["reason"])
+                if body["exit_code"] != 0:
+                    raise WorkerFailedError(body["reason"]) if body["exit_code"] == 1 else _coded(body)
+                self.ui.info("job finished: all workers exited 0")
+                return 0
+            elif msg.kind == "reject":
+                raise RendezvousError(f"the coordinator refused this node: {body['reason']}")
+
+    def _start_attempt(self, body: dict[str, Any]) -> None:
+        self._stop_group(reason="new attempt")
+        self.epoch = body["epoch"]
+        inject = self.s.inject if body["inject"] else ""
+        spec = GroupSpec(attempt=body["attempt"], restart_count=body["restart_count"],
+                         rank_offset=body["rank_offset"], world_size=body["world_size"],
+                         node_rank=body["node_rank"], nnodes=body["nnodes"],
+                         local_world_sizes=tuple(body["local_world_sizes"]),
+                         master_addr=body["master_addr"] or self.s.rdzv_host, master_port=body["master_port"],
+                         restore_step=body.get("restore_step"), inject=inject)
+        hang = HangDetector(k=self.s.hang_factor, floor_s=self.s.hang_floor_s,
+                            warmup_steps=self.s.hang_warmup_steps,
+                            first_step_timeout_s=self.s.first_step_timeout_s)
+        group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=self._env_factory(spec), run_logs=self.run_logs,
+                            tee=self.tee, host=self.host, hang=hang, role=self.s.role, stack_dir=self.stack_dir)
+        self.group = group
+        group.start(time.time())
+        self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
+                         ranks=sorted(group.ranks), world_size=spec.world_size,
+                         restore_step=spec.restore_step, master_port=spec.master_port)
+        what = f"attempt {spec.attempt}: ranks {min(group.ranks)}-{max(group.ranks)} of {spec.world_size}"
+        if spec.restore_step is not None:
+            what += f", restoring step {spec.restore_step} from memory"
+        self.ui.info(what)
+
+    def _env_factory(self, spec: GroupSpec) -> Any:
+        s = self.s
+        nproc = spec.local_world_sizes[spec.node_rank]
+
+        def env_for(local_rank: int, rank: int, error_file: str) -> dict[str, str]:
+            env = dict(s.worker_env(local_rank=local_rank, rank=rank, world_size=spec.world_size,
+                                    group_rank=spec.node_rank, group_world_size=spec.nnodes,
+                                    local_world_size=nproc, role_rank=rank, role_world_size=spec.world_size,
+                                    master_addr=spec.master_addr, master_port=spec.master_port,
+                                    restart_count=spec.restart_count, error_file=error_file))
+            env.update({"UNICRON_AGENT_ADDR": self.agent_addr, "UNICRON_STACK_DIR": self.stack_dir,
+                        "UNICRON_SNAPSHOT_DIR": self.shm_dir})
+            if spec.restore_step is not None:
+                env["UNICRON_RESTORE_STEP"] = str(spec.restore_step)
+            if spec.inject:
+                env["UNICRON_INJECT"] = spec.inject
+            return env
+
+        return env_for
+
+    def _on_stop(self, body: dict[str, Any]) -> None:
+        group = self.group
+        stacks: dict[str, str] = {}
+        if group is not None and group.spec.attempt == body["attempt"]:
+            if body["want_stacks"]:
+                stacks = group.dump_stacks()
+            self._stop_group(reason=body["reason"])
+        self.ui.warn(f"stopping attempt {body['attempt']}: {body['reason']}")
+        self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],
+                               "snapshots": _scan_snapshots(self.shm_dir), "stacks": stacks})
+
+    # ---- workers -------------------------------------------------------------------
+    def _drain_workers(self, pull: zmq.Socket) -> None:
+        group = self.group
+        for _ in range(1000):
+            try:
+                raw = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                msg = None
+            if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or group is None:
+                self.dropped_local += 1
+                continue
+            fault = group.on_message(msg, time.time())
+            if fault is not None:
+                self._report(fault)
+
+    def _watch_workers(self) -> None:
+        group = self.group
+        if group is None or group.finished_reported:
+            return
+        now = time.time()
+        faults, done = group.poll(now)
+        for fault in faults:
+            self._report(fault)
+        if done and group.ranks:
+            group.finished_reported = True
+            self.events.emit("workers_finished", attempt=group.spec.attempt)
+            self._send("finished", {"node_id": self.node_id, "attempt": group.spec.attempt})
+            return
+        if not group.hang_reported:
+            hang = group.check_hang(now)
+            if hang is not None:
+                group.hang_reported = True
+                self._report(hang)
+
+    def _report(self, fault: dict[str, Any]) -> None:
+        group = self.group
+        self.events.emit("fault", **{k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback")})
+        self.ui.warn(_fault_line(fault))
+        self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
+                             "fault": fault})
+
+    def _stop_group(self, reason: str) -> None:
+        group = self.group
+        if group is None:
+            return
+        self.group = None
+        group.stop(self.s.grace_s)
+        self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason)
+
+    # ---- heartbeats ----------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_heartbeat < self.s.heartbeat_interval_s:
+            return
+        self.last_heartbeat = now
+        if now - self.last_health >= HEALTH_EVERY_S:
+            self.last_health = now
+            self.health = _read_health()
+        group = self.group
+        workers = group.summary() if group is not None else []
+        self._send("heartbeat", {"node_id": self.node_id, "epoch": self.epoch,
+                                 "attempt": group.spec.attempt if group else -1,
+                                 "workers": workers, "health": self.health})
+        self.ui.update(workers)
+
+    def _join_body(self) -> dict[str, Any]:
+        s = self.s
+        return {"node_id": self.node_id, "host": self.host, "nproc": s.nproc, "node_rank": s.node_rank,
+                "pid": os.getpid(), "weight": s.weight, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes,
+                "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,
+                "heartbeat_timeout_s": s.heartbeat_timeout_s, "join_timeout_s": s.join_timeout_s,
+                "stop_timeout_s": s.grace_s + STACK_STOP_MARGIN_S}
+
+    def _send(self, kind: str, body: dict[str, Any]) -> None:
+        try:
+            self.dealer.send(self.codec.encode(kind, body), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("coordinator queue full; %s dropped", kind)
+
+
+STACK_STOP_MARGIN_S = 10.0
+
+
+def _coded(body: dict[str, Any]) -> UnicronError:
+    err = WorkerFailedError(body["reason"])
+    err.exit_code = int(body["exit_code"])
+    return err
+
+
+def _fault_line(fault: dict[str, Any]) -> str:
+    who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('host')}"
+    what = fault.get("summary") or fault.get("message") or fault.get("kind")
+    return f"{fault.get('kind')} on {who} at step {fault.get('steps_completed', '?')}: {what}"
+
+
+def _scan_snapshots(root: str) -> dict[str, list[int]]:
+    """Steps with a complete snapshot, per global rank (files exist only once fully written)."""
+    found: dict[str, list[int]] = {}
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.startswith("rank") or not entry[4:].isdigit():
+            continue
+        steps = []
+        for name in os.listdir(os.path.join(root, entry)):
+            if name.startswith("step") and name.endswith(".pt") and name[4:-3].isdigit():
+                steps.append(int(name[4:-3]))
+        found[entry[4:]] = sorted(steps)
+    return found
+
+
+def _shm_dir(run_id: str) -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix=f"unicron-{_safe(run_id)[:40]}-", dir=base)
+    return path
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)
+
+
+def _read_health() -> dict[str, Any]:
+    try:
+        from unicron.detect.health import read_gpu_health, read_host_health
+
+        health = dict(read_host_health())
+        health["gpus"] = read_gpu_health()
+        return health
+    except Exception as err:  # health is best effort; never stop the agent for it
+        return {"error": str(err)}

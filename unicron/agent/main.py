@@ -1,0 +1,120 @@
+"""`unicron run` on one node: host the coordinator if this node owns the endpoint, then run
+the agent until the job ends. Everything started here is stopped here, on every path."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import zmq
+
+from unicron.agent.agent import Agent
+from unicron.agent.logs import RunLogDir
+from unicron.agent.procs import LauncherSignals, set_child_subreaper
+from unicron.agent.settings import AgentSettings
+from unicron.agent.ui import AgentUI
+from unicron.coord.decide import DetectDecider
+from unicron.coord.server import CoordinatorServer
+from unicron.errors import UsageError
+from unicron.events import EVENTS_FILE, EventLog
+from unicron.runs import RunInfo, register_run, unregister_run
+
+
+def run_job(cfg: Any) -> int:
+    """Entry point of `unicron run` (``cfg`` is the resolved LaunchConfig)."""
+    from unicron.launch.bridge import settings_from_config
+
+    return run_agent(settings_from_config(cfg))
+
+
+def run_agent(s: AgentSettings) -> int:
+    set_child_subreaper(True)  # orphaned grandchildren of workers come to us, so we can reap them
+    run_logs = RunLogDir(s.log_spec, s.run_id)
+    events_dir = run_logs.run_dir or tempfile.mkdtemp(prefix="unicron_events_")
+    events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
+    ui = AgentUI(s.status_line)
+    server: CoordinatorServer | None = None
+    secret_file: str | None = None
+    with LauncherSignals() as signals:
+        try:
+            server, endpoint = _coordinator(s, events)
+            if server is not None:
+                secret_file = s.secret_file or _write_secret(events_dir, s.secret)
+                register_run(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}", pid=os.getpid(),
+                                     secret_file=secret_file, log_dir=events_dir, started_at=time.time()))
+                server.start()
+                ui.info(f"coordinator for job {s.run_id} on port {server.port}; events in {events.path}")
+            events.emit("agent_start", endpoint=endpoint, nproc=s.nproc, pid=os.getpid(),
+                        coordinator=server is not None)
+            agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals)
+            return agent.run()
+        finally:
+            if server is not None:
+                # Let the coordinator tell the other nodes the job is over before it goes.
+                if server.thread is not None:
+                    server.thread.join(timeout=3.0)
+                server.stop()
+                unregister_run(s.run_id)
+            ui.close()
+            events.close()
+
+
+def _coordinator(s: AgentSettings, events: EventLog) -> tuple[CoordinatorServer | None, str]:
+    """Host the coordinator here if this node owns the endpoint; return it and where to join."""
+    if s.coordinator:
+        return None, _tcp(s.coordinator)
+    if not s.embed_coordinator or not _is_local(s.rdzv_host):
+        return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
+    try:
+        server = CoordinatorServer(s.secret, bind_host="*", port=s.rdzv_port, events_for=lambda _job: events,
+                                   decider_for=DetectDecider, jobs={s.run_id}, exit_when_done=True)
+    except zmq.ZMQError as err:
+        if err.errno == zmq.EADDRINUSE and s.rdzv_port != 0:
+            return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")  # another agent here hosts it
+        raise UsageError(f"cannot listen on port {s.rdzv_port}: {err.strerror}") from None
+    host = "127.0.0.1" if s.rdzv_host in ("", "localhost", "0.0.0.0") else s.rdzv_host
+    return server, _tcp(f"{host}:{server.port}")
+
+
+def _tcp(endpoint: str) -> str:
+    host, _, port = endpoint.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+
+
+def _display_host(s: AgentSettings) -> str:
+    return "127.0.0.1" if s.rdzv_host in ("", "localhost", "0.0.0.0") else s.rdzv_host
+
+
+def _is_local(host: str) -> bool:
+    if host in ("", "localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        import psutil
+
+        addrs = {a.address.split("%")[0] for ifs in psutil.net_if_addrs().values() for a in ifs}
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return any(info[4][0] in addrs for info in infos)
+
+
+def _write_secret(directory: str, secret: bytes) -> str:
+    path = os.path.join(directory, "secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(secret)
+    return path
+
+
+def main_for_tests(settings: AgentSettings) -> int:  # pragma: no cover - convenience for debugging
+    return run_agent(settings)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `unicron run`")

@@ -1,0 +1,62 @@
+"""What the agent tells the user on the terminal (separate from the JSONL event log).
+
+In a terminal: rich-styled lines plus a compact live status line; in a pipe or file: plain
+lines, one per event, nothing redrawn.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+
+
+class AgentUI:
+    def __init__(self, mode: str = "auto") -> None:
+        self.console = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        self.live = mode == "always" or (mode == "auto" and self.console.is_terminal)
+        self.quiet_status = mode == "never"
+        self._line: Any = None
+        if self.live:
+            try:
+                from unicron.status.statusline import StatusLine
+
+                self._line = StatusLine(self.console, "always")
+            except Exception:  # the status line is a nicety; never fail a job for it
+                self._line = None
+
+    def info(self, text: str) -> None:
+        self._print(f"[bold cyan]unicron[/]: {text}", text)
+
+    def warn(self, text: str) -> None:
+        self._print(f"[bold yellow]unicron[/]: {text}", text)
+
+    def _print(self, styled: str, plain: str) -> None:
+        if self._line is not None:
+            try:
+                self._line.event(plain)
+                return
+            except Exception:
+                self._line = None
+        if self.console.is_terminal:
+            self.console.print(styled)
+        else:
+            sys.stderr.write(f"unicron: {time.strftime('%H:%M:%S')} {plain}\n")
+            sys.stderr.flush()
+
+    def update(self, workers: list[dict[str, Any]]) -> None:
+        if self._line is None:
+            return
+        try:
+            self._line.update({"nodes": [{"workers": workers}]})
+        except Exception:
+            self._line = None
+
+    def close(self) -> None:
+        if self._line is not None:
+            try:
+                self._line.close()
+            except Exception:
+                pass

@@ -1,0 +1,241 @@
+"""One attempt's local workers: spawn, follow, judge, stop.
+
+The agent owns one ``WorkerGroup`` per attempt. It turns what the workers say on the local
+channel (steps, exceptions, snapshots) and how they end (exit codes, error files, stderr)
+into per-rank state for heartbeats and into fault values for the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unicron.agent.logs import ConsoleTee, RankLogs, RunLogDir
+from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
+from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
+from unicron.detect.hang import HangDetector
+
+STACK_WAIT_S = 1.5
+
+
+@dataclass
+class RankState:
+    rank: int
+    local_rank: int
+    proc: WorkerProcess
+    logs: RankLogs
+    started_at: float
+    state: str = "running"
+    step: int = 0
+    last_step_at: float | None = None
+    iter_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    exception: dict[str, Any] | None = None
+    exitcode: int | None = None
+    exited_at: float | None = None
+    snapshot_step: int | None = None
+    steps_in_attempt: int = 0
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    attempt: int
+    restart_count: int
+    rank_offset: int
+    world_size: int
+    node_rank: int
+    nnodes: int
+    local_world_sizes: tuple[int, ...]
+    master_addr: str
+    master_port: int
+    restore_step: int | None
+    inject: str
+
+
+class WorkerGroup:
+    def __init__(self, spec: GroupSpec, *, cmd: list[str], env_for: Any, run_logs: RunLogDir, tee: ConsoleTee,
+                 host: str, hang: HangDetector, role: str, stack_dir: str) -> None:
+        self.spec = spec
+        self.cmd = cmd
+        self.env_for = env_for
+        self.run_logs = run_logs
+        self.tee = tee
+        self.host = host
+        self.hang = hang
+        self.role = role
+        self.stack_dir = stack_dir
+        self.ranks: dict[int, RankState] = {}
+        self.started_at = 0.0
+        self.reported_exc: set[int] = set()
+        self.finished_reported = False
+        self.hang_reported = False
+        self.saw_hello = False
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self, now: float) -> None:
+        nproc = self.spec.local_world_sizes[self.spec.node_rank]
+        pairs = [(lr, self.spec.rank_offset + lr) for lr in range(nproc)]
+        plans = self.run_logs.prepare_attempt(self.spec.attempt, pairs, role=self.role)
+        self.started_at = now
+        for plan in plans:
+            plan = _capture_stderr(plan, self.run_logs, self.spec.attempt)
+            env = self.env_for(plan.local_rank, plan.rank, plan.error_file or "")
+            proc = start_worker(self.cmd, env, plan, tee=self.tee)
+            self.ranks[plan.rank] = RankState(plan.rank, plan.local_rank, proc, plan, now)
+        self.hang.start(now, list(self.ranks))
+
+    def stop(self, grace_s: float) -> None:
+        alive = [r.proc for r in self.ranks.values() if r.exitcode is None]
+        terminate_all(alive, grace_s)
+        now = time.time()
+        for r in self.ranks.values():
+            if r.exitcode is None:
+                r.exitcode = r.proc.poll()
+                r.exited_at = now
+                r.state = "stopped"
+
+    # ---- inputs --------------------------------------------------------------------
+    def on_message(self, msg: dict[str, Any], now: float) -> dict[str, Any] | None:
+        """Apply one channel message; return a fault dict when it must be reported at once."""
+        rank = msg.get("rank")
+        r = self.ranks.get(rank) if isinstance(rank, int) else None
+        if r is None:
+            return None
+        t = msg.get("t")
+        if t == "hello":
+            self.saw_hello = True
+        elif t == "step" and isinstance(msg.get("step"), int):
+            if r.last_step_at is not None and msg["step"] > r.step:
+                r.iter_times.append(max(0.0, now - r.last_step_at) / (msg["step"] - r.step))
+            if msg["step"] != r.step:
+                r.steps_in_attempt += 1
+            r.step = msg["step"]
+            r.last_step_at = now
+            self.hang.observe(r.rank, r.step, now)
+        elif t == "exc":
+            r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
+            if r.rank not in self.reported_exc:
+                self.reported_exc.add(r.rank)
+                return self._fault(r, "exception", now, message=f"{msg.get('type')}: {msg.get('msg')}",
+                                   error_type=msg.get("type"), traceback=msg.get("tb"))
+        elif t == "snap" and isinstance(msg.get("step"), int):
+            r.snapshot_step = msg["step"]
+        return None
+
+    def poll(self, now: float) -> tuple[list[dict[str, Any]], bool]:
+        """Reap exits. Returns (faults for ranks that just failed, every rank exited 0)."""
+        faults = []
+        for r in self.ranks.values():
+            if r.exitcode is not None:
+                continue
+            code = r.proc.poll()
+            if code is None:
+                continue
+            r.exitcode, r.exited_at = code, now
+            r.state = "exited" if code == 0 else "failed"
+            if code != 0:
+                faults.append(self._exit_fault(r, now))
+        done = all(r.exitcode == 0 for r in self.ranks.values())
+        return faults, done
+
+    def check_hang(self, now: float) -> dict[str, Any] | None:
+        verdict = self.hang.check(now)
+        if verdict is None:
+            return None
+        for r in self.ranks.values():
+            if r.exitcode is None:
+                r.state = "hung"
+        return {"kind": "hang", "rank": None, "host": self.host, "ts": now, "attempt": self.spec.attempt,
+                "message": verdict.message, "progress": self.progress(), "steps_completed": min((r.step for r in self.ranks.values()), default=0)}
+
+    # ---- outputs -------------------------------------------------------------------
+    def dump_stacks(self) -> dict[str, str]:
+        """SIGUSR1 every live worker (faulthandler dumps, even inside a C++ collective) and read the dumps."""
+        import signal
+
+        paths = {}
+        for r in self.ranks.values():
+            if r.exitcode is None and r.proc.poll() is None:
+                path = Path(self.stack_dir) / f"rank{r.rank}.txt"
+                size = path.stat().st_size if path.exists() else 0
+                paths[r.rank] = (path, size)
+                try:
+                    os.kill(r.proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        stacks: dict[str, str] = {}
+        deadline = time.monotonic() + STACK_WAIT_S
+        while paths and time.monotonic() < deadline:
+            for rank, (path, size) in list(paths.items()):
+                if path.exists() and path.stat().st_size > size:
+                    time.sleep(0.05)  # let faulthandler finish writing this dump
+                    stacks[str(rank)] = path.read_bytes()[size:].decode(errors="replace")[-20000:]
+                    del paths[rank]
+            time.sleep(0.02)
+        return stacks
+
+    def progress(self) -> int | None:
+        """Steps the job completed in this attempt (None: the workers report no steps)."""
+        counts = [r.steps_in_attempt for r in self.ranks.values()]
+        if not counts or (max(counts) == 0 and not self.saw_hello):
+            return None
+        return max(counts)
+
+    def summary(self) -> list[dict[str, Any]]:
+        out = []
+        for r in sorted(self.ranks.values(), key=lambda x: x.rank):
+            times = list(r.iter_times)
+            out.append({"rank": r.rank, "local_rank": r.local_rank, "pid": r.proc.pid, "state": r.state,
+                        "step": r.step, "iter_time_s": _median(times), "iter_times": [round(t, 4) for t in times],
+                        "last_step_at": r.last_step_at, "snapshot_step": r.snapshot_step})
+        return out
+
+    def _exit_fault(self, r: RankState, now: float) -> dict[str, Any]:
+        failure = build_failure(rank=r.rank, local_rank=r.local_rank, pid=r.proc.pid, exitcode=r.exitcode or 0,
+                                exited_at=now, error_file=r.logs.error_file, stderr_file=r.logs.stderr_path,
+                                host=self.host)
+        return self._fault(r, "exit", now, failure=failure)
+
+    def _fault(self, r: RankState, kind: str, now: float, *, failure: WorkerFailure | None = None,
+               **fields: Any) -> dict[str, Any]:
+        fault: dict[str, Any] = {"kind": kind, "rank": r.rank, "local_rank": r.local_rank, "host": self.host,
+                                 "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
+                                 "steps_completed": r.step, "progress": self.progress(),
+                                 "detected_after_s": round(now - self.started_at, 3)}
+        if failure is not None:
+            fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],
+                         traceback=failure.traceback,
+                         summary=failure.summary or describe_exit(failure.exitcode))
+            if failure.error is not None:
+                fault["message"] = failure.error.message[-2000:]
+            if r.exception is not None:
+                fault.setdefault("error_type", r.exception.get("type"))
+                fault.setdefault("message", f"{r.exception.get('type')}: {r.exception.get('msg')}")
+                fault["traceback"] = fault.get("traceback") or r.exception.get("tb")
+        fault.update({k: v for k, v in fields.items() if v is not None})
+        return json.loads(json.dumps(fault, default=str))
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[len(s) // 2], 5)
+
+
+def _capture_stderr(plan: RankLogs, run_logs: RunLogDir, attempt: int) -> RankLogs:
+    """Always keep a worker's stderr in a file (the classifier reads its tail).
+
+    When the user did not redirect it, the file is echoed to the console unprefixed, so the
+    console shows what torchrun would show.
+    """
+    if plan.stderr_path is not None or plan.directory is None:
+        return plan
+    from dataclasses import replace
+
+    prefix = plan.prefix if plan.tee_stdout else ""
+    return replace(plan, stderr_path=os.path.join(plan.directory, "stderr.log"), tee_stderr=True, prefix=prefix)

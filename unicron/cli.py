@@ -1,0 +1,67 @@
+"""The `unicron` command. Each subsystem registers its own commands; this module only turns
+errors into one line for the user and an exit code."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from unicron.errors import UnicronError
+
+app = typer.Typer(
+    name="unicron",
+    help="A drop-in torchrun that makes distributed PyTorch training heal itself.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register_all() -> None:
+    # Imported here so `unicron --help` stays fast and one broken subsystem names itself.
+    from unicron.coord.commands import register as register_coordinator
+    from unicron.launch.commands import register as register_run
+    from unicron.plan.commands import register as register_plan
+    from unicron.status.commands import register as register_status
+
+    register_run(app)
+    register_coordinator(app)
+    register_plan(app)
+    register_status(app)
+
+
+def error_line(message: str) -> None:
+    sys.stderr.write(f"unicron: error: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    _register_all()
+    try:
+        rv = app(args=argv, prog_name="unicron", standalone_mode=False)
+    except UnicronError as err:
+        error_line(str(err))
+        return err.exit_code
+    except SystemExit as exc:  # click exits through SystemExit in some paths
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        error_line("interrupted")
+        return 130
+    except Exception as exc:  # click usage errors and friends
+        import click
+
+        if isinstance(exc, click.exceptions.Exit):
+            return exc.exit_code
+        if isinstance(exc, click.ClickException):
+            error_line(exc.format_message())
+            return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):
+            error_line("aborted")
+            return 130
+        raise
+    return rv if isinstance(rv, int) else 0
+
+
+def entrypoint() -> None:
+    sys.exit(main())

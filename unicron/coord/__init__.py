@@ -1,0 +1,1 @@
+"""Coordinator: membership and job state (pure) and the ZeroMQ server (shell)."""

@@ -1,0 +1,98 @@
+"""`unicron coordinator`: a standalone coordinator serving several jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import typer
+
+from unicron.errors import ConfigError, UsageError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("coordinator")
+    def coordinator(
+        port: int = typer.Option(29400, "--port", help="TCP port to listen on (0: any free port)."),
+        host: str = typer.Option("*", "--host", help="Address to bind (* for all interfaces)."),
+        secret_file: str = typer.Option("", "--secret-file", help="File holding the shared HMAC secret "
+                                        "(else $UNICRON_SECRET)."),
+        log_dir: str = typer.Option("", "--log-dir", help="Where each job's events.jsonl goes "
+                                    "(default: a temporary directory)."),
+    ) -> int:
+        """Serve the jobs whose agents join with `unicron run --coordinator HOST:PORT`."""
+        from unicron.coord.decide import DetectDecider
+        from unicron.coord.server import CoordinatorServer
+        from unicron.events import EVENTS_FILE, EventLog
+        from unicron.runs import RunInfo, register_run, unregister_run
+
+        secret = _secret(secret_file)
+        if not 0 <= port <= 65535:
+            raise UsageError(f"--port: {port} is not a TCP port")
+        base = Path(log_dir) if log_dir else Path(os.environ.get("TMPDIR", "/tmp")) / f"unicron-coordinator-{os.getpid()}"
+        logs: dict[str, EventLog] = {}
+        registered: list[str] = []
+
+        def events_for(job: str) -> EventLog:
+            if job not in logs:
+                safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+                logs[job] = EventLog(base / safe / EVENTS_FILE, job=job, node=socket.gethostname())
+                sfile = secret_file or _write_secret(base, secret)
+                register_run(RunInfo(job=job, endpoint=f"{_shown(host)}:{server.port}", pid=os.getpid(),
+                                     secret_file=sfile, log_dir=str(base / safe), started_at=time.time()))
+                registered.append(job)
+            return logs[job]
+
+        import zmq
+
+        try:
+            server = CoordinatorServer(secret, bind_host=host, port=port, events_for=events_for,
+                                       decider_for=DetectDecider, jobs=None)
+        except zmq.ZMQError as err:
+            raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        typer.echo(f"unicron coordinator listening on {_shown(host)}:{server.port}", err=True)
+        server.start()
+        try:
+            while not stop.wait(0.2):
+                if server.thread is not None and not server.thread.is_alive():
+                    break
+        finally:
+            server.stop()
+            for job in registered:
+                unregister_run(job)
+            for log in logs.values():
+                log.close()
+        return 0
+
+
+def _secret(secret_file: str) -> bytes:
+    if secret_file:
+        try:
+            secret = Path(secret_file).read_bytes().strip()
+        except OSError as err:
+            raise ConfigError(f"--secret-file: cannot read {secret_file}: {err.strerror}") from None
+    else:
+        secret = os.environ.get("UNICRON_SECRET", "").encode()
+    if not secret:
+        raise ConfigError("no job secret: set UNICRON_SECRET or pass --secret-file (the agents need the same one)")
+    return secret
+
+
+def _write_secret(base: Path, secret: bytes) -> str:
+    base.mkdir(parents=True, exist_ok=True)
+    path = base / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(secret)
+    return str(path)
+
+
+def _shown(host: str) -> str:
+    return "127.0.0.1" if host in ("*", "0.0.0.0", "") else host

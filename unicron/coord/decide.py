@@ -1,0 +1,102 @@
+"""From the faults of a stopped attempt to what the job does next.
+
+The job core calls a ``Decider``; ``DetectDecider`` puts together the pure pieces of
+``unicron.detect``: culprit naming from stack dumps, root cause, classification, and the
+restart policy (which keeps the job-wide history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol
+
+from unicron.detect.classify import classify, root_cause
+from unicron.detect.faults import Fault
+from unicron.detect.policy import FailureRecord, RestartPolicy
+from unicron.detect.stacks import name_culprits
+
+_FAULT_FIELDS = {f.name for f in fields(Fault)}
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "reattempt" | "restart" | "reconfigure" | "stop"
+    backoff_s: float
+    reason: str
+    severity: str
+    rule: str
+    exit_code: int = 0
+    culprits: list[int] = field(default_factory=list)
+
+
+class Decider(Protocol):
+    def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
+               max_restarts: int, active_nodes: int, min_nodes: int) -> Decision: ...
+
+
+def to_fault(raw: dict[str, Any]) -> Fault:
+    """A fault as the agents report it (more fields than the classifier needs) to a ``Fault``."""
+    data = {k: v for k, v in raw.items() if k in _FAULT_FIELDS}
+    data.setdefault("node", str(raw.get("node_id", "")))
+    sig = data.get("signal")
+    if not isinstance(sig, int) or isinstance(sig, bool):
+        code = raw.get("exitcode")
+        data["signal"] = -code if isinstance(code, int) and code < 0 else None
+    for key in ("message", "traceback", "stderr_tail", "error_type", "host", "node"):
+        if data.get(key) is None:
+            data.pop(key, None)
+    data.setdefault("ts", float(raw.get("reported_at", 0.0)))
+    return Fault.from_dict(data)
+
+
+class DetectDecider:
+    def __init__(self, policy: RestartPolicy | None = None) -> None:
+        self.policy = policy or RestartPolicy()
+        self.history: list[FailureRecord] = []
+
+    def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
+               max_restarts: int, active_nodes: int, min_nodes: int) -> Decision:
+        parsed = [to_fault(f) for f in faults]
+        culprits: list[int] = []
+        report_text = ""
+        if stacks:
+            report = name_culprits(stacks)
+            culprits = list(report.culprits)
+            report_text = report.summary
+            parsed = [replace(f, culprit_ranks=tuple(culprits)) if f.kind == "hang" else f for f in parsed]
+        cause = root_cause(parsed)
+        classification = classify(cause, [f for f in parsed if f.kind == "health"])
+        progress = _progress(faults)
+        decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
+                                      steps_completed_since_last_restart=progress,
+                                      elastic=active_nodes >= min_nodes and active_nodes > 0
+                                      and any(f.kind == "node_lost" for f in parsed))
+        self.history.append(decision.record(cause, classification, progress, now))
+        reason = f"{cause.where()}: {decision.reason}"
+        if report_text:
+            reason += f" [{report_text}]"
+        error = decision.to_error()
+        detail = _root_cause_text(cause, faults)
+        return Decision(action=decision.action.value, backoff_s=decision.backoff_s,
+                        reason=reason if error is None else f"{reason}\n{detail}".rstrip(),
+                        severity=decision.severity.value, rule=classification.rule,
+                        exit_code=error.exit_code if error is not None else 0, culprits=culprits)
+
+
+def _progress(faults: list[dict[str, Any]]) -> int | None:
+    values: list[int] = [f["progress"] for f in faults if isinstance(f.get("progress"), int)]
+    return max(values) if values else None
+
+
+def _root_cause_text(cause: Fault, raw: list[dict[str, Any]]) -> str:
+    """The worker's own traceback (root cause first), then one line per other failed rank."""
+    lines = []
+    if cause.traceback:
+        lines.append(cause.traceback.rstrip())
+    elif cause.stderr_tail:
+        lines.append("last lines of stderr:\n" + cause.stderr_tail.rstrip())
+    for f in raw:
+        if f.get("rank") is not None and f.get("rank") != cause.rank:
+            lines.append(f"also failed: rank {f['rank']} on {f.get('host', '?')}: "
+                         f"{f.get('summary') or f.get('message') or f.get('kind')}")
+    return "\n".join(lines)

@@ -1,0 +1,336 @@
+"""The job state machine of the coordinator (pure: time and messages in, commands out).
+
+Phases: WAITING (for nodes, or a restart's backoff) -> RUNNING(attempt) -> STOPPING
+(every node stops its workers and acknowledges) -> RUNNING(attempt + 1) | DONE | FAILED.
+
+Every fault stops the whole attempt at once (a collective cannot be trusted to return once a
+peer is gone); the decision on what to do next is taken when every node has stopped, on the
+root cause among all faults of the attempt, not on whichever report came first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from unicron.coord.decide import Decider, Decision
+from unicron.coord.membership import Membership, NodeState
+from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    STOPPING = "restarting"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: str
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    last_call_s: float = 30.0
+    heartbeat_timeout_s: float = 3.0
+    join_timeout_s: float = 600.0
+    stop_timeout_s: float = 40.0
+
+
+@dataclass
+class Attempt:
+    number: int
+    started_at: float
+    nodes: list[str]
+    world_size: int
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    stopped: dict[str, dict[str, Any]] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    stop_reason: str = ""
+    stop_sent_at: float | None = None
+    scale_up: bool = False
+
+
+class JobCore:
+    def __init__(self, spec: JobSpec, decider: Decider, now: float) -> None:
+        self.spec = spec
+        self.decider = decider
+        self.members = Membership(spec.min_nodes, spec.max_nodes, last_call_s=spec.last_call_s,
+                                  heartbeat_timeout_s=spec.heartbeat_timeout_s)
+        self.phase = Phase.WAITING
+        self.created_at = now
+        self.waiting_since = now
+        self.not_before = now
+        self.attempt: Attempt | None = None
+        self.next_attempt = 0
+        self.restarts_used = 0
+        self.restore_step: int | None = None
+        self.history: list[Decision] = []
+        self.restarts: list[dict[str, Any]] = []
+        self.store_pending = False
+        self.exit_code: int | None = None
+        self.final_reason = ""
+        self.recent_events: deque[dict[str, Any]] = deque(maxlen=50)
+
+    # ---- messages from agents ------------------------------------------------------
+    def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        if self.phase in (Phase.DONE, Phase.FAILED):
+            return [Send(node_id, "reject", {"reason": f"job {self.spec.job_id} is over"})]
+        if body["min_nodes"] != self.spec.min_nodes or body["max_nodes"] != self.spec.max_nodes:
+            return [Send(node_id, "reject", {"reason": (
+                f"--nnodes mismatch: this node says {body['min_nodes']}:{body['max_nodes']}, "
+                f"the job is {self.spec.min_nodes}:{self.spec.max_nodes}")})]
+        known = self.members.is_active(node_id)
+        result = self.members.join(node_id, body["host"], body["nproc"], body.get("node_rank"), now)
+        if not result.accepted:
+            return [Send(node_id, "reject", {"reason": result.reason}),
+                    Emit("join_refused", {"node_id": node_id, "host": body["host"], "reason": result.reason})]
+        out: list[Out] = [Send(node_id, "welcome", {"node_id": node_id, "epoch": self.members.epoch})]
+        if known:
+            return out
+        out.append(Emit("join", {"node_id": node_id, "host": body["host"], "nproc": body["nproc"],
+                                 "epoch": self.members.epoch}))
+        if self.phase is Phase.RUNNING and self.attempt is not None:
+            # A late joiner below MAX: re-form the job with it (torchrun re-rendezvouses too).
+            self.attempt.scale_up = True
+            out += self._stop_attempt(f"node {body['host']} joined: growing to "
+                                      f"{len(self.members.active())} nodes", now, want_stacks=False)
+        return out
+
+    def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
+            return [Send(node_id, "reject", {"reason": "not a member of the job (fenced)"})]
+        return [Send(node_id, "ack", {"epoch": self.members.epoch, "state": self.phase.value})]
+
+    def on_fault(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        attempt = self.attempt
+        if attempt is None or body["attempt"] != attempt.number or not self.members.is_active(node_id):
+            return [Emit("fault_stale", {"node_id": node_id, "attempt": body["attempt"]})]
+        fault = dict(body["fault"], node_id=node_id, reported_at=now)
+        attempt.faults.append(fault)
+        out: list[Out] = [Emit("fault", _fault_fields(fault))]
+        if self.phase is Phase.RUNNING:
+            out += self._stop_attempt(_describe(fault), now, want_stacks=fault.get("kind") == "hang")
+        return out
+
+    def on_finished(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        attempt = self.attempt
+        if attempt is None or body["attempt"] != attempt.number or self.phase is not Phase.RUNNING:
+            return []
+        attempt.finished.add(node_id)
+        out: list[Out] = [Emit("node_finished", {"node_id": node_id, "attempt": attempt.number})]
+        if all(n in attempt.finished for n in attempt.nodes):
+            out += self._finish(0, "all workers finished successfully", now)
+        return out
+
+    def on_stopped(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        attempt = self.attempt
+        if attempt is None or body["attempt"] != attempt.number or self.phase is not Phase.STOPPING:
+            return []
+        attempt.stopped[node_id] = body
+        out: list[Out] = [Emit("node_stopped", {"node_id": node_id, "attempt": attempt.number})]
+        if self._all_stopped():
+            out += self._after_stop(now)
+        return out
+
+    def on_leave(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        node = self.members.leave(node_id)
+        if node is None:
+            return []
+        out: list[Out] = [Emit("leave", {"node_id": node_id, "host": node.host, "reason": body["reason"]})]
+        out += self._node_gone(node_id, node.host, "left", body["reason"], now)
+        return out
+
+    # ---- time ----------------------------------------------------------------------
+    def tick(self, now: float) -> list[Out]:
+        out: list[Out] = []
+        if self.phase in (Phase.DONE, Phase.FAILED):
+            return out
+        for node in self.members.expire(now):
+            out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
+                                          "silent_s": round(now - node.last_heartbeat, 3)}))
+            out += self._node_gone(node.node_id, node.host, "lost",
+                                   f"no heartbeat for {now - node.last_heartbeat:.1f} s", now)
+        if self.phase is Phase.STOPPING and self.attempt is not None and self.attempt.stop_sent_at is not None:
+            if now - self.attempt.stop_sent_at > self.spec.stop_timeout_s:
+                for node_id in self._unacked():
+                    gone = self.members.leave(node_id, NodeState.LOST)
+                    if gone is not None:
+                        out.append(Emit("node_lost", {"node_id": node_id, "host": gone.host,
+                                                      "reason": "did not stop its workers in time"}))
+                if self._all_stopped():
+                    out += self._after_stop(now)
+        if self.phase is Phase.WAITING and not self.store_pending:
+            if now >= self.not_before and self.members.ready(now):
+                self.store_pending = True
+                out.append(OpenStore(self.next_attempt))
+            elif now - self.waiting_since > self.spec.join_timeout_s:
+                have = len(self.members.active())
+                out += self._finish(4, f"rendezvous timed out: {have} of at least {self.spec.min_nodes} "
+                                       f"node(s) joined within {self.spec.join_timeout_s:g} s", now)
+        return out
+
+    def start_attempt(self, master_addr: str, master_port: int, now: float) -> list[Out]:
+        """Called by the shell once a fresh store for ``self.next_attempt`` is listening."""
+        self.store_pending = False
+        if self.phase is not Phase.WAITING:
+            return []
+        nodes = self.members.assign_ranks()
+        if len(nodes) < self.spec.min_nodes:  # lost a node while the store opened
+            return []
+        number = self.next_attempt
+        self.next_attempt += 1
+        sizes = [n.nproc for n in nodes]
+        world = sum(sizes)
+        self.attempt = Attempt(number, now, [n.node_id for n in nodes], world)
+        self.phase = Phase.RUNNING
+        out: list[Out] = [Emit("attempt_start", {
+            "attempt": number, "world_size": world, "nnodes": len(nodes), "epoch": self.members.epoch,
+            "master_port": master_port, "restore_step": self.restore_step,
+            "nodes": {n.node_id: n.node_rank for n in nodes}})]
+        offset = 0
+        for node in nodes:
+            out.append(Send(node.node_id, "assign", {
+                "epoch": self.members.epoch, "attempt": number, "restart_count": number,
+                "node_rank": node.node_rank, "nnodes": len(nodes), "rank_offset": offset,
+                "world_size": world, "local_world_sizes": sizes, "master_addr": master_addr,
+                "master_port": master_port, "restore_step": self.restore_step,
+                "inject": number == 0}))
+            offset += node.nproc
+        return out
+
+    # ---- internals -----------------------------------------------------------------
+    def _node_gone(self, node_id: str, host: str, how: str, why: str, now: float) -> list[Out]:
+        attempt = self.attempt
+        if attempt is None or node_id not in attempt.nodes:
+            return []
+        if self.phase is Phase.RUNNING:
+            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": why,
+                                   "ts": now, "reported_at": now, "attempt": attempt.number})
+            return self._stop_attempt(f"node {host} {how}: {why}", now, want_stacks=False)
+        if self.phase is Phase.STOPPING:
+            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": why,
+                                   "ts": now, "reported_at": now, "attempt": attempt.number})
+            if self._all_stopped():
+                return self._after_stop(now)
+        return []
+
+    def _stop_attempt(self, reason: str, now: float, *, want_stacks: bool) -> list[Out]:
+        attempt = self.attempt
+        assert attempt is not None
+        self.phase = Phase.STOPPING
+        attempt.stop_reason = reason
+        attempt.stop_sent_at = now
+        out: list[Out] = [Emit("stop", {"attempt": attempt.number, "reason": reason, "want_stacks": want_stacks})]
+        for node_id in attempt.nodes:
+            if self.members.is_active(node_id):
+                out.append(Send(node_id, "stop", {"attempt": attempt.number, "reason": reason,
+                                                  "want_stacks": want_stacks}))
+        if self._all_stopped():
+            out += self._after_stop(now)
+        return out
+
+    def _unacked(self) -> list[str]:
+        attempt = self.attempt
+        assert attempt is not None
+        return [n for n in attempt.nodes if self.members.is_active(n) and n not in attempt.stopped]
+
+    def _all_stopped(self) -> bool:
+        return not self._unacked()
+
+    def _after_stop(self, now: float) -> list[Out]:
+        attempt = self.attempt
+        assert attempt is not None
+        out: list[Out] = []
+        stacks = {int(r): s for body in attempt.stopped.values() for r, s in body.get("stacks", {}).items()}
+        if stacks:
+            out.append(Emit("stacks", {"attempt": attempt.number, "ranks": sorted(stacks)}))
+        active = len(self.members.active())
+        if not attempt.faults:  # a planned re-formation (late joiner): no fault, no budget spent
+            decision = Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up", 0)
+        else:
+            decision = self.decider.decide(attempt.faults, stacks, now, max_restarts=self.spec.max_restarts,
+                                           active_nodes=active, min_nodes=self.spec.min_nodes)
+            self.history.append(decision)
+        out.append(Emit("decision", {"attempt": attempt.number, "action": decision.action,
+                                     "severity": decision.severity, "rule": decision.rule,
+                                     "reason": decision.reason, "backoff_s": decision.backoff_s,
+                                     "culprits": decision.culprits}))
+        if decision.action in ("stop", "none"):
+            return out + self._finish(decision.exit_code or 1, decision.reason, now)
+        if attempt.faults:
+            self.restarts_used += 1
+            self.restarts.append({"attempt": attempt.number + 1, "ts": now, "cause": decision.reason,
+                                  "severity": decision.severity, "action": decision.action})
+        self.restore_step = _common_snapshot_step(attempt.stopped.values(), attempt.world_size,
+                                                  sum(n.nproc for n in self.members.active()))
+        self.phase = Phase.WAITING
+        self.waiting_since = now
+        self.not_before = now + decision.backoff_s
+        return out + self.tick(now)
+
+    def _finish(self, exit_code: int, reason: str, now: float) -> list[Out]:
+        self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED
+        self.exit_code = exit_code
+        self.final_reason = reason
+        return [Emit("job_end", {"exit_code": exit_code, "reason": reason,
+                                 "restarts": self.restarts_used}), Finish(exit_code, reason)]
+
+    # ---- status --------------------------------------------------------------------
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        attempt = self.attempt
+        nodes = []
+        for node in sorted(self.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):
+            nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
+                          "state": node.state.value, "last_heartbeat": node.last_heartbeat,
+                          "health": node.health, "workers": node.workers})
+        return {
+            "job": {"id": self.spec.job_id, "state": self.phase.value,
+                    "attempt": attempt.number if attempt else 0, "restarts": self.restarts_used,
+                    "max_restarts": self.spec.max_restarts,
+                    "world_size": attempt.world_size if attempt else 0,
+                    "nnodes": len(self.members.active()), "min_nodes": self.spec.min_nodes,
+                    "max_nodes": self.spec.max_nodes, "started_at": self.created_at,
+                    "epoch": self.members.epoch, "exit_code": self.exit_code, "reason": self.final_reason,
+                    "restore_step": self.restore_step},
+            "nodes": nodes,
+            "restarts": list(self.restarts),
+            "plan": {"nodes": [n.host for n in self.members.active()],
+                     "transition": attempt.stop_reason if self.phase is Phase.STOPPING and attempt else ""},
+            "events": list(self.recent_events),
+        }
+
+
+def _common_snapshot_step(stopped: Any, old_world: int, new_world: int) -> int | None:
+    """The newest step that every rank has a snapshot of, if the world size is unchanged."""
+    if old_world != new_world or old_world == 0:
+        return None
+    per_rank: dict[int, set[int]] = {}
+    for body in stopped:
+        for rank, steps in body.get("snapshots", {}).items():
+            per_rank[int(rank)] = {int(s) for s in steps}
+    if set(per_rank) != set(range(old_world)):
+        return None
+    common = set.intersection(*per_rank.values())
+    return max(common) if common else None
+
+
+def _describe(fault: dict[str, Any]) -> str:
+    where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('host', '?')}"
+    kind = fault.get("kind", "fault")
+    detail = fault.get("message") or fault.get("error_type") or ""
+    return f"{kind} on {where}" + (f": {detail}" if detail else "")
+
+
+def _fault_fields(fault: dict[str, Any]) -> dict[str, Any]:
+    keep = ("kind", "rank", "node_id", "host", "exitcode", "signal", "error_type", "message",
+            "steps_completed", "attempt", "ts")
+    fields = {k: fault[k] for k in keep if fault.get(k) is not None}
+    if "ts" in fields:
+        fields["occurred_at"] = fields.pop("ts")
+    return fields

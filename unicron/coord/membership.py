@@ -1,0 +1,146 @@
+"""Who is in the job: joins, node ranks, heartbeats, losses, and the membership epoch.
+
+Pure: every method takes ``now``. The epoch grows whenever the set of active nodes
+changes, so a message stamped with an older epoch comes from a fenced (stale) node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class NodeState(str, Enum):
+    ACTIVE = "healthy"
+    LOST = "lost"
+    LEFT = "left"
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    host: str
+    nproc: int
+    requested_rank: int | None
+    joined_at: float
+    last_heartbeat: float
+    state: NodeState = NodeState.ACTIVE
+    node_rank: int = -1
+    workers: list[dict] = field(default_factory=list)
+    health: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    accepted: bool
+    reason: str = ""
+
+
+class Membership:
+    """Tracks the nodes of one job.
+
+    ``ready(now)`` follows torchrun's c10d rendezvous: start at once with ``max_nodes``;
+    with at least ``min_nodes`` wait ``last_call_s`` more for late joiners.
+    """
+
+    def __init__(self, min_nodes: int, max_nodes: int, *, last_call_s: float, heartbeat_timeout_s: float) -> None:
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.last_call_s = last_call_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.nodes: dict[str, NodeRecord] = {}
+        self.epoch = 0
+        self._min_reached_at: float | None = None
+
+    # ---- queries -------------------------------------------------------------------
+    def active(self) -> list[NodeRecord]:
+        return sorted((n for n in self.nodes.values() if n.state is NodeState.ACTIVE),
+                      key=lambda n: (n.node_rank if n.node_rank >= 0 else 1 << 30, n.joined_at))
+
+    def is_active(self, node_id: str) -> bool:
+        node = self.nodes.get(node_id)
+        return node is not None and node.state is NodeState.ACTIVE
+
+    def ready(self, now: float) -> bool:
+        count = len(self.active())
+        if count >= self.max_nodes:
+            return True
+        if count >= self.min_nodes and self._min_reached_at is not None:
+            return now - self._min_reached_at >= self.last_call_s
+        return False
+
+    # ---- changes -------------------------------------------------------------------
+    def join(self, node_id: str, host: str, nproc: int, requested_rank: int | None, now: float) -> JoinResult:
+        existing = self.nodes.get(node_id)
+        if existing is not None and existing.state is NodeState.ACTIVE:
+            existing.last_heartbeat = now  # a re-sent join (the agent retries until welcomed)
+            return JoinResult(True)
+        if len(self.active()) >= self.max_nodes:
+            return JoinResult(False, f"job is full: {self.max_nodes} node(s) already joined")
+        if requested_rank is not None:
+            if requested_rank >= self.max_nodes:
+                return JoinResult(False, f"--node-rank {requested_rank} is not below --nnodes {self.max_nodes}")
+            taken = [n for n in self.active() if n.requested_rank == requested_rank]
+            if taken:
+                return JoinResult(False, f"node rank {requested_rank} is already taken by {taken[0].host}")
+        self.nodes[node_id] = NodeRecord(node_id, host, nproc, requested_rank, now, now)
+        self.epoch += 1
+        if self._min_reached_at is None and len(self.active()) >= self.min_nodes:
+            self._min_reached_at = now
+        return JoinResult(True)
+
+    def heartbeat(self, node_id: str, now: float, workers: list[dict] | None = None,
+                  health: dict | None = None) -> bool:
+        node = self.nodes.get(node_id)
+        if node is None or node.state is not NodeState.ACTIVE:
+            return False
+        node.last_heartbeat = now
+        if workers is not None:
+            node.workers = workers
+        if health is not None:
+            node.health = health
+        return True
+
+    def expire(self, now: float) -> list[NodeRecord]:
+        """Declare lost every active node silent for longer than the heartbeat timeout."""
+        lost = [n for n in self.active() if now - n.last_heartbeat > self.heartbeat_timeout_s]
+        for node in lost:
+            self._remove(node, NodeState.LOST)
+        return lost
+
+    def leave(self, node_id: str, state: NodeState = NodeState.LEFT) -> NodeRecord | None:
+        node = self.nodes.get(node_id)
+        if node is None or node.state is not NodeState.ACTIVE:
+            return None
+        self._remove(node, state)
+        return node
+
+    def _remove(self, node: NodeRecord, state: NodeState) -> None:
+        node.state = state
+        self.epoch += 1
+        if len(self.active()) < self.min_nodes:
+            self._min_reached_at = None
+
+    def assign_ranks(self) -> list[NodeRecord]:
+        """Give every active node a dense node rank, honouring requested ranks.
+
+        Nodes keep their previous rank when it is still dense, so an unchanged job keeps
+        its layout (and its snapshots line up with the same global ranks).
+        """
+        nodes = self.active()
+        count = len(nodes)
+        taken: dict[int, NodeRecord] = {}
+        for node in nodes:
+            if node.requested_rank is not None and node.requested_rank < count:
+                taken[node.requested_rank] = node
+        for node in nodes:
+            if node in taken.values():
+                continue
+            if 0 <= node.node_rank < count and node.node_rank not in taken:
+                taken[node.node_rank] = node
+        free = iter(r for r in range(count) if r not in taken)
+        for node in sorted((n for n in nodes if n not in taken.values()), key=lambda n: n.joined_at):
+            taken[next(free)] = node
+        for rank, node in taken.items():
+            node.node_rank = rank
+        return [taken[r] for r in range(count)]

@@ -1,0 +1,227 @@
+"""The coordinator's shell: a ZeroMQ ROUTER serving one or many jobs.
+
+It decodes and verifies every message (dropping and counting bad ones; nothing a peer sends
+can crash or block it), routes it to that job's ``JobCore``, and carries out what the core
+asks: sends, a fresh TCPStore per attempt, event records, the end of a job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from unicron.coord.decide import Decider
+from unicron.coord.job import JobCore, JobSpec
+from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
+from unicron.errors import ProtocolError
+from unicron.events import EventLog
+from unicron.proto.messages import Codec, Message
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05
+
+
+@dataclass
+class JobSlot:
+    core: JobCore
+    events: EventLog
+    identities: dict[str, bytes] = field(default_factory=dict)
+    stores: dict[int, Any] = field(default_factory=dict)
+    finished_at: float | None = None
+
+
+class CoordinatorServer:
+    """Serve jobs on ``tcp://bind_host:port``.
+
+    ``jobs`` restricts which job ids are served (the embedded coordinator serves exactly its
+    own); None serves any job that joins (the standalone ``unicron coordinator``).
+    ``events_for(job_id)`` gives the EventLog of a job.
+    """
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        bind_host: str,
+        port: int,
+        events_for: Callable[[str], EventLog],
+        decider_for: Callable[[], Decider],
+        jobs: set[str] | None = None,
+        exit_when_done: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.codec = Codec(key, f"coordinator-{os.getpid()}-{os.urandom(4).hex()}", job="",
+                           accept_jobs=set(jobs) if jobs else set(), clock=clock)
+        self.jobs_allowed = jobs
+        self.events_for = events_for
+        self.decider_for = decider_for
+        self.exit_when_done = exit_when_done
+        self.clock = clock
+        self.slots: dict[str, JobSlot] = {}
+        self.ctx: zmq.Context = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * 1024 * 1024)
+        host = "*" if bind_host in ("", "0.0.0.0", "*") else bind_host
+        try:
+            if port == 0:
+                self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError:
+            self.sock.close(0)
+            raise
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        # Import torch's store off the critical path: the first attempt needs it at once.
+        threading.Thread(target=_preload_store, name="unicron-preload", daemon=True).start()
+        self.thread = threading.Thread(target=self.serve, name="unicron-coordinator", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    def serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.sock.poll(int(TICK_S * 1000), zmq.POLLIN):
+                    # Drain what is queued, bounded so ticks (loss detection) keep their pace.
+                    for _ in range(256):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                now = self.clock()
+                for job_id, slot in list(self.slots.items()):
+                    self._run(job_id, slot, slot.core.tick(now))
+                if self.exit_when_done and self.slots and all(
+                        s.finished_at is not None for s in self.slots.values()):
+                    break
+        finally:
+            for slot in self.slots.values():
+                slot.stores.clear()
+            self.sock.close(linger=2000)
+
+    # ---- inbound -------------------------------------------------------------------
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.codec.dropped.add("malformed")
+            return
+        identity, raw = frames
+        try:
+            msg = self.codec.decode(raw)
+        except ProtocolError as err:
+            log.debug("dropped message: %s", err)
+            return
+        try:
+            self._on_message(identity, msg)
+        except Exception:  # a bug must not take the coordinator down with the job
+            log.exception("error handling %s from %s", msg.kind, msg.sender)
+            self.codec.dropped.add("handler-error")
+
+    def _on_message(self, identity: bytes, msg: Message) -> None:
+        now = self.clock()
+        slot = self.slots.get(msg.job)
+        if msg.kind == "status_req":
+            if slot is None:
+                self._send_raw(identity, msg.job, "reject", {"reason": f"no job {msg.job!r} here"})
+            else:
+                snap = slot.core.snapshot(now)
+                snap["job"]["dropped_messages"] = self.codec.dropped.total
+                snap["job"]["coordinator"] = f"{os.uname().nodename}:{self.port}"
+                self._send_raw(identity, msg.job, "status", {"snapshot": snap})
+            return
+        node_id = msg.body.get("node_id")
+        if not isinstance(node_id, str):
+            self.codec.dropped.add("schema")
+            return
+        if slot is None:
+            if msg.kind != "join":
+                self._send_raw(identity, msg.job, "reject", {"reason": f"no job {msg.job!r} here"})
+                return
+            slot = self._create_job(msg, now)
+        slot.identities[node_id] = identity
+        handler = {"join": slot.core.on_join, "heartbeat": slot.core.on_heartbeat, "fault": slot.core.on_fault,
+                   "stopped": slot.core.on_stopped, "finished": slot.core.on_finished,
+                   "leave": slot.core.on_leave}.get(msg.kind)
+        if handler is None:
+            self.codec.dropped.add("unexpected-kind")
+            return
+        self._run(msg.job, slot, handler(node_id, msg.body, now))
+
+    def _create_job(self, msg: Message, now: float) -> JobSlot:
+        b = msg.body
+        spec = JobSpec(job_id=msg.job, min_nodes=b["min_nodes"], max_nodes=b["max_nodes"],
+                       max_restarts=b["max_restarts"], last_call_s=float(b["last_call_s"]),
+                       heartbeat_timeout_s=float(b["heartbeat_timeout_s"]),
+                       join_timeout_s=float(b["join_timeout_s"]), stop_timeout_s=float(b["stop_timeout_s"]))
+        core = JobCore(spec, self.decider_for(), now)
+        events = self.events_for(msg.job)
+        events.listeners.append(core.recent_events.append)
+        slot = JobSlot(core, events)
+        self.slots[msg.job] = slot
+        events.emit("job_created", min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                    max_restarts=spec.max_restarts, port=self.port)
+        return slot
+
+    # ---- outbound ------------------------------------------------------------------
+    def _run(self, job_id: str, slot: JobSlot, outs: list[Out]) -> None:
+        queue = list(outs)
+        while queue:
+            out = queue.pop(0)
+            if isinstance(out, Send):
+                identity = slot.identities.get(out.node_id)
+                if identity is not None:
+                    self._send_raw(identity, job_id, out.kind, out.body)
+            elif isinstance(out, Emit):
+                slot.events.emit(out.kind, **out.fields)
+            elif isinstance(out, OpenStore):
+                port = self._open_store(slot, out.attempt)
+                queue.extend(slot.core.start_attempt("", port, self.clock()))
+            elif isinstance(out, Finish):
+                for node in slot.core.members.active():
+                    identity = slot.identities.get(node.node_id)
+                    if identity is not None:
+                        self._send_raw(identity, job_id, "shutdown",
+                                       {"exit_code": out.exit_code, "reason": out.reason})
+                slot.finished_at = self.clock()
+                slot.stores.clear()
+
+    def _send_raw(self, identity: bytes, job: str, kind: str, body: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([identity, self.codec.encode(kind, body, job=job)], zmq.NOBLOCK)
+        except zmq.ZMQError as err:  # peer gone or queue full: it will time out on its side
+            log.debug("send %s failed: %s", kind, err)
+
+    def _open_store(self, slot: JobSlot, attempt: int) -> int:
+        """A fresh TCPStore per attempt: restarted workers can never read stale keys."""
+        from torch.distributed import TCPStore
+
+        store = TCPStore("0.0.0.0", 0, None, True, wait_for_workers=False)
+        slot.stores[attempt] = store
+        for old in [a for a in slot.stores if a < attempt - 1]:
+            del slot.stores[old]
+        return int(store.port)
+
+
+def _preload_store() -> None:
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception:  # the attempt itself will report a broken torch install
+        pass

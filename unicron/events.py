@@ -1,0 +1,86 @@
+"""Structured event log: one JSON object per line, one file per run.
+
+User output (rich) is separate; this is the record of what unicron saw and decided.
+Every line has ``ts`` (unix seconds), ``kind`` and ``job``; the rest depends on the kind
+(see docs/status.md for the list of kinds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Append-only JSONL writer, safe to share between threads of one process."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, job: str, node: str = "") -> None:
+        self.path = Path(path) if path is not None else None
+        self.job = job
+        self.node = node
+        self._lock = threading.Lock()
+        self._fh = None
+        self.listeners: list[Any] = []  # callables(event_dict), e.g. the status ring buffer
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8", buffering=1)
+
+    def emit(self, kind: str, /, *, ts: float | None = None, **fields: Any) -> dict[str, Any]:
+        event: dict[str, Any] = {"ts": time.time() if ts is None else ts, "kind": kind, "job": self.job}
+        if self.node:
+            event["node"] = self.node
+        event.update(fields)
+        line = json.dumps(event, default=str, separators=(",", ":"))
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line + "\n")
+            for listener in list(self.listeners):
+                listener(event)
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+def read_events(
+    path: str | os.PathLike[str],
+    *,
+    kinds: set[str] | None = None,
+    rank: int | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield the events of a JSONL file that pass every given filter.
+
+    A line that is not a JSON object (a torn last line after a crash) is skipped.
+    """
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            if kinds is not None and event.get("kind") not in kinds:
+                continue
+            if rank is not None and event.get("rank") != rank and rank not in event.get("ranks", ()):
+                continue
+            ts = event.get("ts")
+            if not isinstance(ts, (int, float)):
+                continue
+            if since is not None and ts < since:
+                continue
+            if until is not None and ts > until:
+                continue
+            yield event

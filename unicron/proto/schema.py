@@ -1,0 +1,66 @@
+"""Schemas of every message kind on the mesh.
+
+A schema maps a field name to its expected type(s); a field whose name ends with ``?`` is
+optional. Unknown fields are refused, so a peer with a newer incompatible idea of a message
+fails loudly instead of being half understood.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NUM = (int, float)
+OPT_STR = (str, type(None))
+OPT_INT = (int, type(None))
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    # agent -> coordinator
+    "join": {"node_id": str, "host": str, "nproc": int, "node_rank?": OPT_INT, "pid": int,
+             "weight?": NUM, "min_nodes": int, "max_nodes": int, "max_restarts": int,
+             "last_call_s": NUM, "heartbeat_timeout_s": NUM, "join_timeout_s": NUM,
+             "stop_timeout_s": NUM},
+    "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict},
+    "fault": {"node_id": str, "attempt": int, "fault": dict},
+    "stopped": {"node_id": str, "attempt": int, "snapshots": dict, "stacks": dict},
+    "finished": {"node_id": str, "attempt": int},
+    "leave": {"node_id": str, "reason": str},
+    "status_req": {},
+    # coordinator -> agent
+    "welcome": {"node_id": str, "epoch": int},
+    "ack": {"epoch": int, "state": str},
+    "assign": {"epoch": int, "attempt": int, "restart_count": int, "node_rank": int, "nnodes": int,
+               "rank_offset": int, "world_size": int, "local_world_sizes": list,
+               "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
+               "inject": bool},
+    "stop": {"attempt": int, "reason": str, "want_stacks": bool},
+    "shutdown": {"exit_code": int, "reason": str},
+    "reject": {"reason": str},
+    "status": {"snapshot": dict},
+}
+
+
+def schema_errors(kind: str, body: Any) -> str | None:
+    """Return why ``body`` does not fit the schema of ``kind``, or None when it fits."""
+    schema = SCHEMAS.get(kind)
+    if schema is None:
+        return f"unknown kind {kind!r}"
+    if not isinstance(body, dict):
+        return "body is not an object"
+    allowed = {name.rstrip("?") for name in schema}
+    extra = set(body) - allowed
+    if extra:
+        return f"unexpected field(s) {sorted(extra)}"
+    for name, types in schema.items():
+        optional = name.endswith("?")
+        key = name.rstrip("?")
+        if key not in body:
+            if optional:
+                continue
+            return f"missing field {key!r}"
+        value = body[key]
+        # bool is an int in Python; a schema that wants int must not accept True.
+        if isinstance(value, bool) and types is not bool and (not isinstance(types, tuple) or bool not in types):
+            return f"field {key!r} has type bool"
+        if not isinstance(value, types):
+            return f"field {key!r} has type {type(value).__name__}"
+    return None

@@ -1,0 +1,73 @@
+"""Registry of the unicron runs alive on this machine, so `unicron status` finds them.
+
+Each coordinator writes ``<runs dir>/<job>.json`` (mode 0600, it names the secret file) and
+removes it when it stops. Entries whose pid is gone are ignored and cleaned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    job: str
+    endpoint: str
+    pid: int
+    secret_file: str
+    log_dir: str
+    started_at: float
+
+
+def runs_dir() -> Path:
+    base = os.environ.get("UNICRON_RUNS_DIR") or os.path.join(tempfile.gettempdir(), f"unicron-runs-{os.getuid()}")
+    path = Path(base)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def _entry(job: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+    return runs_dir() / f"{safe}.json"
+
+
+def register_run(info: RunInfo) -> Path:
+    path = _entry(info.job)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(asdict(info), fh)
+    os.replace(tmp, path)
+    return path
+
+
+def unregister_run(job: str) -> None:
+    try:
+        _entry(job).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def list_runs() -> list[RunInfo]:
+    """Live runs, newest first; stale entries (dead pid, unreadable) are removed."""
+    found: list[RunInfo] = []
+    for path in runs_dir().glob("*.json"):
+        try:
+            info = RunInfo(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if not psutil.pid_exists(info.pid):
+            path.unlink(missing_ok=True)
+            continue
+        found.append(info)
+    return sorted(found, key=lambda r: r.started_at, reverse=True)
+
+
+def read_secret(path: str) -> bytes:
+    return Path(path).read_bytes().strip()
