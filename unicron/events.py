@@ -36,6 +36,8 @@ class EventLog:
         event: dict[str, Any] = {"ts": time.time() if ts is None else ts, "kind": kind, "job": self.job}
         if self.node:
             event["node"] = self.node
+        if "kind" in fields or "ts" in fields:  # a caller bug: never let fields rename the event
+            raise ValueError("event fields may not be named 'kind' or 'ts'")
         event.update(fields)
         line = json.dumps(event, default=str, separators=(",", ":"))
         with self._lock:

@@ -247,7 +247,8 @@ class Agent:
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group
-        self.events.emit("fault", **{k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback")})
+        fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
+        self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)
         self.ui.warn(_fault_line(fault))
         self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
                              "fault": fault})

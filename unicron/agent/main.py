@@ -71,7 +71,8 @@ def _coordinator(s: AgentSettings, events: EventLog) -> tuple[CoordinatorServer 
         return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
     try:
         server = CoordinatorServer(s.secret, bind_host="*", port=s.rdzv_port, events_for=lambda _job: events,
-                                   decider_for=DetectDecider, jobs={s.run_id}, exit_when_done=True)
+                                   decider_for=DetectDecider, jobs={s.run_id}, exit_when_done=True,
+                                    advertise_addr=s.advertise_addr)
     except zmq.ZMQError as err:
         if err.errno == zmq.EADDRINUSE and s.rdzv_port != 0:
             return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")  # another agent here hosts it

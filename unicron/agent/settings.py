@@ -22,6 +22,7 @@ class AgentSettings:
     embed_coordinator: bool  # try to host the coordinator at rdzv_host:rdzv_port
     coordinator: str | None  # HOST:PORT of a standalone coordinator, if any
     local_addr: str
+    advertise_addr: str  # MASTER_ADDR workers get when this node hosts the store
     log_spec: LogSpec
     cmd: tuple[str, ...]
     inject: str  # UNICRON_INJECT value for the first attempt ('' for none)

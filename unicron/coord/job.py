@@ -331,6 +331,7 @@ def _fault_fields(fault: dict[str, Any]) -> dict[str, Any]:
     keep = ("kind", "rank", "node_id", "host", "exitcode", "signal", "error_type", "message",
             "steps_completed", "attempt", "ts")
     fields = {k: fault[k] for k in keep if fault.get(k) is not None}
+    fields["fault_kind"] = fields.pop("kind", "unknown")
     if "ts" in fields:
         fields["occurred_at"] = fields.pop("ts")
     return fields

@@ -56,6 +56,7 @@ class CoordinatorServer:
         decider_for: Callable[[], Decider],
         jobs: set[str] | None = None,
         exit_when_done: bool = False,
+        advertise_addr: str = "",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.codec = Codec(key, f"coordinator-{os.getpid()}-{os.urandom(4).hex()}", job="",
@@ -64,6 +65,8 @@ class CoordinatorServer:
         self.events_for = events_for
         self.decider_for = decider_for
         self.exit_when_done = exit_when_done
+        # MASTER_ADDR for workers; "" lets each agent use the address it reached us at.
+        self.advertise_addr = advertise_addr
         self.clock = clock
         self.slots: dict[str, JobSlot] = {}
         self.ctx: zmq.Context = zmq.Context.instance()
@@ -193,7 +196,7 @@ class CoordinatorServer:
                 slot.events.emit(out.kind, **out.fields)
             elif isinstance(out, OpenStore):
                 port = self._open_store(slot, out.attempt)
-                queue.extend(slot.core.start_attempt("", port, self.clock()))
+                queue.extend(slot.core.start_attempt(self.advertise_addr, port, self.clock()))
             elif isinstance(out, Finish):
                 for node in slot.core.members.active():
                     identity = slot.identities.get(node.node_id)

@@ -1,0 +1,67 @@
+"""Fixtures for the end-to-end tests; make sure nothing a test started outlives it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from e2e import SCRIPTS, Launched
+
+
+def _ours(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
+                continue
+            if any(marker in part for part in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Iterator[Path]:
+    """A directory with copies of the test scripts; after the test no process that mentions
+    it may be alive (the check polls briefly, then kills leftovers and fails the test)."""
+    for script in SCRIPTS.glob("*.py"):
+        shutil.copy(script, tmp_path / script.name)
+    yield tmp_path
+    marker = str(tmp_path)
+    deadline = time.monotonic() + 15
+    while _ours(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _ours(marker)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"orphaned processes: {[(p.pid, p.info['cmdline']) for p in left]}"
+
+
+@pytest.fixture
+def launch() -> Iterator[Any]:
+    started: list[Launched] = []
+
+    def start(args: list[str], cwd: Path, env: dict[str, str] | None = None, **popen: Any) -> Launched:
+        item = Launched(args, cwd, env, **popen)
+        started.append(item)
+        return item
+
+    yield start
+    for item in started:
+        item.kill()
+        if item.proc.stdout:
+            item.proc.stdout.close()
+        if item.proc.stderr:
+            item.proc.stderr.close()
+
+

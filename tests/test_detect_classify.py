@@ -1,0 +1,344 @@
+"""The classifier table, row by row, on synthetic faults and on real failing processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unicron.detect.classify import RULES, RULES_BY_NAME, classify, is_victim, root_cause
+from unicron.detect.faults import DEFAULT_ACTION, Action, Classification, Fault, Severity
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def F(kind: str = "exit", **kw: object) -> Fault:
+    base: dict[str, object] = {"ts": 100.0, "rank": 0, "node": "n0", "host": "h0", "steps_completed": 5}
+    base.update(kw)
+    return Fault(kind, **base)  # type: ignore[arg-type]
+
+
+NCCL_REMOTE = (
+    "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
+    "remote process exited or there was a network error, NCCL version 2.19.3\n"
+    "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."
+)
+NCCL_SYSTEM = (
+    "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, "
+    "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.19.3\n"
+    "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error."
+)
+GLOO_RESET = (
+    "[rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+    "Connection closed by peer [127.0.0.1]:61576. This is typically caused by a remote worker crashing."
+)
+XID_EVIDENCE = Fault("health", 105.0, node="n0", error_type="xid", message="Xid 79 on GPU 0", gpu=0)
+OOM_EVIDENCE = Fault("health", 99.0, node="n0", error_type="oom_kill", message="kernel OOM killer killed 1 process(es)")
+
+# (rule expected, fault, health evidence): at least one row per rule of the table.
+CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
+    ("clean-exit", F(exitcode=0), ()),
+    ("startup-failed", F("startup", message="[Errno 2] No such file or directory: 'trainx'"), ()),
+    ("node-lost", F("node_lost", rank=None, node="n1"), ()),
+    ("health-xid-hardware", F("health", rank=None, error_type="xid", message="Xid 79 on GPU 3", gpu=3), ()),
+    ("health-xid-hardware", F("health", rank=None, error_type="xid", message="NVRM: Xid (PCI:0000:3b:00): 48, pid=9"), ()),
+    ("health-ecc-uncorrectable", F("health", rank=None, error_type="ecc_uncorrectable", message="2 new", gpu=1), ()),
+    ("health-gpu-lost", F("health", rank=None, error_type="gpu_lost", message="GPU 2 gone", gpu=2), ()),
+    ("health-xid-other", F("health", rank=None, error_type="xid", message="Xid 13 on GPU 0", gpu=0), ()),
+    ("health-xid-other", F("health", rank=None, error_type="xid", message="Xid 999 on GPU 0", gpu=0), ()),
+    ("health-oom-kill", F("health", rank=None, error_type="oom_kill", message="1 killed"), ()),
+    ("health-memory-pressure", F("health", rank=None, error_type="memory_pressure", message="97%"), ()),
+    ("health-throttle", F("health", rank=None, error_type="gpu_throttle", message="hw_slowdown", gpu=0), ()),
+    ("health-other", F("health", rank=None, error_type="fan_failure", message="fan 2"), ()),
+    ("hang", F("hang", rank=None, message="no step for 9s", culprit_ranks=(1,)), ()),
+    ("user-import-error", F("exception", error_type="ModuleNotFoundError", message="No module named 'x'",
+                            steps_completed=0), ()),
+    ("user-import-error", F(exitcode=1, steps_completed=0,
+                            stderr_tail="Traceback...\n[rank3]: ImportError: cannot import name 'y' from 'z'\n"), ()),
+    ("user-syntax-error", F("exception", error_type="IndentationError", message="unexpected indent",
+                            steps_completed=0), ()),
+    ("user-name-error", F("exception", error_type="builtins.NameError", message="name 'lr' is not defined",
+                          steps_completed=0), ()),
+    ("user-missing-script", F(exitcode=2, steps_completed=0,
+                              stderr_tail="python: can't open file '/x/train.py': [Errno 2] No such file or directory"), ()),
+    ("user-usage-error", F(exitcode=2, steps_completed=0,
+                           stderr_tail="usage: train.py [-h] --lr LR\ntrain.py: error: the following arguments are required: --lr"), ()),
+    ("user-usage-error", F("exception", error_type="SystemExit", message="2", steps_completed=0,
+                           stderr_tail="usage: t.py [-h]\nt.py: error: unrecognized arguments: --x"), ()),
+    ("gpu-xid", F(exitcode=1, stderr_tail="RuntimeError: CUDA error: unknown error\nNVRM: Xid (PCI:0000:3b:00): 79"), ()),
+    ("gpu-ecc", F("exception", error_type="RuntimeError", message="CUDA error: uncorrectable ECC error encountered"), ()),
+    ("gpu-nvlink", F(exitcode=1, stderr_tail="NCCL WARN NVLink error detected on link 3 of GPU 1"), ()),
+    ("gpu-lost", F(exitcode=1, stderr_tail="Unable to determine the device handle for GPU 0000:3B:00.0: GPU is lost."), ()),
+    ("health-evidence-hardware", F(exitcode=-6), (XID_EVIDENCE,)),
+    ("out-of-memory", F("exception", error_type="torch.OutOfMemoryError",
+                        message="CUDA out of memory. Tried to allocate 2.00 GiB"), ()),
+    ("out-of-memory", F("exception", error_type="MemoryError", message="", steps_completed=0), ()),
+    ("cuda-error", F("exception", error_type="RuntimeError",
+                     message="CUDA error: an illegal memory access was encountered"), ()),
+    ("cuda-error", F(exitcode=-6, stderr_tail="terminate called...\n  what():  CUDA error: device-side assert triggered"), ()),
+    ("nccl-remote", F(exitcode=1, stderr_tail=NCCL_REMOTE), ()),
+    ("nccl-error", F(exitcode=1, stderr_tail=NCCL_SYSTEM), ()),
+    ("collective-timeout", F(exitcode=-6, stderr_tail="[Rank 0] Watchdog caught collective operation timeout: "
+                                                      "WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 milliseconds"), ()),
+    ("collective-timeout", F(exitcode=1, stderr_tail="RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] "
+                                                     "Timed out waiting 1800000ms for recv operation to complete"), ()),
+    ("peer-connection-lost", F(exitcode=1, stderr_tail=GLOO_RESET), ()),
+    ("peer-connection-lost", F("exception", error_type="ConnectionResetError", message="[Errno 104]"), ()),
+    ("oom-killer", F(exitcode=-9), (OOM_EVIDENCE,)),
+    ("sigkill", F(exitcode=-9), ()),
+    ("sigkill", F(exitcode=137), ()),
+    ("crash-signal", F(exitcode=-11), ()),
+    ("crash-signal", F(exitcode=139), ()),
+    ("crash-signal", F(signal=7, exitcode=None), ()),
+    ("terminated", F(exitcode=-15), ()),
+    ("other-signal", F(exitcode=-10), ()),
+    ("uncaught-exception", F("exception", error_type="ValueError", message="bad shape"), ()),
+    ("uncaught-exception", F("exception", error_type="ModuleNotFoundError", message="late import", steps_completed=7), ()),
+    ("uncaught-exception", F("exception", error_type="ImportError", message="unknown progress", steps_completed=None), ()),
+    ("nonzero-exit", F(exitcode=3), ()),
+    ("nonzero-exit", F(exitcode=2, steps_completed=0, stderr_tail="some other failure"), ()),
+    ("sigkill", F(exitcode=-9, stderr_tail="NCCL INFO Channel 00 : 0[0] -> 1[1] via P2P/NVLink"), ()),
+    ("sigkill", F(exitcode=-9, node="n5"), (OOM_EVIDENCE,)),  # evidence from another node
+    ("crash-signal", F(exitcode=-6, ts=200.0), (XID_EVIDENCE,)),  # evidence outside the window
+    ("unknown", F(exitcode=None), ()),
+]
+
+
+@pytest.mark.parametrize("rule,fault,evidence", CASES, ids=[f"{i}-{c[0]}" for i, c in enumerate(CASES)])
+def test_table_row(rule: str, fault: Fault, evidence: tuple[Fault, ...]) -> None:
+    c = classify(fault, evidence)
+    assert c.rule == rule, c
+    assert c.severity is RULES_BY_NAME[rule].severity
+    assert c.action is DEFAULT_ACTION[c.severity]
+    assert c.reason and "{" not in c.reason
+
+
+def test_every_rule_has_a_case_and_a_documented_row() -> None:
+    assert {r.name for r in RULES} == {case[0] for case in CASES}
+    assert len(RULES_BY_NAME) == len(RULES), "rule names must be unique"
+    doc = (REPO / "docs" / "failures.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", doc, re.MULTILINE))
+    assert documented == {r.name for r in RULES}
+
+
+def test_reason_names_the_place_and_the_error() -> None:
+    c = classify(F("exception", rank=3, node="gpu-7", error_type="RuntimeError",
+                   message="CUDA error: an illegal memory access was encountered"))
+    assert "rank 3" in c.reason and "gpu-7" in c.reason and "illegal memory access" in c.reason
+
+
+def test_user_error_in_user_code_file_not_found_is_not_fatal() -> None:
+    tb = textwrap.dedent("""\
+        Traceback (most recent call last):
+          File "/work/main/unicron/worker/boot.py", line 40, in <module>
+          File "/usr/lib/python3.11/runpy.py", line 291, in run_path
+          File "/home/u/train.py", line 12, in <module>
+            data = open("/data/shard0.bin", "rb")
+        FileNotFoundError: [Errno 2] No such file or directory: '/data/shard0.bin'
+        """)
+    c = classify(F(exitcode=1, steps_completed=0, stderr_tail=tb))
+    assert c.severity is Severity.SEV2 and c.rule == "uncaught-exception"
+    # Without any traceback there is no evidence that it was the script itself.
+    bare = classify(F("exception", error_type="FileNotFoundError", message="x", steps_completed=0))
+    assert bare.rule == "uncaught-exception"
+
+
+# ---------------------------------------------------------------------------------------------
+# Real processes: the failure happens, the classifier reads what the process really left behind.
+
+SCRIPTS = {
+    "import": ("import not_a_module_unicron_test\n", "user-import-error"),
+    "syntax": ("def f(:\n    pass\n", "user-syntax-error"),
+    "name": ("x = undefined_name_unicron + 1\n", "user-name-error"),
+    "usage": ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', required=True)\np.parse_args()\n",
+              "user-usage-error"),
+    "segv": ("import ctypes\nctypes.string_at(0)\n", "crash-signal"),
+    "abort": ("import os\nos.abort()\n", "crash-signal"),
+    "kill": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "sigkill"),
+    "memory": ("b = bytearray(1 << 62)\n", "out-of-memory"),
+    "exit3": ("import sys\nsys.exit(3)\n", "nonzero-exit"),
+    "value": ("raise ValueError('bad config value')\n", "uncaught-exception"),
+}
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONFAULTHANDLER": ""})
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_real_process_failures(name: str, tmp_path: Path) -> None:
+    source, rule = SCRIPTS[name]
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    proc = _run([sys.executable, str(script)], tmp_path)
+    assert proc.returncode != 0
+    fault = Fault("exit", time.time(), rank=0, exitcode=proc.returncode, stderr_tail=proc.stderr[-8192:],
+                  steps_completed=0)
+    assert classify(fault).rule == rule, (proc.returncode, proc.stderr)
+
+
+def test_real_missing_script_plain_and_through_a_boot_module(tmp_path: Path) -> None:
+    proc = _run([sys.executable, str(tmp_path / "missing.py")], tmp_path)
+    fault = Fault("exit", 1.0, exitcode=proc.returncode, stderr_tail=proc.stderr, steps_completed=0)
+    assert classify(fault).rule == "user-missing-script"
+    # The worker boot module runs the script with runpy: only launcher frames in the traceback.
+    boot = tmp_path / "unicron" / "worker" / "boot.py"
+    boot.parent.mkdir(parents=True)
+    boot.write_text("import runpy, sys\nrunpy.run_path(sys.argv[1], run_name='__main__')\n")
+    proc = _run([sys.executable, str(boot), str(tmp_path / "missing.py")], tmp_path)
+    fault = Fault("exit", 1.0, exitcode=proc.returncode, stderr_tail=proc.stderr, steps_completed=0)
+    c = classify(fault)
+    assert (c.rule, c.severity) == ("user-missing-script", Severity.FATAL), proc.stderr
+    # The same script missing after steps completed is not a startup error.
+    assert classify(Fault("exit", 1.0, exitcode=1, stderr_tail=proc.stderr, steps_completed=3)).severity is Severity.SEV2
+
+
+GLOO_CHILD = textwrap.dedent("""\
+    import os, sys, time
+    import torch, torch.distributed as dist
+    rank, port_file = int(sys.argv[1]), sys.argv[2]
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as fh:
+            fh.write(str(store.port))
+        os.rename(port_file + ".tmp", port_file)
+    else:
+        deadline = time.monotonic() + 90
+        while not os.path.exists(port_file):
+            if time.monotonic() > deadline:
+                sys.exit("no port file")
+            time.sleep(0.05)
+        store = dist.TCPStore("127.0.0.1", int(open(port_file).read()), 2, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    if rank == 1:
+        os.kill(os.getpid(), 9)  # a real crash of rank 1 in the middle of training
+    dist.all_reduce(t)
+    """)
+
+
+def test_real_gloo_victim_is_sev3_and_root_cause_is_the_killed_rank(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(GLOO_CHILD)
+    port_file = str(tmp_path / "port")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port_file], stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    try:
+        errs = [p.communicate(timeout=100)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[1].returncode == -signal.SIGKILL, errs[1]
+    assert procs[0].returncode == 1, errs[0]
+    # The victim's fault is reported (even timestamped) before the killed rank's exit is seen.
+    victim = Fault("exit", 10.0, rank=0, node="n0", exitcode=1, stderr_tail=errs[0][-8192:], steps_completed=1)
+    killed = Fault("exit", 10.2, rank=1, node="n0", exitcode=procs[1].returncode, steps_completed=1)
+    cv, ck = classify(victim), classify(killed)
+    assert (cv.rule, cv.severity, cv.action) == ("peer-connection-lost", Severity.SEV3, Action.REATTEMPT), errs[0]
+    assert is_victim(victim, cv) and not is_victim(killed, ck)
+    assert root_cause([victim, killed]) == killed
+    assert root_cause([killed, victim]) == killed
+
+
+# ---------------------------------------------------------------------------------------------
+# root_cause
+
+
+def test_root_cause_earliest_cause_wins() -> None:
+    a = F("exception", rank=2, ts=5.0, error_type="RuntimeError", message="CUDA error: illegal memory access")
+    b = F(rank=1, ts=4.0, exitcode=-11)
+    assert root_cause([a, b]) == b
+
+
+def test_root_cause_ignores_clean_exits_and_health_notes() -> None:
+    done = F(rank=0, ts=1.0, exitcode=0)
+    note = F("health", rank=None, ts=0.5, error_type="memory_pressure", message="96%")
+    crash = F(rank=1, ts=3.0, exitcode=-11)
+    assert root_cause([done, note, crash]) == crash
+    assert root_cause([done]) == done
+
+
+def test_root_cause_hang_culprit_beats_blocked_ranks() -> None:
+    blocked = [F("hang", rank=r, ts=1.0, culprit_ranks=(2,)) for r in (0, 1, 3)]
+    culprit = F("hang", rank=2, ts=1.5, culprit_ranks=(2,))
+    assert root_cause([*blocked, culprit]) == culprit
+
+
+def test_root_cause_same_time_prefers_worse_severity_then_lower_rank() -> None:
+    lost = F("node_lost", rank=None, node="n1", ts=2.0)
+    crash = F(rank=1, ts=2.0, exitcode=-11)
+    assert root_cause([crash, lost]) == lost
+    r3, r1 = F(rank=3, ts=2.0, exitcode=-11), F(rank=1, ts=2.0, exitcode=-11)
+    assert root_cause([r3, r1]) == r1
+
+
+def test_root_cause_of_nothing_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        root_cause([])
+
+
+# ---------------------------------------------------------------------------------------------
+# Value types
+
+
+faults = st.builds(
+    Fault,
+    kind=st.sampled_from(["exit", "exception", "hang", "node_lost", "health", "startup"]),
+    ts=st.floats(min_value=0, max_value=2e9, allow_nan=False),
+    rank=st.none() | st.integers(0, 4096),
+    node=st.text(max_size=10),
+    exitcode=st.none() | st.integers(-64, 255),
+    signal=st.none() | st.integers(1, 64),
+    error_type=st.text(max_size=20),
+    message=st.text(max_size=60),
+    traceback=st.text(max_size=60),
+    stderr_tail=st.text(max_size=60),
+    steps_completed=st.none() | st.integers(0, 10**6),
+    attempt=st.integers(0, 100),
+    gpu=st.none() | st.integers(0, 15),
+    culprit_ranks=st.lists(st.integers(0, 64), max_size=4).map(tuple),
+)
+
+
+@given(faults)
+def test_fault_json_round_trip_and_classify_total(fault: Fault) -> None:
+    assert Fault.from_dict(json.loads(json.dumps(fault.to_dict()))) == fault
+    c = classify(fault)
+    assert c.rule in RULES_BY_NAME
+    assert Classification.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+@pytest.mark.parametrize("bad,word", [
+    ({"ts": 1.0}, "kind"),
+    ({"kind": "exit"}, "ts"),
+    ({"kind": "explode", "ts": 1.0}, "explode"),
+    ({"kind": "exit", "ts": "soon"}, "ts"),
+    ({"kind": "exit", "ts": 1.0, "rank": "zero"}, "rank"),
+    ({"kind": "exit", "ts": 1.0, "extra": 1}, "extra"),
+    ({"kind": "exit", "ts": 1.0, "culprit_ranks": [True]}, "culprit_ranks"),
+    ([], "object"),
+])
+def test_fault_from_bad_dict_names_the_field(bad: object, word: str) -> None:
+    with pytest.raises(ValueError, match=word):
+        Fault.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_severity_and_action_orders() -> None:
+    order = [Severity.INFO, Severity.SEV3, Severity.SEV2, Severity.SEV1, Severity.FATAL]
+    assert [s.order for s in order] == sorted(s.order for s in order)
+    assert [DEFAULT_ACTION[s] for s in order] == [Action.NONE, Action.REATTEMPT, Action.RESTART,
+                                                    Action.RECONFIGURE, Action.STOP]

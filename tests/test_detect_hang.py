@@ -1,0 +1,175 @@
+"""Hang detection and iteration statistics, driven by a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unicron.detect.hang import HangDetector, StepStats
+
+
+def run_steps(det: HangDetector, ranks: list[int], steps: int, dt: float, t0: float, step0: int = 0) -> float:
+    """Every rank completes ``steps`` steps ``dt`` apart starting after ``t0``; returns the time."""
+    now = t0
+    for s in range(step0 + 1, step0 + steps + 1):
+        now += dt
+        for r in ranks:
+            det.observe(r, s, now)
+        assert det.check(now) is None, f"false hang at step {s}"
+    return now
+
+
+def test_stats_median_window_and_skip_first() -> None:
+    stats = StepStats(window=3, skip_first=1)
+    stats.start(0.0, [0])
+    for step, ts in [(1, 10.0), (2, 11.0), (3, 13.0), (4, 16.0), (5, 20.0)]:
+        assert stats.observe(0, step, ts)
+    # The first interval (start -> step 1, 10 s of start-up) is skipped; the window keeps 3.
+    assert stats.iter_times(0) == [2.0, 3.0, 4.0]
+    assert stats.median(0) == 3.0
+    assert not stats.observe(0, 5, 21.0), "a repeated step is not progress"
+    assert not stats.observe(0, 4, 22.0), "an older step is not progress"
+    assert stats.last_progress(0) == 20.0
+    # A jump of several steps in one report is spread over them.
+    stats.observe(0, 8, 26.0)
+    assert stats.iter_times(0)[-1] == 2.0
+
+
+def test_no_false_hang_in_steady_state_then_hang_after_k_median() -> None:
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=2, first_step_timeout_s=60.0)
+    det.start(0.0, [0, 1, 2])
+    now = run_steps(det, [0, 1, 2], 30, dt=1.0, t0=5.0)
+    threshold, warmup = det.threshold_s()
+    assert not warmup and threshold == pytest.approx(3.0)
+    assert det.check(now + 2.9) is None
+    verdict = det.check(now + 3.1)
+    assert verdict is not None and not verdict.warmup
+    assert verdict.stalled_ranks == (0, 1, 2)
+    assert verdict.stalled_s == pytest.approx(3.1)
+    assert verdict.median_s == pytest.approx(1.0)
+    assert "3.10s" in verdict.message
+
+
+def test_floor_applies_to_fast_steps() -> None:
+    det = HangDetector(k=3.0, floor_s=2.0, warmup_steps=1, first_step_timeout_s=60.0)
+    det.start(0.0, [0, 1])
+    now = run_steps(det, [0, 1], 20, dt=0.01, t0=1.0)
+    assert det.threshold_s() == (2.0, False)
+    assert det.check(now + 1.9) is None
+    assert det.check(now + 2.1) is not None
+
+
+def test_slowest_rank_sets_the_clock_and_is_named() -> None:
+    det = HangDetector(k=3.0, floor_s=0.1, warmup_steps=1, first_step_timeout_s=60.0)
+    det.start(0.0, [0, 1, 2])
+    now = run_steps(det, [0, 1, 2], 10, dt=1.0, t0=0.0)
+    # Rank 1 stops; the others still report (e.g. a loosely coupled job).
+    for s in range(11, 16):
+        now += 1.0
+        det.observe(0, s, now)
+        det.observe(2, s, now)
+    verdict = det.check(now)
+    assert verdict is not None and verdict.stalled_ranks == (1,)
+    assert verdict.last_steps == {0: 15, 1: 10, 2: 15}
+
+
+def test_warmup_allowance_before_first_steps() -> None:
+    det = HangDetector(k=3.0, floor_s=1.0, warmup_steps=2, first_step_timeout_s=30.0)
+    det.start(100.0, [0, 1])
+    assert det.threshold_s() == (30.0, True)
+    assert det.check(129.0) is None
+    verdict = det.check(131.0)
+    assert verdict is not None and verdict.warmup and verdict.stalled_ranks == (0, 1)
+    assert "warm-up" in verdict.message
+    # A slow first step (compilation) within the allowance is no hang.
+    det.start(200.0, [0, 1])
+    det.observe(0, 1, 225.0)
+    det.observe(1, 1, 225.5)
+    assert det.check(250.0) is None, "still in warm-up: the allowance runs from the last progress"
+    det.observe(0, 2, 226.0)
+    det.observe(1, 2, 226.0)
+    assert det.in_warmup(), "no iteration time measured after warm-up yet"
+    det.observe(0, 3, 227.0)
+    det.observe(1, 3, 227.0)
+    assert not det.in_warmup()
+    assert det.threshold_s() == (3.0, False)
+    assert det.check(230.5) is not None
+
+
+def test_rank_that_never_reports_hangs_after_allowance() -> None:
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=0, first_step_timeout_s=10.0)
+    det.start(0.0, [0, 1])
+    now = 0.0
+    for s in range(1, 6):
+        now += 1.0
+        det.observe(0, s, now)
+    verdict = det.check(10.5)
+    assert verdict is not None and verdict.warmup and verdict.stalled_ranks == (1,)
+
+
+def test_restart_resets_statistics_and_restored_step_numbers_work() -> None:
+    det = HangDetector(k=2.0, floor_s=0.1, warmup_steps=1, first_step_timeout_s=5.0)
+    det.start(0.0, [0])
+    run_steps(det, [0], 20, dt=1.0, t0=0.0)
+    det.start(100.0, [0])  # new attempt, restored at step 20
+    assert det.in_warmup() and det.stats.iter_times(0) == []
+    now = run_steps(det, [0], 10, dt=0.1, t0=100.0, step0=20)
+    assert det.threshold_s() == (pytest.approx(0.2), False)
+    assert det.check(now + 0.25) is not None
+
+
+def test_removed_rank_is_not_waited_for() -> None:
+    det = HangDetector(k=3.0, floor_s=0.1, warmup_steps=0, first_step_timeout_s=5.0)
+    det.start(0.0, [0, 1])
+    det.observe(0, 1, 1.0)
+    det.remove(1)
+    assert det.check(4.0) is None
+    det.remove(0)
+    assert det.check(1000.0) is None
+
+
+def test_straggler_signal() -> None:
+    det = HangDetector(k=3.0, floor_s=1.0, warmup_steps=1, first_step_timeout_s=60.0)
+    det.start(0.0, [0, 1, 2, 3])
+    times = {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}
+    pace = {0: 0.1, 1: 0.11, 2: 0.5, 3: 0.1}
+    for s in range(1, 20):
+        for r in times:
+            times[r] += pace[r]
+            det.observe(r, s, times[r])
+    found = det.stragglers(factor=2.0, min_samples=5)
+    assert [s.rank for s in found] == [2]
+    assert found[0].ratio == pytest.approx(5.0, rel=0.1)
+    assert det.stragglers(factor=10.0) == []
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"k": 0}, {"floor_s": -1}, {"first_step_timeout_s": 0}, {"warmup_steps": -1}, {"window": 0},
+])
+def test_bad_settings_are_rejected(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        HangDetector(**kwargs)  # type: ignore[arg-type]
+
+
+@given(
+    intervals=st.lists(st.floats(min_value=0.001, max_value=10.0), min_size=5, max_size=60),
+    k=st.floats(min_value=1.5, max_value=10.0),
+    floor=st.floats(min_value=0.0, max_value=5.0),
+)
+def test_never_a_hang_while_steps_arrive_within_the_threshold(intervals: list[float], k: float, floor: float) -> None:
+    """Steps arriving exactly at the pace the statistics have seen are never called a hang,
+    and silence past the threshold always is."""
+    det = HangDetector(k=k, floor_s=floor, warmup_steps=1, first_step_timeout_s=100.0)
+    det.start(0.0, [0])
+    now = 0.0
+    for step, dt in enumerate([1.0, *intervals, *intervals], start=1):
+        limit, _ = det.threshold_s()
+        if dt <= limit * 0.999:  # clear of floating-point rounding at the edge
+            now += dt
+            assert det.check(now) is None
+            det.observe(0, step, now)
+    limit, _ = det.threshold_s()
+    assert det.check(now + limit * 0.999) is None
+    verdict = det.check(now + limit * 1.001 + 1e-6)
+    assert verdict is not None and verdict.threshold_s == limit

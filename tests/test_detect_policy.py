@@ -1,0 +1,221 @@
+"""Restart policy: escalation, crash-loop guard, budget and backoff (pure, clock passed in)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unicron.detect.classify import classify
+from unicron.detect.faults import Action, Fault, Severity
+from unicron.detect.policy import Decision, FailureRecord, RestartPolicy, StopReason
+from unicron.errors import CrashLoopError, FatalUserError, RestartBudgetExceeded, WorkerFailedError
+
+POLICY = RestartPolicy(crash_loop_limit=3, reattempt_window_s=30.0, backoff_first_s=1.0, backoff_cap_s=30.0)
+
+KINDS: dict[str, dict[str, object]] = {
+    "crash": {"kind": "exit", "exitcode": -11},
+    "conn": {"kind": "exit", "exitcode": 1, "stderr_tail": "RuntimeError: Connection reset by peer"},
+    "lost": {"kind": "node_lost", "rank": None},
+    "oom": {"kind": "exception", "error_type": "torch.OutOfMemoryError", "message": "CUDA out of memory"},
+    "import": {"kind": "exception", "error_type": "ModuleNotFoundError", "message": "No module named 'x'"},
+    "clean": {"kind": "exit", "exitcode": 0},
+}
+
+
+class Job:
+    """Feeds failures through the policy the way the coordinator does, keeping the history."""
+
+    def __init__(self, max_restarts: int = 10, elastic: bool = False, policy: RestartPolicy = POLICY) -> None:
+        self.history: list[FailureRecord] = []
+        self.attempt = 0
+        self.max_restarts = max_restarts
+        self.elastic = elastic
+        self.policy = policy
+        self.decisions: list[Decision] = []
+
+    def fail(self, what: str, now: float, progress: int | None, rank: int | None = 1, node: str = "n1") -> Decision:
+        spec = dict(KINDS[what])
+        kind = str(spec.pop("kind"))
+        if "rank" in spec:
+            rank = spec.pop("rank")  # type: ignore[assignment]
+        steps = 0 if progress == 0 else progress
+        fault = Fault(kind, now, rank=rank, node=node, attempt=self.attempt, steps_completed=steps, **spec)  # type: ignore[arg-type]
+        c = classify(fault)
+        d = self.policy.decide(self.history, fault, c, now, max_restarts=self.max_restarts,
+                               steps_completed_since_last_restart=progress, elastic=self.elastic)
+        self.decisions.append(d)
+        if d.action is not Action.NONE:
+            self.history.append(d.record(fault, c, progress, now))
+        if d.action in (Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE):
+            self.attempt += 1
+        return d
+
+
+def test_info_is_not_a_failure_and_spends_nothing() -> None:
+    job = Job(max_restarts=0)
+    d = job.fail("clean", 1.0, 10)
+    assert (d.action, d.restarts_used, d.to_error()) == (Action.NONE, 0, None)
+    assert job.history == []
+
+
+def test_fatal_stops_at_once_with_the_user_error() -> None:
+    job = Job(max_restarts=100)
+    d = job.fail("import", 1.0, 0)
+    assert d.action is Action.STOP and d.stop is StopReason.FATAL
+    assert "user error" in d.reason and "No module named" in d.reason
+    err = d.to_error()
+    assert isinstance(err, FatalUserError) and err.exit_code == 1
+
+
+def test_reattempt_escalates_to_restart_within_window_only() -> None:
+    job = Job()
+    assert job.fail("conn", 100.0, 5).action is Action.REATTEMPT
+    d = job.fail("conn", 110.0, 5)
+    assert d.action is Action.RESTART and d.escalated and "escalated to restart" in d.reason
+    # Outside the window a transient fault is a new, independent reattempt.
+    job2 = Job()
+    job2.fail("conn", 100.0, 5)
+    d2 = job2.fail("conn", 200.0, 5)
+    assert d2.action is Action.REATTEMPT and not d2.escalated
+
+
+def test_restart_failing_again_in_place_without_progress() -> None:
+    elastic = Job(elastic=True)
+    assert elastic.fail("crash", 1.0, 50, rank=3).action is Action.RESTART
+    d = elastic.fail("crash", 2.0, 0, rank=3)
+    assert d.action is Action.RECONFIGURE and d.escalated
+    fixed = Job(elastic=False)
+    fixed.fail("crash", 1.0, 50, rank=3)
+    d = fixed.fail("crash", 2.0, 0, rank=3)
+    assert d.action is Action.STOP and d.stop is StopReason.CANNOT_RECONFIGURE and d.escalated
+    assert "not elastic" in d.reason and "rank 3" in d.reason
+    assert type(d.to_error()) is WorkerFailedError
+    # Elsewhere, or after progress, it is an ordinary restart.
+    other = Job()
+    other.fail("crash", 1.0, 50, rank=3, node="a")
+    assert other.fail("crash", 2.0, 0, rank=4, node="b").action is Action.RESTART
+    progressed = Job()
+    progressed.fail("crash", 1.0, 50, rank=3)
+    assert progressed.fail("crash", 2.0, 7, rank=3).action is Action.RESTART
+
+
+def test_sev1_reconfigures_only_when_elastic() -> None:
+    assert Job(elastic=True).fail("lost", 1.0, 10).action is Action.RECONFIGURE
+    d = Job(elastic=False).fail("lost", 1.0, 10)
+    assert d.action is Action.RESTART and "not elastic" in d.reason and d.severity is Severity.SEV1
+
+
+def test_crash_loop_guard_message() -> None:
+    job = Job(max_restarts=100)
+    # Each failure on another node, so escalation in place does not stop the job first.
+    job.fail("crash", 1.0, 20, rank=0, node="a")  # attempt 0 made progress
+    job.fail("crash", 2.0, 0, rank=1, node="b")  # restart 1: no step
+    job.fail("crash", 3.0, 0, rank=2, node="c")  # restart 2: no step
+    d = job.fail("crash", 4.0, 0, rank=3, node="d")  # restart 3: no step -> loop
+    assert d.action is Action.STOP and d.stop is StopReason.CRASH_LOOP
+    assert d.reason.startswith("crash loop: 3 restarts without completing a step; last cause: rank 3")
+    assert isinstance(d.to_error(), CrashLoopError)
+
+
+def test_unknown_progress_never_counts_as_a_crash_loop() -> None:
+    job = Job(max_restarts=100)
+    for i in range(10):
+        assert job.fail("crash", float(i), None, rank=1).action is Action.RESTART
+
+
+def test_oom_before_first_step_twice_is_fatal() -> None:
+    job = Job()
+    assert job.fail("oom", 1.0, 0).action is Action.RESTART
+    d = job.fail("oom", 2.0, 0, rank=2)
+    assert d.stop is StopReason.FATAL and "does not fit" in d.reason
+    later = Job()
+    later.fail("oom", 1.0, 100)
+    assert later.fail("oom", 2.0, 0, rank=2).action is Action.RESTART  # it did fit before
+
+
+def test_budget_is_job_wide_and_counts_every_action() -> None:
+    job = Job(max_restarts=3, elastic=True)
+    actions = [job.fail(w, float(i * 100), 10, rank=i, node=f"n{i}").action
+               for i, w in enumerate(["conn", "crash", "lost"])]
+    assert actions == [Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE]
+    d = job.fail("crash", 400.0, 10, rank=9, node="n9")
+    assert d.stop is StopReason.BUDGET and d.restarts_used == 3
+    assert "3 of 3 restarts used job-wide" in d.reason
+    assert isinstance(d.to_error(), RestartBudgetExceeded)
+    assert Job(max_restarts=0).fail("crash", 1.0, 5).stop is StopReason.BUDGET
+
+
+def test_backoff_sequence_and_reset_after_progress() -> None:
+    assert [POLICY.backoff(n) for n in range(1, 9)] == [0, 1, 2, 4, 8, 16, 30, 30]
+    policy = RestartPolicy(crash_loop_limit=100)
+    job = Job(max_restarts=100, policy=policy)
+    backoffs = [job.fail("crash", float(i), 0, rank=i, node=f"n{i}").backoff_s for i in range(6)]
+    assert backoffs == [0, 1, 2, 4, 8, 16]
+    assert job.fail("crash", 10.0, 3, rank=50).backoff_s == 0  # this attempt made progress
+
+
+def test_failure_record_round_trip_and_bad_input() -> None:
+    job = Job()
+    job.fail("crash", 5.0, 7, rank=2, node="gpu-1")
+    record = job.history[0]
+    assert FailureRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    with pytest.raises(ValueError, match="cause"):
+        FailureRecord.from_dict({k: v for k, v in record.to_dict().items() if k != "cause"})
+    with pytest.raises(ValueError, match="bad failure record"):
+        FailureRecord.from_dict({**record.to_dict(), "severity": "SEV9"})
+
+
+@pytest.mark.parametrize("kwargs", [{"crash_loop_limit": 0}, {"backoff_cap_s": -1}, {"oom_fatal_after": 0}])
+def test_bad_policy_settings(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        RestartPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Invariants over random failure sequences.
+
+events = st.lists(
+    st.tuples(
+        st.sampled_from(sorted(KINDS)),
+        st.floats(min_value=0.0, max_value=120.0),  # time since the previous failure
+        st.none() | st.integers(0, 3),  # progress of the attempt
+        st.integers(0, 3),  # rank
+    ),
+    min_size=1, max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=events, max_restarts=st.integers(0, 8), elastic=st.booleans(), limit=st.integers(1, 5))
+def test_policy_invariants(events: list[tuple[str, float, int | None, int]], max_restarts: int, elastic: bool,
+                           limit: int) -> None:
+    job = Job(max_restarts=max_restarts, elastic=elastic, policy=RestartPolicy(crash_loop_limit=limit))
+    now = 0.0
+    streak_backoffs: list[float] = []
+    for what, gap, progress, rank in events:
+        now += gap
+        d = job.fail(what, now, progress, rank=rank, node=f"n{rank}")
+        # The budget is never exceeded, job-wide.
+        spent = sum(1 for r in job.history if r.action in (Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE))
+        assert spent <= max_restarts
+        # FATAL is never restarted.
+        if d.severity is Severity.FATAL:
+            assert d.action is Action.STOP and d.stop is StopReason.FATAL
+        # Backoff is capped, monotone within a streak without progress, zero after progress.
+        assert 0.0 <= d.backoff_s <= POLICY.backoff_cap_s
+        if d.action in (Action.NONE, Action.STOP):
+            if d.action is Action.STOP:
+                assert d.to_error() is not None
+                break
+            continue
+        if progress is not None and progress > 0:
+            assert d.backoff_s == 0.0
+            streak_backoffs = [0.0]
+        else:
+            if streak_backoffs:
+                assert d.backoff_s >= streak_backoffs[-1]
+            streak_backoffs.append(d.backoff_s)
+        assert d.to_error() is None

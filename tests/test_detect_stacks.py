@@ -1,0 +1,170 @@
+"""Stack analysis on real faulthandler dumps of real processes blocked in real gloo collectives.
+
+The dumps are produced at test time: two ranks join a gloo process group, one waits in a
+collective (a plain all_reduce, or DDP's gradient all-reduce inside backward), the other sleeps
+(the culprit). The test asks each process for its stacks with SIGUSR1, exactly as the agent does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from unicron.detect.stacks import analyze_dump, main_thread, name_culprits, parse_dump
+
+CHILD = textwrap.dedent("""\
+    import datetime, faulthandler, os, signal, sys, threading, time
+    import torch, torch.distributed as dist
+    rank, mode, workdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dump = open(os.path.join(workdir, f"rank{rank}.txt"), "a")  # append: the test truncates between requests
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    threading.Thread(target=time.sleep, args=(3600,), name="side", daemon=True).start()
+    port_file = os.path.join(workdir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as fh:
+            fh.write(str(store.port))
+        os.rename(port_file + ".tmp", port_file)
+    else:
+        deadline = time.monotonic() + 90
+        while not os.path.exists(port_file):
+            if time.monotonic() > deadline:
+                sys.exit("no port file")
+            time.sleep(0.05)
+        store = dist.TCPStore("127.0.0.1", int(open(port_file).read()), 2, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+
+    def sleep_forever():
+        open(os.path.join(workdir, f"ready{rank}"), "w").close()
+        while True:
+            time.sleep(3600)
+
+    if mode == "allreduce":
+        if rank == 0:
+            open(os.path.join(workdir, f"ready{rank}"), "w").close()
+            dist.all_reduce(torch.ones(16))  # blocks: rank 1 never joins
+        else:
+            sleep_forever()
+    elif mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))  # collective: both ranks
+        if rank == 0:
+            open(os.path.join(workdir, f"ready{rank}"), "w").close()
+            model(torch.randn(4, 8)).sum().backward()  # blocks in DDP's gradient all-reduce
+        else:
+            sleep_forever()
+    """)
+
+
+def _wait_for(predicate, what: str, timeout: float = 90.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _request_dump(proc: subprocess.Popen[bytes], path: Path) -> str:
+    """SIGUSR1 the process and return the complete dump it writes."""
+    path.write_text("")  # the child appends, so its next dump starts at offset 0
+    os.kill(proc.pid, signal.SIGUSR1)
+
+    def complete() -> str | None:
+        first = path.read_text()
+        if "most recent call first" not in first:
+            return None
+        return first if path.read_text() == first else None  # the handler has stopped writing
+
+    return str(_wait_for(complete, f"a stack dump from pid {proc.pid}", timeout=30.0))
+
+
+def _collect(mode: str, workdir: Path) -> dict[int, str]:
+    script = workdir / "child.py"
+    script.write_text(CHILD)
+    procs = {r: subprocess.Popen([sys.executable, str(script), str(r), mode, str(workdir)]) for r in (0, 1)}
+    try:
+        for r in procs:
+            _wait_for(lambda r=r: (workdir / f"ready{r}").exists() or procs[r].poll() is not None,
+                      f"rank {r} to start")
+            assert procs[r].poll() is None, f"rank {r} exited with {procs[r].returncode}"
+        dumps = {1: _request_dump(procs[1], workdir / "rank1.txt")}
+        # Rank 0 reaches the collective a moment after saying it is ready: ask until it is inside.
+        dumps[0] = _wait_for(
+            lambda: (d := _request_dump(procs[0], workdir / "rank0.txt"))
+            and (a := analyze_dump(0, d)) is not None and a.in_collective and d,
+            "rank 0 to be seen inside the collective", timeout=60.0)
+        for r, text in dumps.items():  # the fixtures, kept next to the run for inspection
+            (workdir / f"fixture_{mode}_rank{r}.txt").write_text(text)
+        return dumps
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def allreduce_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+    yield _collect("allreduce", tmp_path_factory.mktemp("allreduce"))
+
+
+@pytest.fixture(scope="module")
+def ddp_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+    yield _collect("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+def test_parse_real_dump_threads_and_main_thread(allreduce_dumps: dict[int, str]) -> None:
+    for text in allreduce_dumps.values():
+        threads = parse_dump(text)
+        assert len(threads) >= 2, text  # the main thread and the "side" thread at least
+        main = main_thread(threads)
+        assert main is not None, text
+        assert main.frames[-1].function == "<module>" and main.frames[-1].filename.endswith("child.py")
+        assert all(f.lineno > 0 for t in threads for f in t.frames)
+
+
+def test_allreduce_waiter_vs_sleeper(allreduce_dumps: dict[int, str]) -> None:
+    waiter = analyze_dump(0, allreduce_dumps[0])
+    sleeper = analyze_dump(1, allreduce_dumps[1])
+    assert waiter is not None and waiter.in_collective and "distributed_c10d.py" in waiter.where
+    assert sleeper is not None and not sleeper.in_collective and "child.py" in sleeper.where
+    report = name_culprits(allreduce_dumps)
+    assert report.verdict == "culprits" and report.culprits == (1,)
+    assert report.in_collective == (0,)
+    assert "rank(s) 1" in report.summary and "child.py" in report.summary
+
+
+def test_ddp_backward_waiter_vs_sleeper(ddp_dumps: dict[int, str]) -> None:
+    waiter = analyze_dump(0, ddp_dumps[0])
+    assert waiter is not None and waiter.in_collective and "autograd" in waiter.where, ddp_dumps[0]
+    report = name_culprits(ddp_dumps)
+    assert (report.verdict, report.culprits) == ("culprits", (1,))
+
+
+def test_ambiguous_cases_are_reported(allreduce_dumps: dict[int, str], ddp_dumps: dict[int, str]) -> None:
+    both_inside = name_culprits({0: allreduce_dumps[0], 1: ddp_dumps[0]})
+    assert (both_inside.verdict, both_inside.culprits) == ("all_in_collective", ())
+    assert "no culprit" in both_inside.summary
+    none_inside = name_culprits({0: allreduce_dumps[1], 1: ddp_dumps[1]})
+    assert (none_inside.verdict, none_inside.culprits) == ("none_in_collective", ())
+    # A rank that gave no dump, while every other waits in the collective, is the suspect.
+    silent = name_culprits({0: allreduce_dumps[0], 1: None}, expected=[0, 1, 2])
+    assert (silent.verdict, silent.culprits, silent.missing) == ("all_in_collective", (1, 2), (1, 2))
+    assert name_culprits({0: "", 1: "garbage\n"}).verdict == "no_dumps"
+
+
+def test_appended_dumps_use_the_last_one(allreduce_dumps: dict[int, str]) -> None:
+    # Two dumps in one file (a worker that did not truncate): the newest decides.
+    text = allreduce_dumps[1] + allreduce_dumps[0]
+    assert parse_dump(text) == parse_dump(allreduce_dumps[0])
+    report = analyze_dump(5, text)
+    assert report is not None and report.in_collective

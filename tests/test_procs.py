@@ -1,0 +1,499 @@
+"""The agent's process layer with real processes: spawn, logs and tee, wait_any, terminate_all, signals."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from unicron.agent.logs import (
+    ConsoleTee,
+    LogSpec,
+    RunLogDir,
+    Std,
+    line_prefix,
+    parse_local_ranks_filter,
+    parse_std,
+    plan_rank_logs,
+)
+from unicron.agent.procs import (
+    LauncherSignals,
+    WorkerProcess,
+    set_child_subreaper,
+    spawn,
+    start_worker,
+    terminate_all,
+    wait_any,
+)
+from unicron.errors import FatalUserError, UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie that is nobody's business of ours (re-parented to init)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() == psutil.STATUS_ZOMBIE and proc.ppid() != os.getpid()
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerProcess]]:
+    """Everything a test spawns goes in here and is stopped and reaped, whatever happens."""
+    spawned: list[WorkerProcess] = []
+    yield spawned
+    terminate_all(spawned, grace_s=0.5)
+    for worker in spawned:
+        worker.close()
+
+
+@pytest.fixture
+def subreaper() -> Iterator[bool]:
+    """Orphaned grandchildren re-parent to the test process, as they will to the agent."""
+    enabled = set_child_subreaper(True)
+    yield enabled
+    set_child_subreaper(False)
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def read_json_when_ready(path: Path, timeout_s: float = 30.0) -> dict:
+    wait_until(path.exists, timeout_s, f"{path.name} to be written")
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------- pure log planning
+
+
+def test_parse_std_values_and_mappings() -> None:
+    assert parse_std("0") is Std.NONE
+    assert parse_std("3") == Std.ALL
+    assert parse_std("0:3,1:0,12:2") == {0: Std.ALL, 1: Std.NONE, 12: Std.ERR}
+    for bad in ["4", "a", "0:4", "0:1,", "0:1,0:2", ""]:
+        with pytest.raises(UsageError):
+            parse_std(bad)
+
+
+def test_local_ranks_filter_parsing() -> None:
+    assert parse_local_ranks_filter("0,2") == frozenset({0, 2})
+    assert parse_local_ranks_filter(None) is None
+    assert parse_local_ranks_filter("") is None
+    for bad in ["0,x", "-1", "1,,2"]:
+        with pytest.raises(UsageError):
+            parse_local_ranks_filter(bad)
+
+
+def test_plan_matches_torchrun_rules(tmp_path: Path) -> None:
+    attempt = str(tmp_path / "attempt_0")
+    # tee implies redirect; torchrun's default prefix is [<role><local_rank>]:
+    plan = plan_rank_logs(LogSpec(tee=Std.OUT), attempt, local_rank=1, rank=5, role="trainer")
+    assert plan.stdout_path == os.path.join(attempt, "1", "stdout.log")
+    assert plan.stderr_path is None and plan.tee_stdout and not plan.tee_stderr
+    assert plan.prefix == "[trainer1]:"
+    assert plan.error_file == os.path.join(attempt, "1", "error.json")
+    # a mapping applies per rank; a rank missing from it is Std.NONE
+    spec = LogSpec(redirects={0: Std.ERR})
+    assert plan_rank_logs(spec, attempt, local_rank=0, rank=0, role="d").stderr_path
+    assert plan_rank_logs(spec, attempt, local_rank=1, rank=1, role="d").stderr_path is None
+    # a filtered-out rank keeps its files but shows nothing: console streams go to /dev/null
+    spec = LogSpec(tee=Std.OUT, local_ranks_filter=frozenset({0}))
+    hidden = plan_rank_logs(spec, attempt, local_rank=1, rank=1, role="d")
+    assert not hidden.tee_stdout and hidden.stdout_path and hidden.stdout_path.endswith("stdout.log")
+    assert hidden.stderr_path == os.devnull
+    # --log-dir /dev/null: everything on the console, no error file
+    devnull = plan_rank_logs(
+        LogSpec(log_dir=os.devnull, redirects=Std.ALL), None, local_rank=0, rank=0, role="d"
+    )
+    assert devnull.stdout_path is None and devnull.error_file is None
+    # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
+    assert line_prefix("[${role_name}-${rank}/${local_rank}] ", role="r", rank=7, local_rank=3) == "[r-7/3] "
+
+
+def test_log_dir_that_is_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    file = tmp_path / "f"
+    file.write_text("")
+    with pytest.raises(UsageError, match="is a file"):
+        RunLogDir(LogSpec(log_dir=str(file)), "job")
+
+
+def test_temporary_log_dir_when_none_given() -> None:
+    logdir = RunLogDir(LogSpec(), "job")
+    try:
+        assert logdir.root is not None and os.path.isdir(logdir.root)
+        assert logdir.run_dir is not None and os.path.basename(logdir.run_dir).startswith("job_")
+        plans = logdir.prepare_attempt(0, [(0, 0)])
+        assert plans[0].error_file is not None and os.path.isdir(os.path.dirname(plans[0].error_file))
+    finally:
+        logdir.cleanup()
+    assert not os.path.exists(logdir.root)
+
+
+# ---------------------------------------------------------------- logs, tee, prefixes
+
+TALKER = """
+    import os, sys, signal
+    rank = os.environ["LOCAL_RANK"]
+    for i in range(200):
+        print(f"out {rank} line {i}")
+        print(f"err {rank} line {i}", file=sys.stderr)
+    sys.stdout.write(f"out {rank} last words without newline")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)   # dies without any cleanup
+"""
+
+
+def test_log_dir_layout_tee_prefix_and_filter(tmp_path: Path, workers: list[WorkerProcess], capfd) -> None:
+    script = write_script(tmp_path, "talker.py", TALKER)
+    spec = LogSpec(log_dir=str(tmp_path / "logs"), tee=Std.ALL, local_ranks_filter=frozenset({0}))
+    logdir = RunLogDir(spec, "job42")
+    plans = logdir.prepare_attempt(3, [(0, 10), (1, 11)], role="default")
+    console_out, console_err = io.BytesIO(), io.BytesIO()
+    tee = ConsoleTee(stdout=console_out, stderr=console_err)
+    for plan in plans:
+        env = {"LOCAL_RANK": str(plan.local_rank), "PYTHONUNBUFFERED": "1"}
+        workers.append(start_worker([PY, script], env, plan, tee=tee))
+    wait_until(lambda: all(w.poll() is not None for w in workers), what="talkers to die")
+    tee.close()
+    assert [w.returncode for w in workers] == [-signal.SIGKILL, -signal.SIGKILL]
+
+    assert logdir.run_dir is not None
+    run_dir = Path(logdir.run_dir)
+    assert run_dir.parent == tmp_path / "logs" and run_dir.name.startswith("job42_")
+    for local_rank in (0, 1):
+        rank_dir = run_dir / "attempt_3" / str(local_rank)
+        out = (rank_dir / "stdout.log").read_text()
+        err = (rank_dir / "stderr.log").read_text()
+        assert f"out {local_rank} line 199\n" in out and out.endswith("last words without newline")
+        assert f"err {local_rank} line 199" in err
+        # the worker was told where to write its error file
+        assert plans[local_rank].error_file == str(rank_dir / "error.json")
+
+    shown_out = console_out.getvalue().decode().splitlines()
+    shown_err = console_err.getvalue().decode().splitlines()
+    # rank 0 only (the filter), every line prefixed, the unterminated last line not lost
+    assert shown_out == [f"[default0]:out 0 line {i}" for i in range(200)] + [
+        "[default0]:out 0 last words without newline"
+    ]
+    assert shown_err == [f"[default0]:err 0 line {i}" for i in range(200)]
+    captured = capfd.readouterr()
+    assert "out 1" not in captured.out and "err 1" not in captured.err
+
+
+def test_unredirected_rank_writes_to_console_and_filtered_rank_to_nowhere(
+    tmp_path: Path, workers: list[WorkerProcess], capfd
+) -> None:
+    script = write_script(tmp_path, "hello.py", "import os; print('hello from', os.environ['LOCAL_RANK'])\n")
+    logdir = RunLogDir(LogSpec(log_dir=str(tmp_path), local_ranks_filter=frozenset({1})), "j")
+    for plan in logdir.prepare_attempt(0, [(0, 0), (1, 1)]):
+        workers.append(start_worker([PY, script], {"LOCAL_RANK": str(plan.local_rank)}, plan))
+    wait_until(lambda: all(w.poll() is not None for w in workers), what="workers to exit")
+    out = capfd.readouterr().out
+    assert "hello from 1" in out and "hello from 0" not in out
+
+
+def test_tee_finish_drains_everything_written(tmp_path: Path) -> None:
+    log = tmp_path / "stdout.log"
+    lines = [f"line {i:05d} " + "x" * 40 for i in range(5000)]  # well over one 64 KiB read
+    log.write_text("\n".join(lines))  # the last line has no newline
+    console = io.BytesIO()
+    tee = ConsoleTee(stdout=console, interval_s=30)
+    finish = tee.follow(str(log), "[p]:")
+    finish()  # the writer is already dead: everything must still come out
+    tee.close(timeout_s=30)
+    assert console.getvalue().decode().splitlines() == ["[p]:" + line for line in lines]
+    assert tee.pending() == 0
+
+
+def test_slow_console_does_not_block_the_worker(tmp_path: Path, workers: list[WorkerProcess]) -> None:
+    release = threading.Event()
+
+    class StuckConsole(io.RawIOBase):
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:  # type: ignore[override]
+            release.wait(60)
+            self.data += bytes(b)
+            return len(b)
+
+    script = write_script(
+        tmp_path, "chatty.py", "for i in range(20000): print('chatty line', i)\nprint('done')\n"
+    )
+    console = StuckConsole()
+    tee = ConsoleTee(stdout=console, stderr=console)
+    plan = RunLogDir(LogSpec(log_dir=str(tmp_path), tee=Std.OUT), "j").prepare_attempt(0, [(0, 0)])[0]
+    worker = start_worker([PY, script], {}, plan, tee=tee)
+    workers.append(worker)
+    # The console is stuck, yet the worker finishes writing everything and exits.
+    assert wait_any([worker], 60) == [worker] and worker.returncode == 0
+    release.set()
+    tee.close(timeout_s=30)
+    lines = console.data.decode().splitlines()
+    assert len(lines) == 20001 and lines[-1] == "[default0]:done"
+
+
+# ---------------------------------------------------------------- exits and waiting
+
+
+def test_wait_any_sees_an_exit_fast(workers: list[WorkerProcess]) -> None:
+    worker = spawn(["sleep", "300"], {}, local_rank=0)
+    workers.append(worker)
+    other = spawn(["sleep", "300"], {}, local_rank=1)
+    workers.append(other)
+    assert wait_any([worker, other], 0.05) == []
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(worker.pid, signal.SIGKILL)
+
+    # Scheduled, most likely while wait_any is blocked; the latency counts from the kill either way.
+    threading.Timer(0.2, kill).start()
+    exited = wait_any([worker, other], 30)
+    latency = time.monotonic() - killed_at[0]
+    print(f"wait_any latency: {latency * 1000:.2f} ms")
+    assert exited == [worker] and worker.returncode == -signal.SIGKILL
+    assert latency < 1.0
+    assert other.poll() is None
+
+
+def test_wait_any_without_pidfd_polls(workers: list[WorkerProcess]) -> None:
+    worker = spawn([PY, "-c", "import sys; sys.exit(7)"], {}, local_rank=0)
+    workers.append(worker)
+    worker.close()  # drop the pidfd: the polling path must still see the exit
+    started = time.monotonic()
+    assert wait_any([worker], 30) == [worker]
+    print(f"polling wait_any: {(time.monotonic() - started) * 1000:.1f} ms")
+    assert worker.returncode == 7
+
+
+def test_wait_any_wakes_on_a_wake_fd(workers: list[WorkerProcess]) -> None:
+    worker = spawn(["sleep", "300"], {}, local_rank=0)
+    workers.append(worker)
+    read_fd, write_fd = os.pipe()
+    try:
+        threading.Timer(0.1, lambda: os.write(write_fd, b"x")).start()
+        started = time.monotonic()
+        assert wait_any([worker], 30, wake_fds=[read_fd]) == []
+        assert time.monotonic() - started < 10
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def test_a_program_that_cannot_start_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FatalUserError, match="cannot start worker 0: /no/such/program: No such file"):
+        spawn(["/no/such/program"], {}, local_rank=0)
+    with pytest.raises(FatalUserError, match="cannot start worker 1"):
+        spawn(["sleep", "1"], {}, local_rank=1, cwd=str(tmp_path / "missing"))
+
+
+def test_exit_callback_runs_once(workers: list[WorkerProcess]) -> None:
+    worker = spawn([PY, "-c", "pass"], {}, local_rank=0)
+    workers.append(worker)
+    calls: list[int] = []
+    worker.add_exit_callback(lambda: calls.append(1))
+    wait_until(lambda: worker.poll() is not None)
+    worker.poll()
+    worker.add_exit_callback(lambda: calls.append(2))
+    assert calls == [1, 2] and worker.exited_at is not None
+
+
+# ---------------------------------------------------------------- stopping whole trees
+
+TREE = """
+    import json, multiprocessing as mp, os, subprocess, sys, time
+
+    def loader(q):
+        q.put(subprocess.Popen(["sleep", "300"]).pid)   # a grandchild of the loader
+        time.sleep(300)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        loader_proc = ctx.Process(target=loader, args=(q,))
+        loader_proc.start()
+        sleeps = [subprocess.Popen(["sleep", "300"]).pid for _ in range(2)]
+        escaped = subprocess.Popen(["sleep", "300"], start_new_session=True).pid  # left the group
+        tree = {"loader": loader_proc.pid, "loader_child": q.get(), "sleeps": sleeps, "escaped": escaped}
+        with open(sys.argv[1] + ".tmp", "w") as fh:
+            json.dump(tree, fh)
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        time.sleep(300)
+"""
+
+
+def tree_pids(tree: dict) -> list[int]:
+    return [tree["loader"], tree["loader_child"], *tree["sleeps"], tree["escaped"]]
+
+
+def test_terminate_all_reaps_whole_trees(
+    tmp_path: Path, workers: list[WorkerProcess], subreaper: bool
+) -> None:
+    script = write_script(tmp_path, "tree.py", TREE)
+    pids_files = [tmp_path / f"tree{i}.json" for i in range(2)]
+    for i, pids_file in enumerate(pids_files):
+        workers.append(spawn([PY, script, str(pids_file)], {}, local_rank=i))
+    trees = [read_json_when_ready(path) for path in pids_files]
+    everything = [w.pid for w in workers] + [pid for tree in trees for pid in tree_pids(tree)]
+    assert all(psutil.pid_exists(pid) for pid in everything)
+
+    report = terminate_all(workers, grace_s=10)
+    print(f"terminate_all: {report}")
+    assert report.killed == () and report.survivors == ()
+    assert set(everything) <= set(report.signalled)
+    assert all(w.returncode == -signal.SIGTERM for w in workers)
+    if subreaper:  # the agent reaps what re-parented to it: not even a zombie is left
+        assert not [pid for pid in everything if psutil.pid_exists(pid)]
+    wait_until(lambda: all(gone(pid) for pid in everything), what="the trees to be gone")
+    assert report.elapsed_s < 10
+
+
+def test_terminate_all_cleans_up_after_a_dead_leader(
+    tmp_path: Path, workers: list[WorkerProcess], subreaper: bool
+) -> None:
+    script = write_script(tmp_path, "tree.py", TREE)
+    pids_file = tmp_path / "tree.json"
+    worker = spawn([PY, script, str(pids_file)], {}, local_rank=0)
+    workers.append(worker)
+    tree = read_json_when_ready(pids_file)
+    worker.refresh_descendants()  # the agent's periodic snapshot, taken while the leader lives
+    os.kill(worker.pid, signal.SIGKILL)  # the leader crashes; its children are orphaned
+    assert wait_any([worker], 30) == [worker]
+    assert not any(gone(pid) for pid in tree_pids(tree))
+    terminate_all([worker], grace_s=10)
+    wait_until(lambda: all(gone(pid) for pid in tree_pids(tree)), what="the orphans to be gone")
+
+
+IGNORES_TERM = """
+    import os, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
+        stdout=subprocess.PIPE)
+    child.stdout.readline()
+    open(sys.argv[1], "w").write(str(child.pid))
+    time.sleep(300)
+"""
+
+
+def test_sigterm_ignorer_is_killed_after_the_grace(tmp_path: Path, workers: list[WorkerProcess]) -> None:
+    script = write_script(tmp_path, "stubborn.py", IGNORES_TERM)
+    ready = tmp_path / "ready"
+    worker = spawn([PY, script, str(ready)], {}, local_rank=0)
+    workers.append(worker)
+    wait_until(lambda: ready.exists() and ready.read_text(), what="the stubborn worker to be ready")
+    child = int(ready.read_text())
+    report = terminate_all([worker], grace_s=0.5)
+    print(f"terminate_all: {report}")
+    assert worker.returncode == -signal.SIGKILL
+    assert {worker.pid, child} <= set(report.killed)
+    assert 0.5 <= report.elapsed_s < 10
+    wait_until(lambda: gone(child), what="the stubborn child to be gone")
+
+
+def test_terminate_all_uses_the_clock_for_the_grace(tmp_path: Path, workers: list[WorkerProcess]) -> None:
+    script = write_script(tmp_path, "stubborn.py", IGNORES_TERM)
+    ready = tmp_path / "ready"
+    worker = spawn([PY, script, str(ready)], {}, local_rank=0)
+    workers.append(worker)
+    wait_until(lambda: ready.exists() and ready.read_text(), what="the stubborn worker to be ready")
+    ticks = iter(range(10**6))
+    # A clock where each reading is 1000 s later: the 600 s grace is over at the first look.
+    report = terminate_all([worker], grace_s=600, clock=lambda: 1000.0 * next(ticks))
+    assert worker.returncode == -signal.SIGKILL and worker.pid in report.killed
+
+
+# ---------------------------------------------------------------- the launcher's signals
+
+LAUNCHER = """
+    import sys, time
+    from unicron.agent.procs import LauncherSignals, set_child_subreaper, spawn, wait_any, running
+    set_child_subreaper(True)
+    worker_code = (
+        "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    )
+    with LauncherSignals() as signals:
+        workers = [spawn([sys.executable, "-c", worker_code], {}, local_rank=i) for i in range(2)]
+        print(" ".join(str(w.pid) for w in workers), flush=True)
+        while running(workers) and signals.signum is None:
+            wait_any(running(workers), 30, wake_fds=[signals.fileno()])
+        report = signals.stop_workers(workers, grace_s=float(sys.argv[1]))
+        print("codes", " ".join(str(w.returncode) for w in workers), flush=True)
+    sys.exit(signals.exit_code or 0)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_forwards_signal_and_exits_128_plus_signum(tmp_path: Path, signum: int) -> None:
+    script = write_script(tmp_path, "launcher.py", LAUNCHER)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([PY, script, "5"], env=env, stdout=subprocess.PIPE, text=True)
+    worker_pids: list[int] = []
+    try:
+        assert launcher.stdout is not None
+        worker_pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        assert len(worker_pids) == 2
+        # the workers' sleep children exist before the signal is sent
+        wait_until(lambda: all(psutil.Process(pid).children() for pid in worker_pids), what="worker children")
+        grandchildren = [c.pid for pid in worker_pids for c in psutil.Process(pid).children()]
+        started = time.monotonic()
+        launcher.send_signal(signum)
+        code = launcher.wait(timeout=30)
+        elapsed = time.monotonic() - started
+        rest = launcher.stdout.read()
+        print(f"launcher exited {code} in {elapsed:.3f}s; {rest.strip()}")
+        assert code == 128 + signum
+        assert f"codes {-signum} {-signum}" in rest  # the workers got the same signal
+        assert elapsed < 5
+        wait_until(lambda: all(gone(pid) for pid in worker_pids + grandchildren), what="no orphans")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in worker_pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def test_launcher_signals_restore_handlers() -> None:
+    before = signal.getsignal(signal.SIGHUP)
+    with LauncherSignals() as signals:
+        assert signal.getsignal(signal.SIGHUP) != before
+        os.kill(os.getpid(), signal.SIGHUP)
+        wait_until(lambda: signals.signum == signal.SIGHUP, what="the handler to run")
+        assert signals.exit_code == 128 + signal.SIGHUP
+        assert os.read(signals.fileno(), 16)  # the wake-up byte is there
+    assert signal.getsignal(signal.SIGHUP) == before

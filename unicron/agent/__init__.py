@@ -1,0 +1,1 @@
+"""The per-node agent: spawns, logs, supervises and reaps the workers of one node."""

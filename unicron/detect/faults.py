@@ -1,0 +1,185 @@
+"""Value types of failure handling: what went wrong (``Fault``), how bad it is (``Severity``),
+and what to do about it (``Action``, ``Classification``).
+
+Faults travel between agents and the coordinator inside mesh messages, which are JSON, so
+every type here has an explicit ``to_dict``/``from_dict`` (never pickle).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+FAULT_KINDS = ("exit", "exception", "hang", "node_lost", "health", "startup")
+
+
+class Severity(enum.Enum):
+    """How bad a fault is; the names follow the Unicron paper (SEV1 is the worst recoverable one)."""
+
+    INFO = "INFO"  # not a failure (clean exit, memory pressure warning): record it, do nothing
+    SEV3 = "SEV3"  # transient (a peer vanished, a link flapped): reattempt in place
+    SEV2 = "SEV2"  # the process is broken (crash, CUDA error, hang): restart on the same resources
+    SEV1 = "SEV1"  # a resource is lost (node, GPU hardware): reconfigure without it
+    FATAL = "FATAL"  # a user error restarting cannot fix: never restarted
+
+    @property
+    def order(self) -> int:
+        """Higher is worse; escalation moves up this order."""
+        return _SEVERITY_ORDER[self]
+
+
+_SEVERITY_ORDER = {Severity.INFO: 0, Severity.SEV3: 1, Severity.SEV2: 2, Severity.SEV1: 3, Severity.FATAL: 4}
+
+
+class Action(enum.Enum):
+    """What the job does about a fault."""
+
+    NONE = "none"  # nothing: not a failure
+    REATTEMPT = "reattempt"  # retry the failed attempt in place, the cheapest retry (a peer vanished)
+    RESTART = "restart"  # kill every worker, start them again on the same nodes (new store namespace)
+    RECONFIGURE = "reconfigure"  # exclude the bad node/GPU and re-plan the job on what remains
+    STOP = "stop"  # give up: the job fails with the root cause
+
+    @property
+    def order(self) -> int:
+        return _ACTION_ORDER[self]
+
+
+_ACTION_ORDER = {Action.NONE: 0, Action.REATTEMPT: 1, Action.RESTART: 2, Action.RECONFIGURE: 3, Action.STOP: 4}
+
+DEFAULT_ACTION = {
+    Severity.INFO: Action.NONE,
+    Severity.SEV3: Action.REATTEMPT,
+    Severity.SEV2: Action.RESTART,
+    Severity.SEV1: Action.RECONFIGURE,
+    Severity.FATAL: Action.STOP,
+}
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"fault field {name!r} must be an integer or null, got {value!r}")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"fault field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One observed failure of one rank, node or GPU (or of the whole job, for a hang).
+
+    ``steps_completed`` is the number of steps the failed rank (or the job) completed in the
+    attempt that failed; ``None`` means unknown (e.g. ``--no-inject``: no step reports), which
+    the classifier and the policy treat as "maybe made progress", never as zero.
+    """
+
+    kind: str
+    ts: float
+    rank: int | None = None
+    node: str = ""
+    host: str = ""
+    exitcode: int | None = None
+    signal: int | None = None
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    stderr_tail: str = ""
+    steps_completed: int | None = None
+    attempt: int = 0
+    gpu: int | None = None  # health faults: the GPU index on the node
+    culprit_ranks: tuple[int, ...] = field(default=())  # hangs: the ranks named by stack analysis
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {', '.join(FAULT_KINDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if f.name == "culprit_ranks" else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Fault:
+        """Rebuild a fault from ``to_dict`` output; raises ``ValueError`` naming a bad field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a fault must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown fault field(s): {', '.join(sorted(unknown))}")
+        for required in ("kind", "ts"):
+            if required not in data:
+                raise ValueError(f"fault field {required!r} is missing")
+        ts = data["ts"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+            raise ValueError(f"fault field 'ts' must be a number, got {ts!r}")
+        culprits = data.get("culprit_ranks", [])
+        if not isinstance(culprits, (list, tuple)) or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in culprits
+        ):
+            raise ValueError("fault field 'culprit_ranks' must be a list of integers")
+        attempt = _opt_int(data.get("attempt", 0), "attempt")
+        return cls(
+            kind=_str(data["kind"], "kind"),
+            ts=float(ts),
+            rank=_opt_int(data.get("rank"), "rank"),
+            node=_str(data.get("node", ""), "node"),
+            host=_str(data.get("host", ""), "host"),
+            exitcode=_opt_int(data.get("exitcode"), "exitcode"),
+            signal=_opt_int(data.get("signal"), "signal"),
+            error_type=_str(data.get("error_type", ""), "error_type"),
+            message=_str(data.get("message", ""), "message"),
+            traceback=_str(data.get("traceback", ""), "traceback"),
+            stderr_tail=_str(data.get("stderr_tail", ""), "stderr_tail"),
+            steps_completed=_opt_int(data.get("steps_completed"), "steps_completed"),
+            attempt=attempt if attempt is not None else 0,
+            gpu=_opt_int(data.get("gpu"), "gpu"),
+            culprit_ranks=tuple(culprits),
+        )
+
+    def where(self) -> str:
+        """Short location for messages: ``rank 3 on node-a`` / ``node node-a`` / ``the job``."""
+        parts = []
+        if self.rank is not None:
+            parts.append(f"rank {self.rank}")
+        if self.gpu is not None:
+            parts.append(f"GPU {self.gpu}")
+        if self.node or self.host:
+            parts.append(f"on {self.node or self.host}")
+        return " ".join(parts) if parts else "the job"
+
+
+@dataclass(frozen=True)
+class Classification:
+    """The classifier's verdict: ``reason`` is a sentence for a human, ``rule`` names the table row."""
+
+    severity: Severity
+    action: Action
+    reason: str
+    rule: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"severity": self.severity.value, "action": self.action.value, "reason": self.reason, "rule": self.rule}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Classification:
+        if not isinstance(data, dict):
+            raise ValueError(f"a classification must be a JSON object, got {type(data).__name__}")
+        try:
+            return cls(
+                severity=Severity(data["severity"]),
+                action=Action(data["action"]),
+                reason=_str(data["reason"], "reason"),
+                rule=_str(data["rule"], "rule"),
+            )
+        except KeyError as exc:
+            raise ValueError(f"classification field {exc.args[0]!r} is missing") from None

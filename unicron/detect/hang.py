@@ -1,0 +1,224 @@
+"""Online iteration-time statistics and hang detection (pure: the clock is always passed in).
+
+A synchronous job moves at the pace of its slowest rank, so the hang clock runs from the
+moment the *slowest* rank last completed a step. After warm-up, the job is hung when that gap
+exceeds ``max(k * running median iteration time, floor_s)``; during warm-up (the first
+``warmup_steps`` steps of an attempt: imports, data loader start, compilation, autotuning)
+the separate allowance ``first_step_timeout_s`` applies. See docs/failures.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _RankProgress:
+    last_progress_ts: float  # last completed step, or the attempt start before the first one
+    last_step: int | None = None
+    steps_in_attempt: int = 0
+    times: deque[float] = field(default_factory=deque)
+
+
+class StepStats:
+    """Per-rank step progress and a running window of iteration times.
+
+    The interval ending at a rank's n-th step of the attempt is recorded only when
+    n > ``skip_first``: the first steps include start-up cost and would inflate the median.
+    """
+
+    def __init__(self, window: int = 50, skip_first: int = 1) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        if skip_first < 0:
+            raise ValueError("skip_first must be >= 0")
+        self.window = window
+        self.skip_first = skip_first
+        self._ranks: dict[int, _RankProgress] = {}
+        self.started_at: float | None = None
+
+    def start(self, now: float, ranks: Iterable[int] = ()) -> None:
+        """Forget everything and expect ``ranks`` (a new attempt begins at ``now``)."""
+        self.started_at = now
+        self._ranks = {r: _RankProgress(now, times=deque(maxlen=self.window)) for r in ranks}
+
+    def _progress(self, rank: int, ts: float) -> _RankProgress:
+        if rank not in self._ranks:  # a rank not announced by start(): its clock starts now
+            start = ts if self.started_at is None else min(ts, self.started_at)
+            self._ranks[rank] = _RankProgress(start, times=deque(maxlen=self.window))
+        return self._ranks[rank]
+
+    def observe(self, rank: int, step: int, ts: float) -> bool:
+        """Record that ``rank`` has completed ``step`` steps at ``ts``; False if that is not progress."""
+        p = self._progress(rank, ts)
+        if p.last_step is not None and step <= p.last_step:
+            return False  # duplicate or reordered report
+        advanced = 1 if p.last_step is None else step - p.last_step
+        if p.last_step is not None and p.steps_in_attempt + advanced > self.skip_first:
+            p.times.append(max(ts - p.last_progress_ts, 0.0) / advanced)
+        p.last_step = step
+        p.last_progress_ts = max(ts, p.last_progress_ts)
+        p.steps_in_attempt += advanced
+        return True
+
+    def remove(self, rank: int) -> None:
+        """Stop expecting ``rank`` (it finished cleanly or was taken out of the job)."""
+        self._ranks.pop(rank, None)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._ranks)
+
+    def median(self, rank: int) -> float | None:
+        p = self._ranks.get(rank)
+        return statistics.median(p.times) if p is not None and p.times else None
+
+    def job_median(self) -> float | None:
+        """The job's pace: the largest per-rank median (the slowest rank sets the pace)."""
+        medians = [m for m in (self.median(r) for r in self._ranks) if m is not None]
+        return max(medians) if medians else None
+
+    def samples(self, rank: int) -> int:
+        p = self._ranks.get(rank)
+        return len(p.times) if p is not None else 0
+
+    def iter_times(self, rank: int) -> list[float]:
+        p = self._ranks.get(rank)
+        return list(p.times) if p is not None else []
+
+    def last_step(self, rank: int) -> int | None:
+        p = self._ranks.get(rank)
+        return p.last_step if p is not None else None
+
+    def last_progress(self, rank: int) -> float | None:
+        p = self._ranks.get(rank)
+        return p.last_progress_ts if p is not None else None
+
+    def last_progress_all(self) -> dict[int, float]:
+        return {r: p.last_progress_ts for r, p in self._ranks.items()}
+
+    def steps_in_attempt(self, rank: int) -> int:
+        p = self._ranks.get(rank)
+        return p.steps_in_attempt if p is not None else 0
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    """No progress for longer than allowed. ``stalled_ranks`` are oldest-progress first."""
+
+    stalled_s: float
+    threshold_s: float
+    median_s: float | None
+    warmup: bool
+    stalled_ranks: tuple[int, ...]
+    last_steps: dict[int, int | None]
+
+    @property
+    def message(self) -> str:
+        ranks = ", ".join(map(str, self.stalled_ranks))
+        if self.warmup:
+            basis = f"warm-up allowance {self.threshold_s:.1f}s"
+        else:
+            median = f"{self.median_s:.3f}s" if self.median_s is not None else "n/a"
+            basis = f"threshold {self.threshold_s:.2f}s = max(k x median {median}, floor)"
+        return f"no step completed for {self.stalled_s:.2f}s by rank(s) {ranks} ({basis})"
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    median_s: float
+    others_median_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.median_s / self.others_median_s if self.others_median_s > 0 else float("inf")
+
+
+class HangDetector:
+    """Calls a hang when the slowest rank makes no progress for too long."""
+
+    def __init__(
+        self,
+        k: float = 3.0,
+        floor_s: float = 2.0,
+        warmup_steps: int = 2,
+        first_step_timeout_s: float = 300.0,
+        window: int = 50,
+    ) -> None:
+        if k <= 0 or floor_s < 0 or first_step_timeout_s <= 0:
+            raise ValueError("k and first_step_timeout_s must be > 0 and floor_s >= 0")
+        if warmup_steps < 0:
+            raise ValueError("warmup_steps must be >= 0")
+        self.k = k
+        self.floor_s = floor_s
+        self.warmup_steps = warmup_steps
+        self.first_step_timeout_s = first_step_timeout_s
+        self.stats = StepStats(window=window, skip_first=max(warmup_steps, 1))
+
+    def start(self, now: float, ranks: Iterable[int]) -> None:
+        self.stats.start(now, ranks)
+
+    def observe(self, rank: int, step: int, now: float) -> bool:
+        return self.stats.observe(rank, step, now)
+
+    def remove(self, rank: int) -> None:
+        self.stats.remove(rank)
+
+    def in_warmup(self) -> bool:
+        # The first step of an attempt always gets the allowance: it pays for start-up.
+        ranks = self.stats.ranks
+        return (
+            any(self.stats.steps_in_attempt(r) < max(self.warmup_steps, 1) for r in ranks)
+            or self.stats.job_median() is None
+        )
+
+    def threshold_s(self) -> tuple[float, bool]:
+        """The allowed gap without progress now, and whether it is the warm-up allowance."""
+        median = self.stats.job_median()
+        if self.in_warmup() or median is None:
+            return self.first_step_timeout_s, True
+        return max(self.k * median, self.floor_s), False
+
+    def check(self, now: float) -> HangVerdict | None:
+        """A verdict while the job is hung (every call, until ``start`` begins a new attempt)."""
+        ranks = self.stats.ranks
+        if not ranks:
+            return None
+        threshold, warmup = self.threshold_s()
+        last = self.stats.last_progress_all()
+        stalled = sorted((r for r in ranks if now - last[r] > threshold), key=lambda r: (last[r], r))
+        if not stalled:
+            return None
+        return HangVerdict(
+            stalled_s=now - last[stalled[0]],
+            threshold_s=threshold,
+            median_s=self.stats.job_median(),
+            warmup=warmup,
+            stalled_ranks=tuple(stalled),
+            last_steps={r: self.stats.last_step(r) for r in ranks},
+        )
+
+    def stragglers(self, factor: float = 2.0, min_samples: int = 5, min_gap_s: float = 0.01) -> list[Straggler]:
+        """Ranks whose median iteration time is over ``factor`` x the median of the others' medians.
+
+        Only meaningful where ranks are not lock-stepped by collectives: in synchronous data
+        parallel training every rank's step boundary waits for the slowest, so all medians agree
+        (the slow rank is then found by stack sampling: it is the one outside the collective).
+        """
+        medians = {
+            r: m for r in self.stats.ranks
+            if self.stats.samples(r) >= min_samples and (m := self.stats.median(r)) is not None
+        }
+        found = []
+        for rank, median in medians.items():
+            others = [m for r, m in medians.items() if r != rank]
+            if not others:
+                continue
+            base = statistics.median(others)
+            if median > factor * base and median - base >= min_gap_s:
+                found.append(Straggler(rank, median, base))
+        return sorted(found, key=lambda s: -s.ratio)

@@ -1,0 +1,253 @@
+"""Restart policy: given the history of failures, what to do about this one (pure, clock passed in).
+
+Rules, in order (docs/failures.md explains each):
+1. INFO is not a failure: nothing to do, nothing spent.
+2. FATAL (a user error) stops at once, whatever the budget.
+3. Out of memory before the first step on ``oom_fatal_after`` consecutive attempts is FATAL too.
+4. Crash-loop guard: ``crash_loop_limit`` restarts in a row without one completed step stop.
+5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART; a
+   RESTART that fails again on the same rank (or node, for node faults) without progress becomes a RECONFIGURE
+   when the job is elastic, else STOP. A SEV1 in a job that is not elastic cannot exclude
+   anything: it restarts on the same nodes (the lost node may come back) and escalates from there.
+6. Budget: every REATTEMPT, RESTART and RECONFIGURE spends one unit of the job-wide
+   ``max_restarts``; with none left the job stops.
+Backoff before the action grows 0, 1, 2, 4 ... ``backoff_cap_s`` seconds over consecutive
+failures without progress and resets when an attempt completes a step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from unicron.detect.faults import Action, Classification, Fault, Severity
+from unicron.errors import (
+    CrashLoopError,
+    FatalUserError,
+    RestartBudgetExceeded,
+    UnicronError,
+    WorkerFailedError,
+)
+
+BUDGETED_ACTIONS = frozenset({Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE})
+
+
+class StopReason(enum.Enum):
+    FATAL = "fatal"  # a user error: restarting replays it
+    CRASH_LOOP = "crash_loop"  # restarts make no progress
+    BUDGET = "budget"  # the job-wide --max-restarts is spent
+    CANNOT_RECONFIGURE = "cannot_reconfigure"  # a restart failed again in place and the job is not elastic
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One handled failure: what it was, what was decided, and the progress made before it."""
+
+    ts: float
+    attempt: int
+    rule: str
+    severity: Severity
+    action: Action  # the action decided (after escalation)
+    cause: str
+    rank: int | None = None
+    node: str = ""
+    progress: int | None = None  # steps completed in the attempt this failure ended (None: unknown)
+    escalated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ts": self.ts, "attempt": self.attempt, "rule": self.rule, "severity": self.severity.value,
+            "action": self.action.value, "cause": self.cause, "rank": self.rank, "node": self.node,
+            "progress": self.progress, "escalated": self.escalated,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FailureRecord:
+        try:
+            return cls(
+                ts=float(data["ts"]), attempt=int(data["attempt"]), rule=str(data["rule"]),
+                severity=Severity(data["severity"]), action=Action(data["action"]), cause=str(data["cause"]),
+                rank=None if data.get("rank") is None else int(data["rank"]), node=str(data.get("node", "")),
+                progress=None if data.get("progress") is None else int(data["progress"]),
+                escalated=bool(data.get("escalated", False)),
+            )
+        except KeyError as exc:
+            raise ValueError(f"failure record field {exc.args[0]!r} is missing") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad failure record: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    backoff_s: float
+    reason: str
+    escalated: bool
+    severity: Severity  # of the classification (escalation changes the action, not the diagnosis)
+    stop: StopReason | None = None
+    restarts_used: int = 0  # job-wide budget spent, counting this decision
+
+    def to_error(self) -> UnicronError | None:
+        """The error the launcher exits with when this decision stops the job, else None."""
+        if self.action is not Action.STOP:
+            return None
+        if self.stop is StopReason.FATAL:
+            return FatalUserError(self.reason)
+        if self.stop is StopReason.CRASH_LOOP:
+            return CrashLoopError(self.reason)
+        if self.stop is StopReason.BUDGET:
+            return RestartBudgetExceeded(self.reason)
+        return WorkerFailedError(self.reason)
+
+    def record(self, fault: Fault, classification: Classification, progress: int | None, now: float) -> FailureRecord:
+        """The history entry for this decision (append it before the next ``decide``)."""
+        return FailureRecord(
+            ts=now, attempt=fault.attempt, rule=classification.rule, severity=classification.severity,
+            action=self.action, cause=classification.reason, rank=fault.rank, node=fault.node,
+            progress=progress, escalated=self.escalated,
+        )
+
+
+def _no_progress(progress: int | None) -> bool:
+    return progress is not None and progress <= 0
+
+
+def _same_place(record: FailureRecord, fault: Fault) -> bool:
+    # The same rank when both name one (on a single-node job every rank shares the node, so the
+    # node alone would call any two failures "the same place"); else the same node.
+    if record.rank is not None and fault.rank is not None:
+        return record.rank == fault.rank
+    return bool(record.node) and record.node == fault.node
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    crash_loop_limit: int = 3
+    reattempt_window_s: float = 30.0
+    backoff_first_s: float = 1.0
+    backoff_cap_s: float = 30.0
+    oom_fatal_after: int = 2
+
+    def __post_init__(self) -> None:
+        if self.crash_loop_limit < 1 or self.oom_fatal_after < 1:
+            raise ValueError("crash_loop_limit and oom_fatal_after must be at least 1")
+        if self.reattempt_window_s < 0 or self.backoff_first_s < 0 or self.backoff_cap_s < 0:
+            raise ValueError("windows and backoff times must be >= 0")
+
+    def backoff(self, streak: int) -> float:
+        """Seconds to wait before the action for the ``streak``-th failure in a row without progress."""
+        if streak <= 1:
+            return 0.0
+        return min(self.backoff_cap_s, self.backoff_first_s * 2.0 ** min(streak - 2, 60))
+
+    @staticmethod
+    def _backoff_streak(history: Sequence[FailureRecord], progress: int | None) -> int:
+        # Unknown progress counts as none here (waiting a little longer is harmless).
+        if progress is not None and progress > 0:
+            return 1
+        streak = 1
+        for record in reversed(history):
+            if record.progress is not None and record.progress > 0:
+                break
+            streak += 1
+        return streak
+
+    def decide(
+        self,
+        history: Sequence[FailureRecord],
+        fault: Fault,
+        classification: Classification,
+        now: float,
+        *,
+        max_restarts: int,
+        steps_completed_since_last_restart: int | None,
+        elastic: bool = False,
+    ) -> Decision:
+        """Decide once per incident, for its root cause (``classify.root_cause``).
+
+        ``steps_completed_since_last_restart``: steps the job completed in the attempt that just
+        failed (None when unknown: then neither the crash-loop guard nor "without progress"
+        escalation can fire, and backoff grows as if there were no progress). ``elastic``: the
+        job may shrink (min_nodes < current nodes).
+        """
+        progress = steps_completed_since_last_restart
+        history = [r for r in history if r.action is not Action.NONE]  # INFO notes are not failures
+        used = sum(1 for r in history if r.action in BUDGETED_ACTIONS)
+        severity = classification.severity
+        cause = classification.reason
+
+        def stop(reason: StopReason, text: str, escalated: bool = False) -> Decision:
+            return Decision(Action.STOP, 0.0, text, escalated, severity, reason, used)
+
+        if severity is Severity.INFO or classification.action is Action.NONE:
+            return Decision(Action.NONE, 0.0, f"not a failure: {cause}", False, severity, None, used)
+        if severity is Severity.FATAL or classification.action is Action.STOP:
+            return stop(StopReason.FATAL, f"user error, not restarted: {cause}")
+
+        # Trailing history of attempts that completed no step (unknown progress breaks the run).
+        streak: list[FailureRecord] = []
+        for record in reversed(history):
+            if not _no_progress(record.progress):
+                break
+            streak.append(record)
+
+        if classification.rule == "out-of-memory" and _no_progress(progress):
+            ooms = 1
+            for record in streak:
+                if record.rule != "out-of-memory":
+                    break
+                ooms += 1
+            if ooms >= self.oom_fatal_after:
+                return stop(
+                    StopReason.FATAL,
+                    f"out of memory before the first step on {ooms} attempts in a row: the job does not fit "
+                    f"(reduce the batch or model size); last cause: {cause}",
+                )
+
+        if _no_progress(progress):
+            restarts = (1 if fault.attempt >= 1 else 0) + sum(1 for r in streak if r.attempt >= 1)
+            if restarts >= self.crash_loop_limit:
+                return stop(
+                    StopReason.CRASH_LOOP,
+                    f"crash loop: {restarts} restarts without completing a step; last cause: {cause}",
+                )
+
+        action = classification.action
+        escalated = False
+        notes: list[str] = []
+        last = history[-1] if history else None
+        if action is Action.RECONFIGURE and not elastic:
+            action = Action.RESTART
+            notes.append("the job is not elastic (min nodes = current nodes): restarting on the same nodes")
+        if (
+            last is not None and action is Action.REATTEMPT and last.action is Action.REATTEMPT
+            and now - last.ts <= self.reattempt_window_s
+        ):
+            action, escalated = Action.RESTART, True
+            notes.append(f"the reattempt failed again within {now - last.ts:.1f}s: escalated to restart")
+        if (
+            last is not None and action is Action.RESTART and last.action is Action.RESTART
+            and _no_progress(progress) and _same_place(last, fault)
+        ):
+            if not elastic:
+                return stop(
+                    StopReason.CANNOT_RECONFIGURE,
+                    f"{fault.where()} failed again after a restart without completing a step, and the job "
+                    f"is not elastic, so the node cannot be excluded (use --nnodes MIN:MAX); last cause: {cause}",
+                    escalated=True,
+                )
+            action, escalated = Action.RECONFIGURE, True
+            notes.append("the restart failed again in the same place without progress: escalated to reconfigure")
+
+        if used >= max(max_restarts, 0):
+            return stop(
+                StopReason.BUDGET,
+                f"restart budget spent: {used} of {max(max_restarts, 0)} restarts used job-wide; last cause: {cause}",
+                escalated,
+            )
+
+        backoff = self.backoff(self._backoff_streak(history, progress))
+        text = "; ".join([cause, *notes]) + (f"; backing off {backoff:g}s" if backoff else "")
+        return Decision(action, backoff, text, escalated, severity, None, used + 1)

@@ -1,0 +1,75 @@
+"""LaunchConfig (what the user asked) -> AgentSettings (what one agent needs).
+
+The one place that knows both shapes, so the launcher's option names and the agent's
+internals can change independently.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+from unicron.agent.logs import LogSpec, Std
+from unicron.agent.settings import AgentSettings
+from unicron.launch.args import StdSpec as LaunchStd
+from unicron.launch.config import LaunchConfig
+from unicron.launch.workerenv import master_addr_for, worker_command, worker_env
+
+STOP_MARGIN_S = 10.0
+
+
+def _std(spec: LaunchStd) -> Std | dict[int, Std]:
+    if spec.per_rank:
+        return {rank: Std(value) for rank, value in spec.per_rank}
+    return Std(spec.default)
+
+
+def settings_from_config(cfg: LaunchConfig) -> AgentSettings:
+    base_env = dict(os.environ)
+    run_id = cfg.rdzv_id
+
+    def env_for(*, local_rank: int, rank: int, world_size: int, group_rank: int, group_world_size: int,
+                local_world_size: int, role_rank: int, role_world_size: int, master_addr: str,
+                master_port: int, restart_count: int, error_file: str) -> Mapping[str, str]:
+        return worker_env(base_env, cfg=cfg, local_rank=local_rank, rank=rank, world_size=world_size,
+                          local_world_size=local_world_size, group_rank=group_rank,
+                          group_world_size=group_world_size, role_rank=role_rank,
+                          role_world_size=role_world_size, master_addr=master_addr, master_port=master_port,
+                          restart_count=restart_count, run_id=run_id, error_file=error_file, extra={})
+
+    return AgentSettings(
+        run_id=run_id,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        nproc=cfg.nproc_per_node,
+        node_rank=cfg.node_rank,
+        max_restarts=cfg.max_restarts,
+        role=cfg.role,
+        rdzv_host=cfg.rdzv_host,
+        rdzv_port=cfg.rdzv_port,
+        embed_coordinator=cfg.coordinator is None,
+        coordinator=cfg.coordinator,
+        local_addr=cfg.local_addr or socket.gethostname(),
+        advertise_addr=master_addr_for(cfg, fqdn=socket.getfqdn()),
+        log_spec=LogSpec(log_dir=cfg.log_dir, redirects=_std(cfg.redirects), tee=_std(cfg.tee),
+                         local_ranks_filter=cfg.local_ranks_filter, prefix_template=cfg.log_line_prefix_template),
+        cmd=tuple(worker_command(cfg, inject=True)),
+        inject=cfg.inject_env,
+        grace_s=cfg.grace_period,
+        monitor_interval_s=cfg.monitor_interval,
+        hang_factor=cfg.hang_factor,
+        hang_floor_s=cfg.hang_floor,
+        hang_warmup_steps=cfg.hang_warmup_steps,
+        first_step_timeout_s=cfg.first_step_timeout,
+        heartbeat_interval_s=cfg.heartbeat_interval,
+        heartbeat_timeout_s=cfg.heartbeat_timeout,
+        last_call_s=cfg.rdzv_conf.last_call_timeout,
+        join_timeout_s=cfg.rdzv_conf.join_timeout,
+        secret=cfg.secret,
+        secret_file=cfg.secret_file,
+        weight=cfg.weight,
+        status_line=cfg.status_line,
+        metrics_port=cfg.metrics_port,
+        worker_env=env_for,
+    )
