@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -101,7 +102,8 @@ class Agent:
                     raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
                                           f"{self._coordinator_timeout():g} s")
         except (Interrupted, UnicronError) as err:
-            self._stop_group(reason=str(err))
+            # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
+            self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
             try:
                 self._send("leave", {"node_id": self.node_id, "reason": str(err)})
             except zmq.ZMQError:
@@ -253,12 +255,12 @@ class Agent:
         self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
                              "fault": fault})
 
-    def _stop_group(self, reason: str) -> None:
+    def _stop_group(self, reason: str, sig: int = signal.SIGTERM) -> None:
         group = self.group
         if group is None:
             return
         self.group = None
-        group.stop(self.s.grace_s)
+        group.stop(self.s.grace_s, sig)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason)
 
     # ---- heartbeats ----------------------------------------------------------------

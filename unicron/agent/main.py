@@ -39,7 +39,9 @@ def run_agent(s: AgentSettings) -> int:
     ui = AgentUI(s.status_line)
     server: CoordinatorServer | None = None
     secret_file: str | None = None
-    with LauncherSignals() as signals:
+    for warning in s.warnings:
+        ui.warn(warning)
+    with LauncherSignals(s.signals) as signals:
         try:
             server, endpoint = _coordinator(s, events)
             if server is not None:

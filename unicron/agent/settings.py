@@ -44,3 +44,6 @@ class AgentSettings:
     # (local_rank, rank, world_size, group_rank, group_world_size, local_world_size,
     #  role_rank, role_world_size, master_addr, master_port, restart_count, error_file) -> env
     worker_env: Callable[..., Mapping[str, str]]
+    warm: bool = True
+    signals: tuple[int, ...] = (15, 2, 1, 3)  # SIGTERM, SIGINT, SIGHUP, SIGQUIT (torchrun's default)
+    warnings: tuple[str, ...] = ()

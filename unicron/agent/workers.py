@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,9 +89,9 @@ class WorkerGroup:
             self.ranks[plan.rank] = RankState(plan.rank, plan.local_rank, proc, plan, now)
         self.hang.start(now, list(self.ranks))
 
-    def stop(self, grace_s: float) -> None:
-        alive = [r.proc for r in self.ranks.values() if r.exitcode is None]
-        terminate_all(alive, grace_s)
+    def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> None:
+        # Every worker, dead ones too: a dead worker's children (data loaders) may still run.
+        terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig)
         now = time.time()
         for r in self.ranks.values():
             if r.exitcode is None:
@@ -155,8 +156,6 @@ class WorkerGroup:
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
         """SIGUSR1 every live worker (faulthandler dumps, even inside a C++ collective) and read the dumps."""
-        import signal
-
         paths = {}
         for r in self.ranks.values():
             if r.exitcode is None and r.proc.poll() is None:

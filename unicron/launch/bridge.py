@@ -72,4 +72,13 @@ def settings_from_config(cfg: LaunchConfig) -> AgentSettings:
         status_line=cfg.status_line,
         metrics_port=cfg.metrics_port,
         worker_env=env_for,
+        warm=cfg.warm,
+        signals=tuple(_signum(name) for name in cfg.signals_to_handle),
+        warnings=cfg.warnings,
     )
+
+
+def _signum(name: str) -> int:
+    import signal
+
+    return int(getattr(signal, name if name.startswith("SIG") else f"SIG{name}"))

@@ -1,0 +1,99 @@
+"""Several agents form one job: on loopback, elastically, losing a node, with a bad secret,
+and stopped by signals with nothing left behind."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+from e2e import clean_env, read_events, wait_for
+
+pytestmark = pytest.mark.slow
+
+SECRET = "s3cret-for-tests"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def agent_args(workdir, port: int, nnodes: str, *extra: str, steps: int = 30, sleep: float = 0.05,
+               rdzv_conf: str = "last_call_timeout=1") -> list[str]:
+    return ["run", "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "meshjob", "--rdzv-conf", rdzv_conf, "--max-restarts", "3", "--grace-period", "2",
+            "--log-dir", str(workdir / "logs"), *extra, str(workdir / "train_state.py"), "--no-state",
+            "--steps", str(steps), "--sleep", str(sleep), "--out", str(workdir / "out.txt")]
+
+
+def test_two_agents_on_loopback_form_one_job(workdir, launch) -> None:
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    a = launch(agent_args(workdir, port, "2", steps=5, sleep=0), workdir, env)
+    b = launch(agent_args(workdir, port, "2", steps=5, sleep=0), workdir, env)
+    for item in (a, b):
+        code, out, err = item.wait(90)
+        assert code == 0, err
+    assert (workdir / "out.txt").exists()
+    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
+    assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
+
+
+def test_elastic_late_joiner_is_admitted_and_lost_node_is_survived(workdir, launch) -> None:
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    a = launch(agent_args(workdir, port, "1:2", steps=400), workdir, env)
+    logs = workdir / "logs"
+    wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start"], 60, "first attempt")
+    b = launch(agent_args(workdir, port, "1:2", steps=400), workdir, env)
+    grown = wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start" and e["nnodes"] == 2],
+                     60, "the job to grow to 2 nodes")
+    assert grown[0]["world_size"] == 2
+    # Let it train a little, then make node b vanish without a word.
+    wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "workers_started" and e.get("world_size") == 2],
+             30, "workers on both nodes")
+    time.sleep(1.0)  # a few training steps on two nodes (not a wait for a condition)
+    killed_at = time.time()
+    b.proc.send_signal(signal.SIGKILL)
+    b.proc.wait(10)
+    lost = wait_for(lambda: [e for e in read_events(logs) if e["kind"] in ("node_lost", "leave")], 30,
+                    "the coordinator to notice the lost node")
+    detect_s = lost[0]["ts"] - killed_at
+    print(f"lost node detected after {detect_s:.2f}s ({lost[0]['kind']})")
+    shrunk = wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start"
+                               and e["ts"] > killed_at and e["nnodes"] == 1], 60, "the job to re-form on 1 node")
+    assert shrunk[0]["world_size"] == 1
+    a.kill()
+
+
+def test_agent_with_wrong_secret_is_refused_clearly(workdir, launch) -> None:
+    port = free_port()
+    a = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="join_timeout=8"), workdir,
+               clean_env(UNICRON_SECRET=SECRET))
+    b = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="join_timeout=8"), workdir,
+               clean_env(UNICRON_SECRET="not-the-secret"))
+    code_b, _, err_b = b.wait(60)
+    code_a, _, err_a = a.wait(60)
+    assert code_b != 0 and "no coordinator answered" in err_b
+    assert code_a != 0 and "rendezvous timed out" in err_a
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_stops_everything_and_leaves_no_orphans(workdir, launch, sig, code) -> None:
+    (workdir / "spawner.py").write_text(
+        "import subprocess, sys, time, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[0]])\n"
+        "print('ready', flush=True)\n"
+        "while True:\n    time.sleep(0.1)\n")
+    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "3",
+                   "--log-dir", str(workdir / "logs"), str(workdir / "spawner.py")], workdir)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"], 60, "workers")
+    time.sleep(1.0)  # let the workers start their grandchildren (not a condition wait)
+    item.proc.send_signal(sig)
+    rc, _, err = item.wait(30)
+    assert rc == code, err
+    assert "interrupted" in err

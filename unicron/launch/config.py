@@ -1,0 +1,428 @@
+"""Resolve `unicron run`'s arguments once into a frozen ``LaunchConfig``.
+
+Precedence for every option: flag > environment (``PET_*`` for torchrun's options exactly as
+torchrun reads them, ``UNICRON_*`` for unicron's) > Slurm (``SLURM_*``, only a few values) >
+``--config`` file > default. A bad value names where it came from, e.g.
+``UNICRON_HANG_FACTOR: not a number: 'x'``. Then torchrun's own rewrites are applied
+(``--standalone``; a single-node static job without endpoint or port becomes a local c10d one)
+and contradictions are refused with one clear ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import sys
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unicron.errors import ConfigError, UsageError
+from unicron.launch.args import BY_DEST, BY_FLAG, InjectSpec, RdzvConf, StdSpec, split_endpoint
+from unicron.launch.commands import split_argv
+from unicron.launch.slurm import slurm_info
+
+DEFAULT_PORTS = {"c10d": 29400, "etcd": 2379, "etcd-v2": 2379}  # torchrun's; static needs an explicit port
+DeviceProbe = Callable[[str], "int | None"]  # kind (cpu|cuda|xpu|accelerator) -> count, None if absent
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything `unicron run` was asked to do, resolved and checked. Immutable."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    python_exec: str = sys.executable  # PYTHON_EXEC, as in torchrun
+    # sizes
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int | None = None  # None: the coordinator assigns one
+    # rendezvous
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "localhost:0"
+    rdzv_host: str = "localhost"
+    rdzv_port: int = 0  # 0: the hosting agent binds any free port
+    rdzv_id: str = "none"
+    rdzv_conf: RdzvConf = RdzvConf()
+    standalone: bool = False
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    local_addr: str | None = None
+    # supervision (torchrun's)
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    role: str = "default"
+    log_dir: str | None = None
+    redirects: StdSpec = StdSpec()
+    tee: StdSpec = StdSpec()
+    local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    start_method: str = "spawn"
+    virtual_local_rank: bool = False
+    log_line_prefix_template: str | None = None  # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
+    event_log_handler: str = "null"
+    logs_specs: str | None = None
+    numa_binding: str | None = None
+    # unicron's own
+    injects: tuple[InjectSpec, ...] = ()
+    no_inject: bool = False
+    grace_period: float = 5.0
+    hang_factor: float = 5.0
+    hang_floor: float = 10.0
+    hang_warmup_steps: int = 3
+    first_step_timeout: float = 300.0
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 3.0
+    secret: bytes = field(default=b"", repr=False)
+    secret_source: str = "generated"  # the flag/variable it came from, or "generated"
+    secret_file: str | None = None
+    coordinator: str | None = None
+    weight: float = 1.0
+    warm: bool = True
+    metrics_port: int | None = None
+    status_line: str = "auto"
+    config_file: str | None = None
+    sources: tuple[tuple[str, str], ...] = ()  # option -> where its value came from (non-defaults)
+    warnings: tuple[str, ...] = ()  # to print once at start (ignored flags and the like)
+
+    @property
+    def fixed_world_size(self) -> int | None:
+        """WORLD_SIZE when the node count is fixed; None for an elastic MIN:MAX job."""
+        return self.max_nodes * self.nproc_per_node if self.min_nodes == self.max_nodes else None
+
+    @property
+    def uses_boot(self) -> bool:
+        """Whether workers start under unicron.worker.boot (hooks, step reports, injection)."""
+        return not self.no_inject and not (self.no_python and not self.run_path)
+
+    @property
+    def inject_env(self) -> str:
+        """The UNICRON_INJECT value for the first attempt ("" when nothing is injected)."""
+        return ";".join(str(spec) for spec in self.injects)
+
+    def source(self, dest: str) -> str:
+        return dict(self.sources).get(dest, "default")
+
+
+_CLI, _ENV, _SLURM, _FILE, _DEFAULT = range(5)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class _Resolver:
+    """Finds each option's value in the layers, converting and labelling it."""
+
+    def __init__(self, given: Mapping[str, object], spelling: Mapping[str, str], environ: Mapping[str, str],
+                 slurm: Mapping[str, tuple[str, str]], file_values: Mapping[str, Any], file_path: str | None):
+        self.given, self.spelling, self.environ = given, spelling, environ
+        self.slurm, self.file_values, self.file_path = slurm, file_values, file_path
+        self.labels: dict[str, str] = {}
+        self.ranks: dict[str, int] = {}
+
+    def get(self, dest: str) -> Any:
+        value, label, rank = self._find(dest)
+        self.labels[dest], self.ranks[dest] = label, rank
+        return value
+
+    def _find(self, dest: str) -> tuple[Any, str, int]:
+        opt = BY_DEST[dest]
+        if dest in self.given:
+            label = self.spelling[dest]
+            raw = self.given[dest]
+            if not opt.takes_value:
+                return True, label, _CLI
+            assert opt.convert is not None
+            if opt.repeat:
+                assert isinstance(raw, list)
+                return tuple(_convert(opt.convert, str(r), label, UsageError) for r in raw), label, _CLI
+            return _convert(opt.convert, str(raw), label, UsageError), label, _CLI
+        for var in opt.envs:
+            text = self.environ.get(var, "")
+            if text.strip():  # an empty variable counts as unset
+                return _from_text(opt, text, var, pet=var.startswith("PET_")), var, _ENV
+        if dest in self.slurm:
+            text, var = self.slurm[dest]
+            return _from_text(opt, text, var, pet=False), var, _SLURM
+        key = opt.name[2:]
+        if key in self.file_values:
+            label = f"{self.file_path}: {key}"
+            return _from_file(opt, self.file_values[key], label), label, _FILE
+        if not opt.takes_value:
+            return False, "default", _DEFAULT
+        if opt.repeat:
+            return (), "default", _DEFAULT
+        assert opt.convert is not None
+        default = opt.convert(opt.default) if isinstance(opt.default, str) else opt.default
+        return default, "default", _DEFAULT
+
+
+def _convert(convert: Callable[[str], object], text: str, label: str, error: type[UsageError]) -> Any:
+    try:
+        return convert(text)
+    except ValueError as err:
+        raise error(f"{label}: {err}") from None
+
+
+def _from_text(opt: Any, text: str, label: str, *, pet: bool) -> Any:
+    if not opt.takes_value:
+        if pet:  # torchrun's check_env: an integer, true when non-zero
+            if not text.strip().lstrip("-").isdigit():
+                raise ConfigError(f"{label}: expected an integer (1 on, 0 off); got {text!r}")
+            return int(text) != 0
+        if text.strip().lower() in _TRUE + _FALSE:
+            return text.strip().lower() in _TRUE
+        raise ConfigError(f"{label}: expected 1/0, true/false, yes/no; got {text!r}")
+    if opt.repeat:
+        items = [p for p in text.replace(",", ";").split(";") if p.strip()]
+        return tuple(_convert(opt.convert, p, label, ConfigError) for p in items)
+    return _convert(opt.convert, text, label, ConfigError)
+
+
+def _from_file(opt: Any, value: Any, label: str) -> Any:
+    if not opt.takes_value:
+        if isinstance(value, bool):
+            return value
+        return _from_text(opt, str(value), label, pet=False)
+    if opt.repeat:
+        items = value if isinstance(value, list) else [value]
+        return tuple(_from_file_scalar(opt, item, label) for item in items)
+    return _from_file_scalar(opt, value, label)
+
+
+def _from_file_scalar(opt: Any, value: Any, label: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError(f"{label}: expected a string or number, got {json.dumps(value)}")
+    return _convert(opt.convert, str(value), label, ConfigError)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Settings from a TOML, YAML or JSON file, keyed by long flag name (dashes or underscores)."""
+    suffix = Path(path).suffix.lower()
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file: {err.strerror or err}") from None
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            data: Any = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{path}: config file must end in .toml, .yaml, .yml or .json")
+    except ConfigError:
+        raise
+    except Exception as err:  # each parser has its own error type; all mean "not valid"
+        raise ConfigError(f"{path}: not valid {suffix[1:].upper()}: {str(err).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of settings at the top level")
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        name = "--" + str(key).replace("_", "-")
+        if name not in BY_FLAG or name == "--config":
+            import difflib
+
+            close = difflib.get_close_matches(name, [f for f in BY_FLAG if f.startswith("--")], n=1)
+            hint = f" (did you mean {close[0][2:]}?)" if close else ""
+            raise ConfigError(f"{path}: unknown setting {key!r}{hint}")
+        settings[BY_FLAG[name].name[2:]] = value
+    return settings
+
+
+def default_probe(kind: str) -> int | None:
+    """How many devices of ``kind`` this machine has (None: not available), as torchrun counts."""
+    if kind == "cpu":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    import torch  # only for auto/gpu/xpu: keeps the common path fast
+
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else None
+    if kind == "xpu":
+        return torch.xpu.device_count() if torch.xpu.is_available() else None
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return int(accelerator.device_count()) if accelerator.is_available() else None
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
+def resolve_nproc(spec: str, probe: DeviceProbe, label: str) -> int:
+    """torchrun's determine_local_world_size: an integer, or a device count."""
+    if spec.isdigit():
+        return int(spec)
+    if spec in ("gpu", "xpu"):
+        count = probe("cuda" if spec == "gpu" else "xpu")
+        if count is None:
+            raise UsageError(f"{label}: {spec}: {'CUDA' if spec == 'gpu' else 'XPU'} is not available")
+    elif spec == "auto":
+        count = probe("accelerator")
+        count = probe("cpu") if count is None else count
+    else:
+        count = probe("cpu")
+    if not count:
+        raise UsageError(f"{label}: {spec}: found no devices")
+    return count
+
+
+def _read_secret(path: str, label: str, warnings: list[str]) -> bytes:
+    try:
+        data = Path(path).read_bytes().strip()
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise UsageError(f"{label}: cannot read secret file {path}: {err.strerror or err}") from None
+    if not data:
+        raise UsageError(f"{label}: secret file {path} is empty")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        warnings.append(f"secret file {path} is readable by others; chmod 600 it")
+    return data
+
+
+def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
+                   probe: DeviceProbe = default_probe) -> LaunchConfig:
+    """Parse `unicron run` arguments (without the `run`) against ``environ``. Raises
+    ``UsageError``/``ConfigError`` with one clear line, or ``HelpRequested``."""
+    split = split_argv(argv)
+    config_path = split.given.get("config") or environ.get("UNICRON_CONFIG", "").strip() or None
+    file_values = load_config_file(str(config_path)) if config_path else {}
+    slurm = slurm_info(environ)
+    slurm_layer: dict[str, tuple[str, str]] = {}
+    if slurm is not None:
+        slurm_layer["rdzv_id"] = (slurm.job_id, "SLURM_JOB_ID")
+        for dest, value in (("nnodes", slurm.nnodes), ("node_rank", slurm.node_rank)):
+            if value is not None:
+                slurm_layer[dest] = (value, slurm.source[dest])
+    r = _Resolver(split.given, split.spelling, environ, slurm_layer, file_values,
+                  str(config_path) if config_path else None)
+    warnings: list[str] = []
+    v: dict[str, Any] = {o.dest: r.get(o.dest) for o in BY_DEST.values()}
+    label = r.labels
+    min_nodes, max_nodes = v["nnodes"]
+    nproc = resolve_nproc(v["nproc_per_node"], probe, label["nproc_per_node"])
+
+    # Which program to start (torchrun: --run-path wins over --no-python; -m with --no-python fails).
+    if v["no_python"] and v["module"] and not v["run_path"]:
+        raise UsageError(f"{label['no_python']} and {label['module']} cannot be used together")
+    if v["run_path"] and v["module"]:
+        raise UsageError(f"{label['run_path']} runs a file; it cannot be combined with {label['module']}")
+    script = split.script
+    if not (v["module"] or (v["no_python"] and not v["run_path"])) and not os.path.isfile(script):
+        raise UsageError(f"training script not found: {script}")
+
+    # Rendezvous, with torchrun's rewrites.
+    backend, endpoint, rdzv_id = v["rdzv_backend"], v["rdzv_endpoint"].strip(), v["rdzv_id"]
+    if v["standalone"]:
+        if max_nodes > 1:
+            raise UsageError(f"{label['standalone']} runs a single node; it contradicts "
+                             f"{label['nnodes']} {min_nodes}:{max_nodes}")
+        for dest in ("rdzv_backend", "rdzv_endpoint", "rdzv_id"):
+            if r.ranks[dest] != _DEFAULT:
+                warnings.append(f"{label[dest]} is ignored with {label['standalone']} (as in torchrun)")
+        backend, endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif backend == "static" and not endpoint and v["master_port"] is None and max_nodes == 1:
+        backend, endpoint = "c10d", "localhost:0"  # torchrun: a one-node static job runs locally
+        rdzv_id = rdzv_id if r.ranks["rdzv_id"] != _DEFAULT else str(uuid.uuid4())
+    if slurm is not None and slurm.first_host and not endpoint and backend != "static":
+        endpoint, label["rdzv_endpoint"] = slurm.first_host, slurm.source["first_host"]
+    master_addr = v["master_addr"]
+    if slurm is not None and slurm.first_host and r.ranks["master_addr"] == _DEFAULT:
+        master_addr, label["master_addr"] = slurm.first_host, slurm.source["first_host"]
+    master_port = 29500 if v["master_port"] is None else v["master_port"]
+    if backend == "static" and not endpoint:
+        endpoint, label["rdzv_endpoint"] = f"{master_addr}:{master_port}", label["master_addr"]
+    elif r.ranks["master_addr"] != _DEFAULT:
+        warnings.append(f"{label['master_addr']} is only used by the static backend without --rdzv-endpoint")
+    try:
+        rdzv_host, rdzv_port = split_endpoint(endpoint or "localhost", DEFAULT_PORTS.get(backend))
+    except ValueError as err:
+        raise UsageError(f"{label['rdzv_endpoint']}: {err}") from None
+    if rdzv_port == 0 and max_nodes > 1:
+        raise UsageError(f"{label['rdzv_endpoint']}: port 0 cannot be found by the other nodes; give a port")
+    node_rank = v["node_rank"]
+    if node_rank is not None and node_rank >= max_nodes:
+        raise UsageError(f"{label['node_rank']}: node rank {node_rank} must be below the number of nodes "
+                         f"({max_nodes}, from {label['nnodes']})")
+
+    # unicron's own settings.
+    injects, world = v["inject"], (max_nodes * nproc if min_nodes == max_nodes else None)
+    if injects and v["no_inject"]:
+        raise UsageError(f"{label['inject']} needs unicron's worker hooks; it contradicts {label['no_inject']}")
+    if injects and v["no_python"] and not v["run_path"]:
+        raise UsageError(f"{label['inject']} needs a Python worker; it contradicts {label['no_python']}")
+    for spec in injects:
+        if world is not None and spec.rank is not None and spec.rank >= world:
+            raise UsageError(f"{label['inject']}: {spec}: rank {spec.rank} does not exist (world size {world})")
+    if v["heartbeat_timeout"] <= v["heartbeat_interval"]:
+        raise UsageError(f"{label['heartbeat_timeout']} ({v['heartbeat_timeout']:g}s) must be longer than "
+                         f"{label['heartbeat_interval']} ({v['heartbeat_interval']:g}s)")
+    grace, shutdown = v["grace_period"], v["shutdown_timeout"]
+    if r.ranks["shutdown_timeout"] == r.ranks["grace_period"] == _CLI and float(shutdown) != grace:
+        raise UsageError(f"{label['grace_period']} {grace:g} contradicts {label['shutdown_timeout']} {shutdown}")
+    if r.ranks["shutdown_timeout"] < r.ranks["grace_period"]:
+        grace, label["grace_period"] = float(shutdown), label["shutdown_timeout"]
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if v["virtual_local_rank"] and visible is not None and nproc > len(visible.split(",")):
+        raise UsageError(f"{label['virtual_local_rank']}: {nproc} workers but CUDA_VISIBLE_DEVICES={visible}")
+    log_dir = v["log_dir"]
+    if log_dir is not None and os.path.isfile(log_dir):
+        raise UsageError(f"{label['log_dir']}: {log_dir} is a file, not a directory")
+    for dest, why in (("logs_specs", "unicron writes torchrun's default log layout"),
+                      ("numa_binding", "unicron does not bind workers to NUMA nodes"),
+                      ("event_log_handler", "unicron writes its own event log"),
+                      ("duplicate_stdout_filters", "filtered copies of log lines are not implemented yet"),
+                      ("duplicate_stderr_filters", "filtered copies of log lines are not implemented yet")):
+        if r.ranks[dest] != _DEFAULT:
+            warnings.append(f"{label[dest]} is ignored: {why}")
+
+    # The job secret: flag > UNICRON_SECRET > UNICRON_SECRET_FILE / config file > random (one node).
+    secret_file, env_secret = v["secret_file"], environ.get("UNICRON_SECRET", "").strip()
+    if secret_file is not None and (r.ranks["secret_file"] == _CLI or not env_secret):
+        secret, secret_source = _read_secret(secret_file, label["secret_file"], warnings), label["secret_file"]
+    elif env_secret:
+        secret, secret_source, secret_file = env_secret.encode(), "UNICRON_SECRET", None
+    elif max_nodes == 1 and v["coordinator"] is None:
+        secret, secret_source = secrets.token_hex(32).encode(), "generated"
+    else:
+        why = f"{label['coordinator']} {v['coordinator']}" if v["coordinator"] else f"{max_nodes} nodes"
+        raise UsageError(f"this job ({why}) needs the same secret on every node: set UNICRON_SECRET or "
+                         "pass --secret-file PATH")
+
+    return LaunchConfig(
+        script=script, script_args=tuple(split.script_args), module=v["module"], no_python=v["no_python"],
+        run_path=v["run_path"], python_exec=environ.get("PYTHON_EXEC") or sys.executable,
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, node_rank=node_rank,
+        rdzv_backend=backend, rdzv_endpoint=f"{rdzv_host}:{rdzv_port}", rdzv_host=rdzv_host,
+        rdzv_port=rdzv_port, rdzv_id=rdzv_id, rdzv_conf=v["rdzv_conf"], standalone=v["standalone"],
+        master_addr=master_addr, master_port=master_port, local_addr=v["local_addr"],
+        max_restarts=v["max_restarts"], monitor_interval=v["monitor_interval"], role=v["role"],
+        log_dir=log_dir, redirects=v["redirects"], tee=v["tee"], local_ranks_filter=v["local_ranks_filter"],
+        duplicate_stdout_filters=v["duplicate_stdout_filters"],
+        duplicate_stderr_filters=v["duplicate_stderr_filters"], signals_to_handle=v["signals_to_handle"],
+        start_method=v["start_method"], virtual_local_rank=v["virtual_local_rank"],
+        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        event_log_handler=v["event_log_handler"], logs_specs=v["logs_specs"], numa_binding=v["numa_binding"],
+        injects=injects, no_inject=v["no_inject"], grace_period=grace, hang_factor=v["hang_factor"],
+        hang_floor=v["hang_floor"], hang_warmup_steps=v["hang_warmup_steps"],
+        first_step_timeout=v["first_step_timeout"], heartbeat_interval=v["heartbeat_interval"],
+        heartbeat_timeout=v["heartbeat_timeout"], secret=secret, secret_source=secret_source,
+        secret_file=secret_file, coordinator=v["coordinator"], weight=v["weight"], warm=not v["no_warm"],
+        metrics_port=v["metrics_port"], status_line=v["status_line"],
+        config_file=str(config_path) if config_path else None,
+        sources=tuple(sorted((k, s) for k, s in label.items() if s != "default")),
+        warnings=tuple(warnings),
+    )
