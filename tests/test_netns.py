@@ -1,0 +1,126 @@
+"""Two agents in separate network namespaces (real network separation over a veth pair):
+they form one job, and a partition leaves exactly one job going forward."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from e2e import clean_env, read_events, unicron_cmd, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.netns]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[str, str, str, str]]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for network namespaces")
+    tag = f"uc{os.getpid() % 100000}"
+    ns_a, ns_b = f"{tag}a", f"{tag}b"
+    octet = os.getpid() % 250 + 1
+    addr_a, addr_b = f"10.213.{octet}.1", f"10.213.{octet}.2"
+    try:
+        _ip("netns", "add", ns_a)
+    except subprocess.CalledProcessError as err:
+        pytest.skip(f"cannot create network namespaces here: {err.stderr.strip()}")
+    try:
+        _ip("netns", "add", ns_b)
+        _ip("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
+        _ip("link", "set", f"{tag}va", "netns", ns_a)
+        _ip("link", "set", f"{tag}vb", "netns", ns_b)
+        for ns, dev, addr in ((ns_a, f"{tag}va", addr_a), (ns_b, f"{tag}vb", addr_b)):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield ns_a, ns_b, addr_a, addr_b
+    finally:
+        for ns in (ns_a, ns_b):
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)
+
+
+def _free_port_in(ns: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                          "import socket; s=socket.socket(); s.bind(('0.0.0.0', 0)); print(s.getsockname()[1])"],
+                         capture_output=True, text=True, check=True, timeout=20).stdout
+    return int(out)
+
+
+def _agent(ns: str, addr: str, endpoint: str, workdir, nnodes: str, steps: int, logs: str) -> subprocess.Popen[str]:
+    cmd = ["ip", "netns", "exec", ns, *unicron_cmd(
+        "run", "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "nsjob",
+        "--local-addr", addr, "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "2", "--grace-period", "2",
+        "--log-dir", str(workdir / logs), str(workdir / "train_state.py"), "--no-state", "--steps", str(steps),
+        "--sleep", "0.05", "--out", str(workdir / "out.txt"))]
+    # As with torchrun, gloo must be told which interface reaches the other hosts.
+    env = clean_env(UNICRON_SECRET="netns-secret", GLOO_SOCKET_IFNAME=f"{ns[:-1]}v{ns[-1]}")
+    return subprocess.Popen(cmd, cwd=workdir, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _reap(*procs: subprocess.Popen[str]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.communicate()
+
+
+def test_agents_in_two_namespaces_form_one_job(two_hosts, workdir) -> None:
+    ns_a, ns_b, addr_a, addr_b = two_hosts
+    endpoint = f"{addr_a}:{_free_port_in(ns_a)}"
+    a = _agent(ns_a, addr_a, endpoint, workdir, "2", 5, "logs_a")
+    b = _agent(ns_b, addr_b, endpoint, workdir, "2", 5, "logs_b")
+    try:
+        out_a, err_a = a.communicate(timeout=120)
+        out_b, err_b = b.communicate(timeout=60)
+        assert a.returncode == 0, err_a
+        assert b.returncode == 0, err_b
+        starts = [e for e in read_events(workdir / "logs_a") if e["kind"] == "attempt_start"]
+        assert starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
+        joins = {e["host"] for e in read_events(workdir / "logs_a") if e["kind"] == "join"}
+        assert joins == {addr_a, addr_b}
+    finally:
+        _reap(a, b)
+
+
+def test_partition_leaves_one_job_going_forward(two_hosts, workdir) -> None:
+    ns_a, ns_b, addr_a, addr_b = two_hosts
+    endpoint = f"{addr_a}:{_free_port_in(ns_a)}"
+    a = _agent(ns_a, addr_a, endpoint, workdir, "1:2", 100000, "logs_a")
+    b = _agent(ns_b, addr_b, endpoint, workdir, "1:2", 100000, "logs_b")
+    logs = workdir / "logs_a"
+    try:
+        wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start" and e["nnodes"] == 2],
+                 90, "a 2-node attempt")
+        cut_at = time.time()
+        _ip("-n", ns_b, "link", "set", f"{ns_b[:-1]}vb", "down")  # the partition
+        wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "node_lost"], 30, "node b declared lost")
+        wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start"
+                          and e["ts"] > cut_at and e["nnodes"] == 1], 60, "the job to go on with node a alone")
+        # The cut-off node must stop on its own: it cannot see the coordinator, so it cannot go on.
+        b.wait(60)
+        _, err_b = b.communicate()
+        assert b.returncode != 0
+        assert "lost the coordinator" in err_b
+        assert a.poll() is None  # the job goes on, once, on node a
+    finally:
+        _reap(a, b)
