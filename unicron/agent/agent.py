@@ -119,7 +119,9 @@ class Agent:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     def _coordinator_timeout(self) -> float:
-        return max(3 * self.s.heartbeat_timeout_s, 10.0)
+        # Generous: the coordinator answers every heartbeat, so silence this long means it is gone
+        # (or cut off from us); a busy coordinator on a loaded host must not look lost.
+        return max(5 * self.s.heartbeat_timeout_s, 15.0)
 
     # ---- coordinator messages ------------------------------------------------------
     def _drain_coordinator(self, dealer: zmq.Socket) -> int | None:
@@ -202,12 +204,17 @@ class Agent:
         group = self.group
         stacks: dict[str, str] = {}
         if group is not None and group.spec.attempt == body["attempt"]:
+            # Report ranks that already died before we kill the rest: the root cause is often
+            # among them (a SIGKILLed rank), while its peers' exceptions only echo it.
+            for fault in group.poll(time.time())[0]:
+                self._report(fault)
             if body["want_stacks"]:
                 stacks = group.dump_stacks()
             self._stop_group(reason=body["reason"])
         self.ui.warn(f"stopping attempt {body['attempt']}: {body['reason']}")
+        snapshots, sizes = _scan_snapshots(self.shm_dir)
         self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],
-                               "snapshots": _scan_snapshots(self.shm_dir), "stacks": stacks})
+                               "snapshots": snapshots, "stacks": stacks, "snapshot_bytes": sizes})
 
     # ---- workers -------------------------------------------------------------------
     def _drain_workers(self, pull: zmq.Socket) -> None:
@@ -309,22 +316,29 @@ def _fault_line(fault: dict[str, Any]) -> str:
     return f"{fault.get('kind')} on {who} at step {fault.get('steps_completed', '?')}: {what}"
 
 
-def _scan_snapshots(root: str) -> dict[str, list[int]]:
-    """Steps with a complete snapshot, per global rank (files exist only once fully written)."""
+def _scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Steps with a complete snapshot, per global rank (files exist only once fully written),
+    and the bytes held per step over all local ranks."""
     found: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
     try:
         entries = os.listdir(root)
     except OSError:
-        return found
+        return found, sizes
     for entry in entries:
         if not entry.startswith("rank") or not entry[4:].isdigit():
             continue
         steps = []
         for name in os.listdir(os.path.join(root, entry)):
             if name.startswith("step") and name.endswith(".pt") and name[4:-3].isdigit():
-                steps.append(int(name[4:-3]))
+                step = int(name[4:-3])
+                steps.append(step)
+                try:
+                    sizes[str(step)] = sizes.get(str(step), 0) + os.path.getsize(os.path.join(root, entry, name))
+                except OSError:
+                    pass
         found[entry[4:]] = sorted(steps)
-    return found
+    return found, sizes
 
 
 def _shm_dir(run_id: str) -> str:

@@ -38,6 +38,7 @@ def run_agent(s: AgentSettings) -> int:
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
     ui = AgentUI(s.status_line)
     server: CoordinatorServer | None = None
+    metrics: Any = None
     secret_file: str | None = None
     for warning in s.warnings:
         ui.warn(warning)
@@ -50,11 +51,18 @@ def run_agent(s: AgentSettings) -> int:
                                      secret_file=secret_file, log_dir=events_dir, started_at=time.time()))
                 server.start()
                 ui.info(f"coordinator for job {s.run_id} on port {server.port}; events in {events.path}")
+                if s.metrics_port is not None:
+                    from unicron.status.metrics import start_metrics_server
+
+                    metrics, mport = start_metrics_server(s.metrics_port, server.metrics)
+                    ui.info(f"metrics on http://{_display_host(s)}:{mport}/metrics")
             events.emit("agent_start", endpoint=endpoint, nproc=s.nproc, pid=os.getpid(),
                         coordinator=server is not None)
             agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals)
             return agent.run()
         finally:
+            if metrics is not None:
+                metrics.stop()
             if server is not None:
                 # Let the coordinator tell the other nodes the job is over before it goes.
                 if server.thread is not None:

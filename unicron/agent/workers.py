@@ -121,8 +121,10 @@ class WorkerGroup:
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
             if r.rank not in self.reported_exc:
                 self.reported_exc.add(r.rank)
+                sent = msg.get("ts")
+                latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
                 return self._fault(r, "exception", now, message=f"{msg.get('type')}: {msg.get('msg')}",
-                                   error_type=msg.get("type"), traceback=msg.get("tb"))
+                                   error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
         elif t == "snap" and isinstance(msg.get("step"), int):
             r.snapshot_step = msg["step"]
         return None
@@ -151,7 +153,7 @@ class WorkerGroup:
             if r.exitcode is None:
                 r.state = "hung"
         return {"kind": "hang", "rank": None, "host": self.host, "ts": now, "attempt": self.spec.attempt,
-                "message": verdict.message, "progress": self.progress(), "steps_completed": min((r.step for r in self.ranks.values()), default=0)}
+                "message": verdict.message, "progress": self.progress(), "latency_s": round(verdict.stalled_s, 3), "steps_completed": min((r.step for r in self.ranks.values()), default=0)}
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:

@@ -23,6 +23,8 @@ def register(app: typer.Typer) -> None:
                                         "(else $UNICRON_SECRET)."),
         log_dir: str = typer.Option("", "--log-dir", help="Where each job's events.jsonl goes "
                                     "(default: a temporary directory)."),
+        metrics_port: int = typer.Option(-1, "--metrics-port", help="Serve Prometheus metrics on this port "
+                                         "(0: any free port; default: off)."),
     ) -> int:
         """Serve the jobs whose agents join with `unicron run --coordinator HOST:PORT`."""
         from unicron.coord.decide import DetectDecider
@@ -59,11 +61,19 @@ def register(app: typer.Typer) -> None:
             signal.signal(sig, lambda *_: stop.set())
         typer.echo(f"unicron coordinator listening on {_shown(host)}:{server.port}", err=True)
         server.start()
+        metrics = None
+        if metrics_port >= 0:
+            from unicron.status.metrics import start_metrics_server
+
+            metrics, mport = start_metrics_server(metrics_port, server.metrics)
+            typer.echo(f"metrics on http://{_shown(host)}:{mport}/metrics", err=True)
         try:
             while not stop.wait(0.2):
                 if server.thread is not None and not server.thread.is_alive():
                     break
         finally:
+            if metrics is not None:
+                metrics.stop()
             server.stop()
             for job in registered:
                 unregister_run(job)

@@ -72,7 +72,7 @@ class DetectDecider:
                                       elastic=active_nodes >= min_nodes and active_nodes > 0
                                       and any(f.kind == "node_lost" for f in parsed))
         self.history.append(decision.record(cause, classification, progress, now))
-        reason = f"{cause.where()}: {decision.reason}"
+        reason = decision.reason
         if report_text:
             reason += f" [{report_text}]"
         error = decision.to_error()

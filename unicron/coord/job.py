@@ -75,6 +75,11 @@ class JobCore:
         self.exit_code: int | None = None
         self.final_reason = ""
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=50)
+        # For metrics: detection latencies, seconds without workers, snapshot bytes restored.
+        self.detections: list[float] = []
+        self.downtime_s = 0.0
+        self.transfer_bytes = 0
+        self._down_since: float | None = None
 
     # ---- messages from agents ------------------------------------------------------
     def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -112,6 +117,8 @@ class JobCore:
             return [Emit("fault_stale", {"node_id": node_id, "attempt": body["attempt"]})]
         fault = dict(body["fault"], node_id=node_id, reported_at=now)
         attempt.faults.append(fault)
+        if isinstance(fault.get("latency_s"), (int, float)):
+            self.detections.append(float(fault["latency_s"]))
         out: list[Out] = [Emit("fault", _fault_fields(fault))]
         if self.phase is Phase.RUNNING:
             out += self._stop_attempt(_describe(fault), now, want_stacks=fault.get("kind") == "hang")
@@ -153,6 +160,7 @@ class JobCore:
         for node in self.members.expire(now):
             out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
                                           "silent_s": round(now - node.last_heartbeat, 3)}))
+            self.detections.append(now - node.last_heartbeat)
             out += self._node_gone(node.node_id, node.host, "lost",
                                    f"no heartbeat for {now - node.last_heartbeat:.1f} s", now)
         if self.phase is Phase.STOPPING and self.attempt is not None and self.attempt.stop_sent_at is not None:
@@ -184,10 +192,15 @@ class JobCore:
             return []
         number = self.next_attempt
         self.next_attempt += 1
+        for node in self.members.nodes.values():
+            node.workers = []  # the previous attempt's ranks are gone; heartbeats bring the new ones
         sizes = [n.nproc for n in nodes]
         world = sum(sizes)
         self.attempt = Attempt(number, now, [n.node_id for n in nodes], world)
         self.phase = Phase.RUNNING
+        if self._down_since is not None:
+            self.downtime_s += now - self._down_since
+            self._down_since = None
         out: list[Out] = [Emit("attempt_start", {
             "attempt": number, "world_size": world, "nnodes": len(nodes), "epoch": self.members.epoch,
             "master_port": master_port, "restore_step": self.restore_step,
@@ -202,6 +215,11 @@ class JobCore:
                 "inject": number == 0}))
             offset += node.nproc
         return out
+
+    def fail(self, reason: str, now: float) -> list[Out]:
+        """The shell could not do what the job needs (e.g. open a store): end the job."""
+        self.store_pending = False
+        return self._finish(1, reason, now)
 
     # ---- internals -----------------------------------------------------------------
     def _node_gone(self, node_id: str, host: str, how: str, why: str, now: float) -> list[Out]:
@@ -223,6 +241,7 @@ class JobCore:
         attempt = self.attempt
         assert attempt is not None
         self.phase = Phase.STOPPING
+        self._down_since = now
         attempt.stop_reason = reason
         attempt.stop_sent_at = now
         out: list[Out] = [Emit("stop", {"attempt": attempt.number, "reason": reason, "want_stacks": want_stacks})]
@@ -265,9 +284,13 @@ class JobCore:
         if attempt.faults:
             self.restarts_used += 1
             self.restarts.append({"attempt": attempt.number + 1, "ts": now, "cause": decision.reason,
-                                  "severity": decision.severity, "action": decision.action})
+                                  "severity": decision.severity, "action": decision.action,
+                                  "rule": decision.rule})
         self.restore_step = _common_snapshot_step(attempt.stopped.values(), attempt.world_size,
                                                   sum(n.nproc for n in self.members.active()))
+        if self.restore_step is not None:
+            self.transfer_bytes += sum(int(b.get("snapshot_bytes", {}).get(str(self.restore_step), 0))
+                                       for b in attempt.stopped.values())
         self.phase = Phase.WAITING
         self.waiting_since = now
         self.not_before = now + decision.backoff_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -85,6 +86,7 @@ class CoordinatorServer:
             self.sock.close(0)
             raise
         self._stop = threading.Event()
+        self._stores_ready: queue.Queue[tuple[str, int, Any, str]] = queue.Queue()
         self.thread: threading.Thread | None = None
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -110,6 +112,7 @@ class CoordinatorServer:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
+                self._start_ready_attempts()
                 now = self.clock()
                 for job_id, slot in list(self.slots.items()):
                     self._run(job_id, slot, slot.core.tick(now))
@@ -120,6 +123,18 @@ class CoordinatorServer:
             for slot in self.slots.values():
                 slot.stores.clear()
             self.sock.close(linger=2000)
+
+    def metrics(self) -> dict[str, Any]:
+        """Every job's metrics (``format_metrics`` input); called from the HTTP thread."""
+        from unicron.coord.metrics import job_metrics
+
+        jobs = []
+        for slot in list(self.slots.values()):
+            try:
+                jobs.append(job_metrics(slot.core, self.codec.dropped.counts))
+            except (RuntimeError, ValueError):  # state changed under us: skip this scrape's job
+                continue
+        return {"jobs": jobs}
 
     # ---- inbound -------------------------------------------------------------------
     def _on_frames(self, frames: list[bytes]) -> None:
@@ -195,8 +210,10 @@ class CoordinatorServer:
             elif isinstance(out, Emit):
                 slot.events.emit(out.kind, **out.fields)
             elif isinstance(out, OpenStore):
-                port = self._open_store(slot, out.attempt)
-                queue.extend(slot.core.start_attempt(self.advertise_addr, port, self.clock()))
+                # Off the loop: importing torch and binding can take seconds on a loaded host,
+                # and heartbeats must keep being answered meanwhile.
+                threading.Thread(target=self._open_store, args=(job_id, slot, out.attempt),
+                                 name="unicron-store", daemon=True).start()
             elif isinstance(out, Finish):
                 for node in slot.core.members.active():
                     identity = slot.identities.get(node.node_id)
@@ -212,15 +229,34 @@ class CoordinatorServer:
         except zmq.ZMQError as err:  # peer gone or queue full: it will time out on its side
             log.debug("send %s failed: %s", kind, err)
 
-    def _open_store(self, slot: JobSlot, attempt: int) -> int:
+    def _open_store(self, job_id: str, slot: JobSlot, attempt: int) -> None:
         """A fresh TCPStore per attempt: restarted workers can never read stale keys."""
-        from torch.distributed import TCPStore
+        try:
+            from torch.distributed import TCPStore
 
-        store = TCPStore("0.0.0.0", 0, None, True, wait_for_workers=False)
-        slot.stores[attempt] = store
-        for old in [a for a in slot.stores if a < attempt - 1]:
-            del slot.stores[old]
-        return int(store.port)
+            store = TCPStore("0.0.0.0", 0, None, True, wait_for_workers=False)
+        except Exception as err:  # reported as the job's failure, in the loop thread
+            self._stores_ready.put((job_id, attempt, None, f"cannot open the workers' store: {err}"))
+            return
+        self._stores_ready.put((job_id, attempt, store, ""))
+
+    def _start_ready_attempts(self) -> None:
+        while True:
+            try:
+                job_id, attempt, store, error = self._stores_ready.get_nowait()
+            except queue.Empty:
+                return
+            slot = self.slots.get(job_id)
+            if slot is None or slot.finished_at is not None:
+                continue
+            now = self.clock()
+            if store is None:
+                self._run(job_id, slot, slot.core.fail(error, now))
+                continue
+            slot.stores[attempt] = store
+            for old in [a for a in slot.stores if a < attempt - 1]:
+                del slot.stores[old]
+            self._run(job_id, slot, slot.core.start_attempt(self.advertise_addr, int(store.port), now))
 
 
 def _preload_store() -> None:

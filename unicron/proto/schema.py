@@ -21,7 +21,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
              "stop_timeout_s": NUM},
     "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict},
     "fault": {"node_id": str, "attempt": int, "fault": dict},
-    "stopped": {"node_id": str, "attempt": int, "snapshots": dict, "stacks": dict},
+    "stopped": {"node_id": str, "attempt": int, "snapshots": dict, "stacks": dict, "snapshot_bytes?": dict},
     "finished": {"node_id": str, "attempt": int},
     "leave": {"node_id": str, "reason": str},
     "status_req": {},

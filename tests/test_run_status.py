@@ -1,0 +1,67 @@
+"""`unicron status --json` and the Prometheus endpoint against a real job that heals."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import urllib.request
+
+import pytest
+from e2e import clean_env, read_events, unicron_cmd, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _status(workdir, env) -> dict | None:
+    proc = subprocess.run(unicron_cmd("status", "--json"), cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=30)
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout)
+
+
+def _scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return ""
+
+
+def test_status_json_and_metrics_follow_a_healing_job(workdir, launch) -> None:
+    env = clean_env(UNICRON_RUNS_DIR=str(workdir / "runs"))
+    mport = _free_port()
+    job = launch(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--metrics-port", str(mport),
+                  "--log-dir", str(workdir / "logs"), "--inject", "kill@1:8", str(workdir / "train_state.py"),
+                  "--steps", "400", "--sleep", "0.05"], workdir, env)
+    # Before the fault: the JSON snapshot names every rank with its step.
+    snap = wait_for(lambda: (s := _status(workdir, env)) and any(
+        w.get("step", 0) >= 2 for n in s["nodes"] for w in n["workers"]) and s, 90, "a status with steps")
+    ranks = sorted(w["rank"] for n in snap["nodes"] for w in n["workers"])
+    assert ranks == [0, 1]
+    assert all(isinstance(w["step"], int) for n in snap["nodes"] for w in n["workers"])
+    assert snap["job"]["state"] == "running"
+    # After the injected kill: one restart, visible in status and in metrics.
+    snap = wait_for(lambda: (s := _status(workdir, env)) and s["job"]["restarts"] == 1
+                    and s["job"]["state"] == "running" and s, 90, "the restart in status")
+    assert snap["restarts"][0]["severity"] == "SEV2"
+    text = wait_for(lambda: (t := _scrape(mport)) and "unicron_restarts_total{" in t and t, 30, "metrics")
+    assert 'unicron_restarts_total{job="' in text
+    assert "unicron_downtime_seconds_total" in text
+    assert [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    job.kill()
+
+
+def test_status_without_runs_is_a_clear_error(workdir) -> None:
+    env = clean_env(UNICRON_RUNS_DIR=str(workdir / "none"))
+    proc = subprocess.run(unicron_cmd("status", "--json"), cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode != 0
+    assert proc.stderr.count("\n") == 1 and "unicron: error:" in proc.stderr

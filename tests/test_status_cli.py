@@ -1,0 +1,315 @@
+"""`unicron status` against real sockets: silent, closed, answering, and a coordinator that goes away."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import zmq
+from rich.console import Console
+from typer.testing import CliRunner
+
+from unicron.errors import EndpointUnreachableError, ProtocolError, UnicronError
+from unicron.events import EventLog
+from unicron.proto.messages import Codec
+from unicron.runs import RunInfo, register_run
+from unicron.status.client import Target, WatchState
+from unicron.status.commands import register
+from unicron.status.samples import failing_snapshot, healed_snapshot
+from unicron.status.watch import SnapshotPoller, frame_for, run_watch
+
+JOB = "gpt-demo"
+KEY = b"test-secret-0123456789"
+
+
+def invoke(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a command as the lead's main() does: a UnicronError becomes its exit code and one line."""
+    app = typer.Typer()
+    register(app)
+    result = CliRunner().invoke(app, args, env=env, standalone_mode=False)
+    if isinstance(result.exception, UnicronError):
+        return result.exception.exit_code, str(result.exception)
+    if result.exception is not None:
+        raise result.exception
+    return 0, result.output
+
+
+Responder = Callable[[int], "dict[str, Any] | None"]
+
+
+class FakeCoordinator:
+    """A ROUTER on an OS-chosen port that answers status_req with signed snapshots.
+
+    ``respond(n)`` decides the answer to the n-th request: a snapshot, or None to stay silent
+    (as a coordinator busy in a transition, or gone, would).
+    """
+
+    def __init__(self, respond: Responder, job: str = JOB, key: bytes = KEY) -> None:
+        self.respond = respond
+        self.codec = Codec(key, "coordinator-test", job=job)
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.port = int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.requests = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if not self.sock.poll(50, zmq.POLLIN):
+                continue
+            identity, raw = self.sock.recv_multipart()
+            try:
+                msg = self.codec.decode(raw)
+            except ProtocolError:
+                continue  # as the real coordinator: drop what cannot be verified
+            if msg.kind != "status_req":
+                continue
+            n, self.requests = self.requests, self.requests + 1
+            snapshot = self.respond(n)
+            if snapshot is not None:
+                self.sock.send_multipart([identity, self.codec.encode("status", {"snapshot": snapshot})])
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.sock.close(0)
+
+
+@pytest.fixture()
+def coordinator() -> Iterator[Callable[[Responder], FakeCoordinator]]:
+    made: list[FakeCoordinator] = []
+
+    def make(respond: Responder) -> FakeCoordinator:
+        made.append(FakeCoordinator(respond))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture()
+def runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "runs"
+    monkeypatch.setenv("UNICRON_RUNS_DIR", str(d))
+    monkeypatch.delenv("UNICRON_SECRET", raising=False)
+    return d
+
+
+def register_local(tmp_path: Path, endpoint: str, pid: int, job: str = JOB) -> None:
+    secret = tmp_path / f"{job}.secret"
+    secret.write_bytes(KEY + b"\n")
+    register_run(RunInfo(job=job, endpoint=endpoint, pid=pid, secret_file=str(secret), log_dir=str(tmp_path),
+                         started_at=time.time()))
+
+
+def snapshot_with(state: str, attempt: int = 0) -> dict[str, Any]:
+    snap = healed_snapshot(time.time())
+    snap["job"].update(state=state, attempt=attempt, restarts=attempt)
+    return snap
+
+
+# -- endpoints that do not answer ------------------------------------------------------------
+
+def test_silent_endpoint_is_one_error_within_the_timeout(runs_dir: Path) -> None:
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # bound, accepts, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    port = silent.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    try:
+        start = time.monotonic()
+        code, msg = invoke(["status", "--endpoint", f"127.0.0.1:{port}", "--job", JOB, "--timeout", "0.5"],
+                           env={"UNICRON_SECRET": KEY.decode()})
+        elapsed = time.monotonic() - start
+    finally:
+        silent.close(0)
+    assert code == EndpointUnreachableError.exit_code
+    assert msg.startswith(f"no answer from 127.0.0.1:{port} within 0.5 s") and "\n" not in msg
+    assert elapsed < 3
+
+
+def test_closed_port_is_one_error_within_the_timeout(runs_dir: Path) -> None:
+    probe = zmq.Context.instance().socket(zmq.ROUTER)
+    probe.bind("tcp://127.0.0.1:0")
+    port = probe.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    probe.close(0)  # nothing listens there any more
+    start = time.monotonic()
+    code, msg = invoke(["status", "-e", f"127.0.0.1:{port}", "-j", JOB, "--json", "--timeout", "0.5"],
+                       env={"UNICRON_SECRET": KEY.decode()})
+    assert code == 5 and "no answer" in msg
+    assert time.monotonic() - start < 3
+
+
+def test_no_run_on_this_machine(runs_dir: Path) -> None:
+    code, msg = invoke(["status"])
+    assert code == 5 and msg.startswith("no unicron run found on this machine")
+
+
+def test_endpoint_needs_job_and_secret(runs_dir: Path) -> None:
+    assert invoke(["status", "-e", "127.0.0.1:1"])[0] == 2
+    code, msg = invoke(["status", "-e", "127.0.0.1:1", "--job", JOB])
+    assert code == 2 and "UNICRON_SECRET" in msg
+    code, msg = invoke(["status", "-e", "nonsense", "--job", JOB], env={"UNICRON_SECRET": "x"})
+    assert code == 5 and "expected HOST:PORT" in msg
+    code, msg = invoke(["status", "-e", "127.0.0.1:1", "--job", JOB, "--secret-file", str(runs_dir / "none")])
+    assert code == 2 and "cannot read secret file" in msg
+
+
+def test_wrong_secret_is_dropped_and_reported_as_no_answer(runs_dir: Path, coordinator) -> None:
+    c = coordinator(lambda n: snapshot_with("running"))
+    code, msg = invoke(["status", "-e", c.endpoint, "-j", JOB, "--timeout", "0.4"], env={"UNICRON_SECRET": "wrong"})
+    assert code == 5 and "are --job and the secret right?" in msg
+    assert c.requests == 0  # the signature did not verify
+
+
+# -- an answering endpoint ---------------------------------------------------------------------
+
+def test_json_snapshot_from_a_real_endpoint(runs_dir: Path, coordinator) -> None:
+    c = coordinator(lambda n: healed_snapshot(time.time()))
+    code, out = invoke(["status", "--endpoint", c.endpoint, "--job", JOB, "--json"],
+                       env={"UNICRON_SECRET": KEY.decode()})
+    assert code == 0
+    snap = json.loads(out)
+    workers = [w for node in snap["nodes"] for w in node["workers"]]
+    assert sorted(w["rank"] for w in workers) == [0, 1, 2, 3]
+    assert all(type(w["rank"]) is int and type(w["step"]) is int for w in workers)
+    assert snap["job"]["id"] == JOB and snap["job"]["state"] == "running"
+
+
+def test_rich_view_of_a_local_run_found_without_flags(runs_dir: Path, tmp_path: Path, coordinator) -> None:
+    c = coordinator(lambda n: failing_snapshot(time.time()))
+    register_local(tmp_path, c.endpoint, os.getpid())  # this process hosts the coordinator thread
+    code, out = invoke(["status"])
+    assert code == 0
+    assert "gpt-demo" in out and "restarting" in out and "Xid 79" in out and "SEV1" in out
+
+
+def test_several_local_runs_give_a_table(runs_dir: Path, tmp_path: Path, coordinator) -> None:
+    a = coordinator(lambda n: snapshot_with("running"))
+    register_local(tmp_path, a.endpoint, os.getpid(), job=JOB)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    try:
+        register_local(tmp_path, silent.getsockopt_string(zmq.LAST_ENDPOINT)[6:], os.getpid(), job="other")
+        code, out = invoke(["status", "--timeout", "0.4"])
+        assert code == 0 and "2 unicron runs" in out and "no answer" in out and "pick one with --job" in out
+        code, msg = invoke(["status", "--json"])
+        assert code == 2 and "pick one with --job" in msg
+        code, out = invoke(["status", "--json", "--job", JOB])
+        assert code == 0 and json.loads(out)["job"]["id"] == JOB
+    finally:
+        silent.close(0)
+
+
+# -- watching through a failure ------------------------------------------------------------------
+
+def test_watch_keeps_going_through_an_outage_and_exits_when_the_run_ends(runs_dir: Path, coordinator) -> None:
+    script = [snapshot_with("running"), None, None, snapshot_with("restarting", 1), snapshot_with("running", 1),
+              snapshot_with("done", 1)]
+    c = coordinator(lambda n: script[min(n, len(script) - 1)])
+    start = time.monotonic()
+    code, out = invoke(["status", "-e", c.endpoint, "-j", JOB, "--watch", "--interval", "0.05", "--timeout", "0.3"],
+                       env={"UNICRON_SECRET": KEY.decode()})
+    assert code == 0 and time.monotonic() - start < 20
+    lines = out.splitlines()
+    order = [next(i for i, line in enumerate(lines) if pattern in line)
+             for pattern in ("gpt-demo running · attempt 0", "reconnecting to", "gpt-demo restarting",
+                             "gpt-demo running · attempt 1", "run gpt-demo ended (done)")]
+    assert order == sorted(order), lines
+    assert lines[-1] == "run gpt-demo ended (done)"
+
+
+def test_watch_ends_when_the_local_coordinator_process_is_gone(runs_dir: Path, tmp_path: Path, coordinator) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def respond(n: int) -> dict[str, Any] | None:
+            if n < 2:
+                return snapshot_with("running")
+            proc.kill()  # the run dies without saying goodbye
+            proc.wait()
+            return None
+
+        c = coordinator(respond)
+        register_local(tmp_path, c.endpoint, proc.pid)
+        code, out = invoke(["status", "--watch", "--interval", "0.05", "--timeout", "0.3"])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == 0
+    assert out.splitlines()[-1] == "run gpt-demo ended (its coordinator is gone; last state: running)"
+
+
+def test_live_view_in_a_terminal_shows_reconnecting_then_the_end() -> None:
+    answers: list[Any] = [healed_snapshot(time.time()), EndpointUnreachableError("no answer from h:1 within 1 s"),
+                          failing_snapshot(time.time()), snapshot_with("done", 2)]
+
+    def fetch(target: Target, timeout_s: float) -> dict[str, Any]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    console = Console(record=True, force_terminal=True, width=110, file=io.StringIO())
+    poller = SnapshotPoller(Target(JOB, "h:1", KEY), 1.0, fetch=fetch)
+    ended = run_watch(console, poller, 0.0, wait=lambda s: None)
+    assert ended == "run gpt-demo ended (done)"
+    text = console.export_text()
+    for expected in ("gpt-demo  running", "reconnecting to h:1", "Xid 79", "run gpt-demo ended (done)"):
+        assert expected in text
+    assert text.index("reconnecting to h:1") < text.index("Xid 79")
+
+
+def test_frames_for_each_watch_state() -> None:
+    target, now = Target(JOB, "h:1", KEY), time.time()
+    state = WatchState()
+    assert "waiting for h:1" in frame_for(state, target, now).line
+    state.on_error("no answer", now - 2, run_gone=False)
+    frame = frame_for(state, target, now)
+    assert frame.line.startswith("reconnecting to h:1… (no answer for 2.0s") and not frame.ended
+    state.on_snapshot(healed_snapshot(now), now)
+    assert frame_for(state, target, now).line.startswith("gpt-demo running") and not state.reconnecting
+    state.on_error("no answer", now, run_gone=False)
+    assert frame_for(state, target, now).line.startswith("reconnecting to h:1… (last: gpt-demo running")
+    state.on_error("no answer", now, run_gone=True)
+    assert frame_for(state, target, now).ended == "run gpt-demo ended (its coordinator is gone; last state: running)"
+    ended = WatchState(snapshot=healed_snapshot(now))
+    ended.on_error("no answer", now, run_gone=True, job_end={"exit_code": 1, "reason": "restart budget spent"})
+    assert ended.ended == "run gpt-demo ended (failed, exit 1: restart budget spent)"
+
+
+def test_watch_reads_how_a_gone_run_ended_from_its_event_log(runs_dir: Path, tmp_path: Path, coordinator) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def respond(n: int) -> dict[str, Any] | None:
+            if n < 1:
+                return snapshot_with("running")
+            log = EventLog(tmp_path / "events.jsonl", job=JOB)  # what the coordinator logs as it ends
+            log.emit("job_end", exit_code=0, reason="all workers finished successfully", restarts=1)
+            log.close()
+            proc.kill()
+            proc.wait()
+            return None
+
+        c = coordinator(respond)
+        register_local(tmp_path, c.endpoint, proc.pid)  # log_dir = tmp_path
+        code, out = invoke(["status", "--watch", "--interval", "0.05", "--timeout", "0.3"])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == 0
+    assert out.splitlines()[-1] == "run gpt-demo ended (done, exit 0: all workers finished successfully)"

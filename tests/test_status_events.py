@@ -1,0 +1,137 @@
+"""`unicron events`: reading a run's events.jsonl back, filtered by kind, rank and time."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from unicron.errors import InputError, UnicronError, UsageError
+from unicron.events import EventLog
+from unicron.status.commands import register
+from unicron.status.events_view import find_events_file, parse_time
+
+NOW = 1_750_000_000.0
+
+
+def invoke(args: list[str]) -> tuple[int, str]:
+    """Run a command as the lead's main() does: a UnicronError becomes its exit code."""
+    app = typer.Typer()
+    register(app)
+    result = CliRunner().invoke(app, args, standalone_mode=False)
+    if isinstance(result.exception, UnicronError):
+        return result.exception.exit_code, str(result.exception)
+    if result.exception is not None:
+        raise result.exception
+    return 0, result.output
+
+
+@pytest.fixture()
+def run_log(tmp_path: Path) -> Path:
+    """A real event log written by EventLog, as a run would write it."""
+    path = tmp_path / "logs" / "gpt-demo" / "events.jsonl"
+    log = EventLog(path, job="gpt-demo", node="trn-a")
+    log.emit("attempt_start", ts=NOW - 600, attempt=0, world_size=4)
+    log.emit("fault", ts=NOW - 300, rank=1, kind_detail="exit", exitcode=-9, signal="SIGKILL")
+    log.emit("decision", ts=NOW - 299, attempt=0, action="restart", severity="SEV2")
+    log.emit("restored", ts=NOW - 290, ranks=[0, 1, 2, 3], step=805)
+    log.emit("fault", ts=NOW - 60, rank=3, kind_detail="hang")
+    log.close()
+    with open(path, "a") as fh:
+        fh.write('{"ts": 1, "kind": "torn')  # a crash mid-line: skipped
+    return path
+
+
+def test_parse_time_forms() -> None:
+    assert parse_time("1750000000", NOW) == 1_750_000_000.0
+    assert parse_time("1750000000.5", NOW) == 1_750_000_000.5
+    assert parse_time("-5m", NOW) == NOW - 300
+    assert parse_time("-30s", NOW) == NOW - 30
+    assert parse_time("-2h", NOW) == NOW - 7200
+    assert parse_time("-1d", NOW) == NOW - 86400
+    assert parse_time("90s ago", NOW) == NOW - 90
+    iso = datetime.fromtimestamp(NOW, tz=timezone.utc).isoformat()
+    assert parse_time(iso, NOW) == NOW
+    assert parse_time("2025-06-15T15:06:40Z", NOW) == datetime(2025, 6, 15, 15, 6, 40, tzinfo=timezone.utc).timestamp()
+    local = datetime.fromtimestamp(NOW).replace(microsecond=0).isoformat()  # naive = local time
+    assert parse_time(local, NOW) == float(int(NOW))
+    for bad in ("yesterday", "5m", "-5x", ""):
+        with pytest.raises(UsageError, match="bad time"):
+            parse_time(bad, NOW)
+
+
+def test_find_events_file_picks_the_newest_run(tmp_path: Path) -> None:
+    old = tmp_path / "run-a" / "events.jsonl"
+    new = tmp_path / "run-b" / "attempt" / "events.jsonl"
+    for p in (old, new):
+        p.parent.mkdir(parents=True)
+        p.write_text("{}\n")
+    os.utime(old, (time.time() - 100, time.time() - 100))
+    assert find_events_file(tmp_path) == new
+    assert find_events_file(old) == old
+    with pytest.raises(InputError, match="no events.jsonl under"):
+        find_events_file(_empty_dir(tmp_path))
+    with pytest.raises(InputError, match="no such file"):
+        find_events_file(tmp_path / "missing")
+
+
+def _empty_dir(base: Path) -> Path:
+    d = base / "empty"
+    d.mkdir()
+    return d
+
+
+def test_json_lines_filtered_by_kind_and_rank(run_log: Path) -> None:
+    code, out = invoke(["events", str(run_log), "--json", "--kind", "fault"])
+    assert code == 0
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["rank"] for e in events] == [1, 3]
+    code, out = invoke(["events", str(run_log.parent.parent), "--json", "--rank", "1"])
+    kinds = [json.loads(line)["kind"] for line in out.splitlines()]
+    assert kinds == ["fault", "restored"]  # "restored" names rank 1 in its ranks list
+    code, out = invoke(["events", str(run_log), "--json", "-k", "decision", "-k", "restored"])
+    assert [json.loads(line)["kind"] for line in out.splitlines()] == ["decision", "restored"]
+
+
+def test_time_window(run_log: Path) -> None:
+    since, until = str(NOW - 299.5), str(NOW - 100)
+    code, out = invoke(["events", str(run_log), "--json", "--since", since, "--until", until])
+    assert code == 0 and [json.loads(line)["kind"] for line in out.splitlines()] == ["decision", "restored"]
+    code, out = invoke(["events", str(run_log), "--json", "--last", "2"])
+    assert [json.loads(line)["ts"] for line in out.splitlines()] == [NOW - 290, NOW - 60]
+
+
+def test_relative_since_uses_the_clock(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, job="j")
+    log.emit("old", ts=time.time() - 3600)
+    log.emit("recent", ts=time.time() - 10)
+    log.close()
+    code, out = invoke(["events", str(path), "--json", "--since", "-5m"])
+    assert code == 0 and [json.loads(line)["kind"] for line in out.splitlines()] == ["recent"]
+
+
+def test_table(run_log: Path) -> None:
+    code, out = invoke(["events", str(run_log)])
+    assert code == 0
+    assert "5 events" in out
+    for text in ("attempt_start", "fault", "decision", "restored", "SIGKILL", "0,1,2,3", "trn-a"):
+        assert text in out
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(NOW - 300))
+    assert stamp in out
+
+
+def test_bad_inputs_are_one_clear_error(tmp_path: Path, run_log: Path) -> None:
+    assert invoke(["events", str(tmp_path / "nope")]) == (2, f"{tmp_path / 'nope'}: no such file or directory")
+    code, msg = invoke(["events", str(run_log), "--since", "soon"])
+    assert code == 2 and msg.startswith("bad time 'soon'")
+    code, msg = invoke(["events", str(run_log), "--since", "-1m", "--until", "-2h"])
+    assert code == 2 and "is after --until" in msg
+    code, msg = invoke(["events", str(_empty_dir(tmp_path))])
+    assert code == 2 and msg.startswith("no events.jsonl under")

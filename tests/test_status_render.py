@@ -1,0 +1,149 @@
+"""The status view, rendered with rich's recording console from sample snapshots."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from unicron.status.render import (
+    event_details,
+    fmt_age,
+    fmt_bytes,
+    fmt_duration,
+    fmt_iter_time,
+    min_step,
+    render_runs,
+    render_status,
+    sparkline,
+    steps_per_second,
+)
+from unicron.status.samples import failing_snapshot, healed_snapshot
+from unicron.status.statusline import format_status_line
+
+NOW = 1_750_000_000.0
+
+
+def capture(renderable: object, width: int = 110) -> str:
+    console = Console(record=True, width=width, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_healed_run_shows_nodes_ranks_restart_and_events() -> None:
+    text = capture(render_status(healed_snapshot(NOW), NOW))
+    assert "gpt-demo" in text and "running" in text
+    assert "restarts 1/3" in text and "attempt 1" in text
+    assert "step 812" in text
+    for host in ("trn-a", "trn-b"):
+        assert host in text
+    # one row per rank, with its pid and step
+    for pid in (48211, 48377, 30112, 30113):
+        assert str(pid) in text
+    assert "SEV2" in text and "killed by SIGKILL" in text  # the restart and its cause
+    assert "fault_kind=exit" in text and "attempt_start" in text  # latest events
+    assert "2× 96% 122G/160G" in text  # GPU health summary
+    assert any(ch in text for ch in "▁▂▃▄▅▆▇█")  # iteration-time sparkline
+
+
+def test_failure_is_visible() -> None:
+    text = capture(render_status(failing_snapshot(NOW), NOW))
+    assert "restarting" in text
+    assert "lost" in text and "Xid 79" in text
+    assert "hung" in text and text.count("failed") >= 2
+    assert "SEV1" in text and "reconfigure" in text and "no heartbeat" in text
+    assert "transition: node_lost on node trn-b" in text
+    assert "node_lost" in text
+    assert "dropped msgs 2" in text
+
+
+def test_view_is_compact_and_fits_the_width() -> None:
+    for width in (80, 110, 160):
+        text = capture(render_status(failing_snapshot(NOW), NOW), width)
+        lines = text.splitlines()
+        assert max(len(line) for line in lines) <= width
+        assert len(lines) <= 40  # 2 nodes, 4 ranks, 2 restarts, 6 events fit one screen
+        assert "" not in (line.strip("│ ") for line in lines[1:-1]), "no empty lines inside the panel"
+
+
+def test_styles_mark_bad_states() -> None:
+    console = Console(
+        record=True, width=120, file=io.StringIO(), force_terminal=True, color_system="truecolor"
+    )
+    console.print(render_status(failing_snapshot(NOW), NOW))
+    html = console.export_html(inline_styles=True)
+    # "failed" and "lost" are drawn in red, "hung" in magenta
+    assert "color: #800000" in html or "color: #ff0000" in html
+    assert "#800080" in html or "#ff00ff" in html
+
+
+def test_ended_job_says_why() -> None:
+    snap = healed_snapshot(NOW)
+    snap["job"].update(state="failed", exit_code=1, reason="restart budget spent: 3 of 3")
+    text = capture(render_status(snap, NOW))
+    assert "ended: exit 1" in text and "restart budget spent" in text
+
+
+def test_garbage_snapshot_renders_without_raising() -> None:
+    for snap in (
+        {},
+        {"job": None, "nodes": "x"},
+        {
+            "job": {"state": 3},
+            "nodes": [{"workers": [{"rank": "a"}, 5]}, 7],
+            "restarts": [None, {"ts": "x"}],
+            "events": [1, {"kind": None}],
+            "plan": [],
+        },
+    ):
+        text = capture(render_status(snap, NOW))
+        assert "unicron status" in text
+        assert format_status_line(snap, NOW)
+
+
+def test_json_round_trip_keeps_the_documented_shape() -> None:
+    snap = json.loads(json.dumps(healed_snapshot(NOW)))
+    workers = [w for node in snap["nodes"] for w in node["workers"]]
+    assert [w["rank"] for w in workers] == [0, 1, 2, 3]
+    assert all(isinstance(w["step"], int) and isinstance(w["rank"], int) for w in workers)
+    assert capture(render_status(snap, NOW)) == capture(render_status(healed_snapshot(NOW), NOW))
+
+
+def test_progress_is_the_slowest_rank() -> None:
+    snap = healed_snapshot(NOW)
+    snap["nodes"][1]["workers"][1]["step"] = 800
+    snap["nodes"][1]["workers"][1]["iter_times"] = [0.1, 0.1, 0.1]
+    assert min_step(snap) == 800
+    assert steps_per_second(snap) == 10.0
+    assert min_step({}) is None and steps_per_second({}) is None
+
+
+def test_formatters() -> None:
+    assert fmt_duration(0.42) == "0.4s"
+    assert fmt_duration(75) == "1m15s"
+    assert fmt_duration(2 * 3600 + 600) == "2h10m"
+    assert fmt_duration(3 * 86400 + 4 * 3600) == "3d04h"
+    assert fmt_age(0, NOW) == "-" and fmt_age(None, NOW) == "-" and fmt_age(NOW - 12, NOW) == "12s"
+    assert fmt_iter_time(0.052) == "52ms" and fmt_iter_time(1.5) == "1.50s" and fmt_iter_time(None) == "-"
+    assert fmt_bytes(80 * 1024**3) == "80G" and fmt_bytes(512) == "512B" and fmt_bytes(1536) == "1.5K"
+    assert event_details({"ts": 1, "kind": "k", "job": "j", "rank": 2, "msg": "a\nb"}) == "rank=2 msg=a b"
+
+
+def test_sparkline_scales_between_min_and_max() -> None:
+    assert sparkline([1, 2, 3, 4, 5, 6, 7, 8]) == "▁▂▃▄▅▆▇█"
+    assert sparkline([]) == ""
+    assert len(set(sparkline([0.05] * 5))) == 1
+    assert len(sparkline(range(100))) == 12  # only the most recent values
+    assert sparkline([1, None, "x", 3]) == "▁█"
+
+
+def test_runs_table_shows_unreachable_runs() -> None:
+    rows = [
+        ({"job": "a", "endpoint": "h:1", "started_at": NOW - 5}, healed_snapshot(NOW), ""),
+        ({"job": "b", "endpoint": "h:2", "started_at": NOW - 9}, None, "no answer"),
+    ]
+    text = capture(render_runs(rows, NOW))
+    assert "2 unicron runs" in text
+    assert "gpt-demo" not in text.split("\n")[0]
+    assert "no answer" in text and "812" in text and "1/3" in text

@@ -1,0 +1,202 @@
+"""Find the coordinators to ask, ask them for a status snapshot, and follow one over time.
+
+``Target`` names one job on one coordinator with its secret. ``WatchState`` is the pure
+memory of a ``--watch`` session: the last good snapshot, since when the coordinator has not
+answered, and whether the run has ended.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from unicron import runs
+from unicron.errors import ConfigError, EndpointUnreachableError, UsageError
+from unicron.events import EVENTS_FILE, read_events
+from unicron.proto.client import request
+
+ENDED_STATES = frozenset({"done", "failed"})
+SECRET_ENV = "UNICRON_SECRET"
+NO_RUN_MESSAGE = "no unicron run found on this machine (start one with `unicron run`, or pass --endpoint HOST:PORT)"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One job on one coordinator. ``pid`` is set for runs found on this machine."""
+
+    job: str
+    endpoint: str
+    key: bytes = field(repr=False)
+    pid: int | None = None
+    started_at: float = 0.0
+    log_dir: str = ""
+
+    def info(self) -> dict[str, Any]:
+        return {"job": self.job, "endpoint": self.endpoint, "pid": self.pid, "started_at": self.started_at,
+                "log_dir": self.log_dir}
+
+    def gone(self) -> bool:
+        """True when we know the run is over: its coordinator process or registry entry is gone.
+
+        A remote endpoint cannot be checked, so it is never known to be gone.
+        """
+        if self.pid is None:
+            return False
+        if not psutil.pid_exists(self.pid):
+            return True
+        return not any(r.job == self.job and r.pid == self.pid for r in runs.list_runs())
+
+
+    def final_event(self) -> dict[str, Any] | None:
+        """The run's ``job_end`` event from its event log (how it ended), if there is one."""
+        if not self.log_dir:
+            return None
+        path = Path(self.log_dir) / EVENTS_FILE
+        try:
+            ends = list(read_events(path, kinds={"job_end"}))
+        except OSError:
+            return None
+        return ends[-1] if ends else None
+
+
+def fetch_snapshot(target: Target, timeout_s: float) -> dict[str, Any]:
+    """Ask ``target`` for its status snapshot; EndpointUnreachableError within ``timeout_s``."""
+    try:
+        msg = request(target.endpoint, "status_req", {}, job=target.job, key=target.key,
+                      timeout_s=timeout_s, expect="status")
+    except EndpointUnreachableError as err:
+        if str(err).startswith("no answer"):
+            # A coordinator silently drops what it cannot verify, so say what else it could be.
+            raise EndpointUnreachableError(f"{err} (is it running, and are --job and the secret right?)") from None
+        raise
+    snapshot = msg.body.get("snapshot")
+    if not isinstance(snapshot, dict):
+        raise EndpointUnreachableError(f"bad answer from {target.endpoint}: no snapshot")
+    return snapshot
+
+
+RunRow = tuple[dict[str, Any], dict[str, Any] | None, str]
+
+
+def poll_targets(targets: list[Target], timeout_s: float) -> list[RunRow]:
+    """(run info, snapshot or None, error) for each target, asked one after another."""
+    rows: list[RunRow] = []
+    for target in targets:
+        try:
+            rows.append((target.info(), fetch_snapshot(target, timeout_s), ""))
+        except EndpointUnreachableError:
+            rows.append((target.info(), None, "no answer"))
+    return rows
+
+
+def _secret(secret_file: str | None, env: Mapping[str, str]) -> bytes | None:
+    if secret_file:
+        try:
+            key = runs.read_secret(secret_file)
+        except OSError as err:
+            raise ConfigError(f"cannot read secret file {secret_file}: {err.strerror or err}") from None
+        if not key:
+            raise ConfigError(f"secret file {secret_file} is empty")
+        return key
+    value = env.get(SECRET_ENV, "").strip()
+    return value.encode() if value else None
+
+
+def _local_target(info: runs.RunInfo) -> Target:
+    try:
+        key = runs.read_secret(info.secret_file)
+    except OSError as err:
+        raise ConfigError(f"run {info.job}: cannot read its secret file {info.secret_file}: "
+                          f"{err.strerror or err}") from None
+    return Target(info.job, info.endpoint, key, info.pid, info.started_at, info.log_dir)
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    def norm(ep: str) -> str:
+        ep = ep.removeprefix("tcp://")
+        host, _, port = ep.rpartition(":")
+        return f"{'127.0.0.1' if host in ('localhost', '0.0.0.0', '::', '[::]', '') else host}:{port}"
+
+    return norm(a) == norm(b)
+
+
+def resolve_targets(endpoint: str | None, job: str | None, secret_file: str | None,
+                    env: Mapping[str, str] | None = None) -> list[Target]:
+    """The jobs `unicron status` should show.
+
+    With ``endpoint``: one target; the secret comes from ``secret_file``, else UNICRON_SECRET,
+    else a run on this machine with that endpoint (which also supplies the job id).
+    Without: every run registered on this machine (only ``job`` when given).
+    """
+    env = os.environ if env is None else env
+    if endpoint is None:
+        found = [r for r in runs.list_runs() if job is None or r.job == job]
+        if not found:
+            raise EndpointUnreachableError(f"no unicron run of job {job!r} found on this machine" if job
+                                           else NO_RUN_MESSAGE)
+        return [_local_target(r) for r in found]
+    key = _secret(secret_file, env)
+    local = [r for r in runs.list_runs() if _same_endpoint(r.endpoint, endpoint) and (job is None or r.job == job)]
+    if key is None or job is None:
+        if len(local) == 1:
+            known = _local_target(local[0])
+            return [Target(job or known.job, endpoint, key or known.key, known.pid, known.started_at, known.log_dir)]
+        if job is None:
+            raise UsageError("--job ID is required with --endpoint (the coordinator may serve several jobs)")
+        raise UsageError(f"no secret for {endpoint}: set {SECRET_ENV} or pass --secret-file PATH")
+    return [Target(job, endpoint, key)]
+
+
+@dataclass
+class WatchState:
+    """What a ``--watch`` session knows, updated with every poll (pure: time is an argument)."""
+
+    snapshot: dict[str, Any] | None = None
+    last_ok_at: float | None = None
+    failing_since: float | None = None
+    error: str = ""
+    ended: str = ""  # why the watch is over ("" while it goes on)
+
+    def on_snapshot(self, snapshot: dict[str, Any], now: float) -> None:
+        self.snapshot, self.last_ok_at, self.failing_since, self.error = snapshot, now, None, ""
+        state = _job_state(snapshot)
+        if state in ENDED_STATES:
+            job = snapshot.get("job") if isinstance(snapshot.get("job"), dict) else {}
+            reason = f": {job['reason']}" if isinstance(job, dict) and job.get("reason") else ""
+            self.ended = f"run {_job_id(snapshot)} ended ({state}{reason})"
+
+    def on_error(self, error: str, now: float, *, run_gone: bool, job_end: Mapping[str, Any] | None = None) -> None:
+        """The coordinator did not answer. ``run_gone``: we know its process is gone;
+        ``job_end``: the run's final event from its log, if it wrote one."""
+        if self.failing_since is None:
+            self.failing_since = now
+        self.error = error
+        if not run_gone:
+            return
+        who = f"run {_job_id(self.snapshot)}" if self.snapshot else "the run"
+        if job_end is not None:
+            code = job_end.get("exit_code")
+            state = "done" if code == 0 else "failed"
+            reason = f": {job_end['reason']}" if job_end.get("reason") else ""
+            self.ended = f"{who} ended ({state}, exit {code}{reason})"
+        else:
+            self.ended = f"{who} ended (its coordinator is gone; last state: {_job_state(self.snapshot)})"
+
+    @property
+    def reconnecting(self) -> bool:
+        return self.failing_since is not None and not self.ended
+
+
+def _job_state(snapshot: Mapping[str, Any] | None) -> str:
+    job = snapshot.get("job") if snapshot else None
+    return str(job.get("state", "unknown")) if isinstance(job, dict) else "unknown"
+
+
+def _job_id(snapshot: Mapping[str, Any] | None) -> str:
+    job = snapshot.get("job") if snapshot else None
+    return str(job.get("id", "?")) if isinstance(job, dict) else "?"

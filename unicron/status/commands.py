@@ -1,0 +1,106 @@
+"""The `unicron status` and `unicron events` commands (registered on the lead's typer app)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from unicron.errors import InputError, UsageError
+from unicron.events import read_events
+from unicron.status.client import fetch_snapshot, poll_targets, resolve_targets
+from unicron.status.events_view import TIME_HELP, find_events_file, parse_time, render_events_table
+from unicron.status.render import render_runs, render_status
+from unicron.status.watch import RunsPoller, SnapshotPoller, run_watch
+
+
+def _console() -> Console:
+    # Built per call, so a test runner's redirected stdout is the one written to.
+    return Console(file=sys.stdout, highlight=False)
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, default=str, separators=(",", ":"))
+
+
+def status(
+    endpoint: Annotated[str | None, typer.Option("--endpoint", "-e", metavar="HOST:PORT",
+                                                 help="Coordinator to ask (default: the runs on this machine).")] = None,
+    job: Annotated[str | None, typer.Option("--job", "-j", metavar="ID", help="Job id (rdzv id) to show.")] = None,
+    secret_file: Annotated[str | None, typer.Option("--secret-file", metavar="PATH",
+                                                    help="Job secret for --endpoint (default: $UNICRON_SECRET).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one snapshot as JSON and exit.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Keep the view live until the run ends or Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option("--interval", metavar="S", help="Seconds between polls with --watch.")] = 1.0,
+    timeout: Annotated[float, typer.Option("--timeout", metavar="S", help="Seconds to wait for each answer.")] = 3.0,
+) -> int:
+    """Show what a unicron job is doing: nodes, ranks, restarts, plan and latest events."""
+    if interval <= 0 or timeout <= 0:
+        raise UsageError("--interval and --timeout must be positive")
+    if as_json and watch:
+        raise UsageError("--json and --watch cannot be combined (use --watch, or poll --json yourself)")
+    targets = resolve_targets(endpoint, job, secret_file)
+    console = _console()
+    if as_json:
+        if len(targets) > 1:
+            raise UsageError(f"{len(targets)} runs on this machine: pick one with --job "
+                             f"({', '.join(t.job for t in targets)})")
+        print(_dump(fetch_snapshot(targets[0], timeout)))
+        return 0
+    if watch:
+        poll = SnapshotPoller(targets[0], timeout) if len(targets) == 1 else RunsPoller(timeout)
+        try:
+            ended = run_watch(console, poll, interval)
+        except KeyboardInterrupt:
+            return 0
+        console.print(ended, markup=False, highlight=False)
+        return 0
+    if len(targets) == 1:
+        console.print(render_status(fetch_snapshot(targets[0], timeout), time.time()))
+        return 0
+    console.print(render_runs(poll_targets(targets, timeout), time.time()))
+    console.print("pick one with --job ID for the full view", style="dim")
+    return 0
+
+
+def events(
+    path: Annotated[str, typer.Argument(metavar="LOGFILE_OR_DIR",
+                                        help="An events.jsonl, or a log directory (its newest events.jsonl).")],
+    kind: Annotated[list[str] | None, typer.Option("--kind", "-k", metavar="K",
+                                                   help="Only this kind (repeat for several).")] = None,
+    rank: Annotated[int | None, typer.Option("--rank", "-r", metavar="R", help="Only events about this rank.")] = None,
+    since: Annotated[str | None, typer.Option("--since", metavar="T", help=f"Not before T: {TIME_HELP}.")] = None,
+    until: Annotated[str | None, typer.Option("--until", metavar="T", help="Not after T (same forms).")] = None,
+    last: Annotated[int | None, typer.Option("--last", "-n", metavar="N", help="Only the last N matching events.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines instead of a table.")] = False,
+) -> int:
+    """Read back a run's event log (detections, decisions, transfers, transitions), filtered."""
+    now = time.time()
+    since_ts = parse_time(since, now) if since is not None else None
+    until_ts = parse_time(until, now) if until is not None else None
+    if since_ts is not None and until_ts is not None and since_ts > until_ts:
+        raise UsageError(f"--since ({since}) is after --until ({until})")
+    if last is not None and last <= 0:
+        raise UsageError("--last must be positive")
+    source = find_events_file(path)
+    try:
+        found = list(read_events(source, kinds=set(kind) if kind else None, rank=rank, since=since_ts, until=until_ts))
+    except OSError as err:
+        raise InputError(f"cannot read {source}: {err.strerror or err}") from None
+    if last is not None:
+        found = found[-last:]
+    if as_json:
+        sys.stdout.write("".join(_dump(e) + "\n" for e in found))
+        return 0
+    console = _console()
+    console.print(render_events_table(found, title=f"{source} · {len(found)} events"))
+    return 0
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status)
+    app.command("events")(events)

@@ -1,0 +1,89 @@
+"""`unicron events`: read a run's events.jsonl back, filtered, as a table or JSON lines."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from unicron.errors import InputError, UsageError
+from unicron.events import EVENTS_FILE
+from unicron.status.render import event_details, event_style
+
+_RELATIVE = re.compile(r"^-?\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)(?:\s+ago)?$", re.IGNORECASE)
+_UNIT_S = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+TIME_HELP = "unix seconds, an ISO timestamp (2025-01-31T12:00:00) or a relative time like -5m, -30s, -2h, -1d"
+
+
+def parse_time(text: str, now: float) -> float:
+    """A moment as unix seconds from a user's ``--since``/``--until`` value (pure: ``now`` given).
+
+    Accepts unix seconds, ISO 8601 (naive means local time) and relative ``-5m`` / ``5m ago``.
+    """
+    value = text.strip()
+    match = _RELATIVE.match(value)
+    if match and (value.startswith("-") or value.lower().endswith("ago")):
+        return now - float(match.group(1)) * _UNIT_S[match.group(2).lower()]
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00") if value.endswith("Z") else value)
+    except ValueError:
+        raise UsageError(f"bad time {text!r}: use {TIME_HELP}") from None
+    return moment.timestamp()
+
+
+def find_events_file(path: str | Path) -> Path:
+    """``path`` itself if it is a file; for a directory, the newest events.jsonl below it."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if not p.exists():
+        raise InputError(f"{path}: no such file or directory")
+    if not p.is_dir():
+        raise InputError(f"{path}: not a file or directory")
+    found = [f for f in p.rglob(EVENTS_FILE) if f.is_file()]
+    if not found:
+        raise InputError(f"no {EVENTS_FILE} under {path}")
+    return max(found, key=lambda f: f.stat().st_mtime)
+
+
+def fmt_clock(ts: Any) -> str:
+    """Local wall-clock time with milliseconds (the date too, since a log can span days)."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return "-"
+    base = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    return f"{base}.{int((ts % 1) * 1000):03d}"
+
+
+def ranks_of(event: Mapping[str, Any]) -> str:
+    if event.get("rank") is not None:
+        return str(event["rank"])
+    ranks = event.get("ranks")
+    if isinstance(ranks, list) and ranks:
+        return ",".join(str(r) for r in ranks[:8]) + (",…" if len(ranks) > 8 else "")
+    return ""
+
+
+def render_events_table(events: Iterable[Mapping[str, Any]], title: str = "") -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title=title or None,
+                  title_justify="left", title_style="bold")
+    table.add_column("time", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("rank", justify="right", no_wrap=True)
+    table.add_column("node", no_wrap=True, max_width=16, overflow="ellipsis")
+    table.add_column("details", overflow="fold")
+    for e in events:
+        table.add_row(fmt_clock(e.get("ts")), Text(str(e.get("kind", "?")), style=event_style(e)), ranks_of(e),
+                      str(e.get("node", "")),
+                      event_details(e, skip=("ts", "kind", "job", "node", "rank", "ranks")))
+    return table

@@ -1,0 +1,135 @@
+"""`unicron status --watch`: poll a coordinator and keep the view live through failures.
+
+A poll gives a ``Frame``: the full view (for a terminal), one line (for a pipe or file) and,
+once the run is over, why. ``run_watch`` draws frames until one says the run ended. The
+coordinator may not answer for a while during a transition; the view then says
+"reconnecting…" over the last snapshot it had and keeps polling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.text import Text
+
+from unicron.errors import EndpointUnreachableError
+from unicron.status.client import Target, WatchState, fetch_snapshot, poll_targets, resolve_targets
+from unicron.status.render import fmt_duration, render_runs, render_status
+from unicron.status.statusline import format_status_line, line_signature
+
+
+@dataclass(frozen=True)
+class Frame:
+    view: RenderableType
+    line: str
+    ended: str = ""
+    key: tuple[Any, ...] = ()  # a plain-mode line is printed when this changes (or now and then)
+
+
+def reconnect_banner(state: WatchState, endpoint: str, now: float) -> Text:
+    since = fmt_duration(now - state.failing_since) if state.failing_since is not None else "0s"
+    text = Text(f"reconnecting to {endpoint}… (no answer for {since}; showing the last snapshot)",
+                style="bold yellow")
+    if state.error:
+        text.append(f"\n{state.error}", style="dim")
+    return text
+
+
+def frame_for(state: WatchState, target: Target, now: float) -> Frame:
+    """What to show for ``state`` (pure)."""
+    if state.ended:
+        banner: Text | None = Text(state.ended, style="bold blue")
+    elif state.reconnecting:
+        banner = reconnect_banner(state, target.endpoint, now)
+    else:
+        banner = None
+    if state.snapshot is None:
+        waiting = banner or Text(f"waiting for {target.endpoint}…", style="dim")
+        view: RenderableType = Panel(waiting, title=f"unicron status · {target.job}", title_align="left")
+        line = waiting.plain.splitlines()[0]
+    else:
+        view = render_status(state.snapshot, now, banner=banner)
+        line = format_status_line(state.snapshot, now)
+        if state.reconnecting:
+            line = f"reconnecting to {target.endpoint}… (last: {line})"
+    if state.ended:
+        line = state.ended
+    signature = line_signature(state.snapshot) if state.snapshot is not None else ()
+    return Frame(view, line, state.ended, key=(signature, state.reconnecting))
+
+
+class SnapshotPoller:
+    """Poll one target; each call returns the Frame to show now."""
+
+    def __init__(self, target: Target, timeout_s: float, *, clock: Callable[[], float] = time.time,
+                 fetch: Callable[[Target, float], dict] = fetch_snapshot) -> None:
+        self.target, self.timeout_s, self.clock, self.fetch = target, timeout_s, clock, fetch
+        self.state = WatchState()
+
+    def __call__(self) -> Frame:
+        try:
+            snapshot = self.fetch(self.target, self.timeout_s)
+        except EndpointUnreachableError as err:
+            gone = self.target.gone()
+            self.state.on_error(str(err), self.clock(), run_gone=gone,
+                                job_end=self.target.final_event() if gone else None)
+        else:
+            self.state.on_snapshot(snapshot, self.clock())
+        return frame_for(self.state, self.target, self.clock())
+
+
+class RunsPoller:
+    """Poll every run on this machine (the list is read again each time); ends when none is left."""
+
+    def __init__(self, timeout_s: float, *, clock: Callable[[], float] = time.time) -> None:
+        self.timeout_s, self.clock = timeout_s, clock
+
+    def __call__(self) -> Frame:
+        try:
+            targets = resolve_targets(None, None, None)
+        except EndpointUnreachableError:
+            return Frame(Text("no unicron run left on this machine"), "no unicron run left on this machine",
+                         ended="every unicron run on this machine ended")
+        rows = poll_targets(targets, self.timeout_s)
+        now = self.clock()
+        hint = Text("pick one with --job ID for the full view", style="dim")
+        line = "; ".join(f"{info['job']}: {'no answer' if snap is None else format_status_line(snap, now)}"
+                         for info, snap, _ in rows)
+        key = tuple((info["job"], None if snap is None else line_signature(snap)) for info, snap, _ in rows)
+        return Frame(Group(render_runs(rows, now), hint), line, key=key)
+
+
+def run_watch(console: Console, poll: Callable[[], Frame], interval_s: float, *,
+              wait: Callable[[float], object] = time.sleep, clock: Callable[[], float] = time.monotonic,
+              plain_every_s: float = 30.0) -> str:
+    """Draw frames until the run ends; return why it ended. Ctrl-C propagates to the caller.
+
+    A terminal gets the full live view; anything else gets a line when something that matters
+    changes (state, attempt, restarts, rank states, reachability) and otherwise every
+    ``plain_every_s``, so a log of `--watch` stays readable.
+    """
+    if console.is_terminal and not console.is_dumb_terminal:
+        with Live(console=console, auto_refresh=False, transient=False, redirect_stdout=False,
+                  redirect_stderr=False) as live:
+            while True:
+                frame = poll()
+                live.update(frame.view, refresh=True)
+                if frame.ended:
+                    return frame.ended
+                wait(interval_s)
+    last: tuple[float, tuple[Any, ...]] | None = None
+    while True:
+        frame = poll()
+        if frame.ended:
+            return frame.ended
+        now = clock()
+        if last is None or frame.key != last[1] or now - last[0] >= plain_every_s:
+            console.print(frame.line, markup=False, highlight=False, soft_wrap=True)
+            last = (now, frame.key)
+        wait(interval_s)
