@@ -37,6 +37,7 @@ def run_agent(s: AgentSettings) -> int:
     events_dir = run_logs.run_dir or tempfile.mkdtemp(prefix="unicron_events_")
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
     ui = AgentUI(s.status_line)
+    events.listeners.append(ui.on_event)
     server: CoordinatorServer | None = None
     metrics: Any = None
     secret_file: str | None = None

@@ -46,6 +46,17 @@ class AgentUI:
             sys.stderr.write(f"unicron: {time.strftime('%H:%M:%S')} {plain}\n")
             sys.stderr.flush()
 
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Show the coordinator's decisions as they happen (the JSONL log has the details)."""
+        kind = event.get("kind")
+        if kind == "decision":
+            culprits = event.get("culprits") or []
+            blame = f" (culprit rank {', '.join(map(str, culprits))})" if culprits else ""
+            reason = str(event.get("reason", "")).splitlines()[0]
+            self.warn(f"{event.get('severity')} {event.get('action')}{blame}: {reason}")
+        elif kind == "node_lost":
+            self.warn(f"node {event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
+
     def update(self, workers: list[dict[str, Any]]) -> None:
         if self._line is None:
             return

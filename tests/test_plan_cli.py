@@ -1,0 +1,112 @@
+"""`unicron plan` / `unicron simulate`: through typer's runner, and as a real subprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from unicron.errors import InputError, UsageError
+from unicron.plan.commands import register
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "plan"
+
+
+@pytest.fixture(scope="module")
+def app() -> typer.Typer:
+    app = typer.Typer(pretty_exceptions_enable=False)
+    register(app)
+    return app
+
+
+def test_plan_json_has_the_promised_fields(app: typer.Typer) -> None:
+    result = CliRunner().invoke(app, ["plan", "--input", str(EXAMPLES / "small.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert {"assignment", "objective", "waf", "transfers", "jobs"} <= set(data)
+    assert "n1" not in data["assignment"]["a"] and len(data["assignment"]["a"]) == 4
+    assert data["transfers"] and all(t["est_s"] >= 0 for t in data["transfers"])
+
+
+def test_plan_table_and_yaml_input(app: typer.Typer, tmp_path: Path) -> None:
+    source = json.loads((EXAMPLES / "small.json").read_text())
+    import yaml
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(source))
+    result = CliRunner().invoke(app, ["plan", "--input", str(path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for text in ("lost n1", "WAF", "objective", "state transfers"):
+        assert text in result.output
+
+
+@pytest.mark.parametrize("content, suffix, message", [
+    ('{"nodes": [], "jobs": []}', ".json", "nodes: expected a non-empty list"),
+    ('{"nodes": [{"name": "n0"}], "jobs": [{"name": "a", "weight": "x", "throughput": {"1": 1}}]}', ".json",
+     "jobs[0].weight: expected a number"),
+    ("{not json", ".json", "is not valid JSON"),
+    ("nodes: [unclosed", ".yaml", "is not valid YAML"),
+])
+def test_bad_input_is_one_error_naming_the_field(app: typer.Typer, tmp_path: Path, content: str, suffix: str,
+                                                 message: str) -> None:
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(content)
+    result = CliRunner().invoke(app, ["plan", "--input", str(path)])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, InputError) and message in str(result.exception)
+
+
+def test_missing_file(app: typer.Typer, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["plan", "--input", str(tmp_path / "nope.json")])
+    assert isinstance(result.exception, InputError) and "cannot read" in str(result.exception)
+
+
+def test_simulate_json_and_plot(app: typer.Typer, tmp_path: Path) -> None:
+    plot = tmp_path / "work.png"
+    result = CliRunner().invoke(app, [
+        "simulate", "--input", str(EXAMPLES / "sim-128gpu.json"), "--trace", str(EXAMPLES / "trace-synthetic.json"),
+        "--plot", str(plot), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    names = [p["name"] for p in data["policies"]]
+    assert names == ["unicron", "restart", "shrink", "redundancy"]
+    assert next(p for p in data["policies"] if p["name"] == "unicron")["ratio_to_unicron"] == pytest.approx(1.0)
+    assert all(p["work"] <= data["bound"] for p in data["policies"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_rejects_unknown_policy_and_bad_trace(app: typer.Typer, tmp_path: Path) -> None:
+    args = ["simulate", "--input", str(EXAMPLES / "small.json"), "--trace", str(EXAMPLES / "trace-synthetic.json")]
+    result = CliRunner().invoke(app, [*args, "--policy", "magic"])
+    assert isinstance(result.exception, UsageError) and "--policy" in str(result.exception)
+    bad = tmp_path / "trace.json"
+    bad.write_text(json.dumps({"duration_s": 100, "events": [{"t": 1, "node": "n99", "kind": "down"}]}))
+    result = CliRunner().invoke(app, ["simulate", "--input", str(EXAMPLES / "small.json"), "--trace", str(bad)])
+    assert isinstance(result.exception, InputError) and "trace.events[0].node" in str(result.exception)
+
+
+def _cli_wired() -> bool:
+    modules = ("unicron.cli", "unicron.launch.commands", "unicron.coord.commands", "unicron.status.commands")
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+@pytest.mark.skipif(not _cli_wired(), reason="unicron.cli does not yet import every subsystem's commands")
+def test_real_command_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"nodes": [{"name": "n0"}], "jobs": [{"name": "a", "nodes": ["n9"], "throughput": {"1": 1}}]}')
+    proc = subprocess.run([sys.executable, "-m", "unicron", "plan", "--input", str(bad)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == InputError.exit_code
+    assert proc.stderr.strip() == "unicron: error: jobs[0].nodes[0]: unknown node 'n9'"
+    assert "Traceback" not in proc.stdout + proc.stderr
+    ok = subprocess.run([sys.executable, "-m", "unicron", "plan", "--input", str(EXAMPLES / "small.json"), "--json"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["assignment"]["b"]

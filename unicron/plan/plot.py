@@ -1,0 +1,38 @@
+"""Plot accumulated weighted work over time per policy (matplotlib, optional dependency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unicron.errors import UsageError
+from unicron.plan.simulate import SimResult
+
+
+def plot_simulation(result: SimResult, path: Path, title: str = "") -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise UsageError("--plot needs matplotlib (pip install 'unicron[plot]')") from exc
+    hours = 3600.0
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([0, result.duration_s / hours], [0, result.bound], color="grey", linestyle=":", label="upper bound")
+    ax.plot([0, result.duration_s / hours], [0, result.no_failure], color="black", linestyle="--",
+            label="as placed, no failure")
+    for policy in result.policies:
+        ax.plot([t / hours for t, _ in policy.timeline], [w for _, w in policy.timeline],
+                drawstyle="default", label=policy.name)
+    ax.set_xlabel("hours")
+    ax.set_ylabel("accumulated weighted work")
+    ax.set_title(title or f"{result.events} failure/recovery events", fontsize=9)
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise UsageError(f"--plot: cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        plt.close(fig)
