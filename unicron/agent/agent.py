@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 JOIN_RETRY_S = 1.0
 HEALTH_EVERY_S = 2.0
+HEALTH_EVIDENCE_S = 60.0
 
 
 class Agent:
@@ -58,6 +59,7 @@ class Agent:
         self.health: dict[str, Any] = {}
         self.last_health = 0.0
         self.dropped_local = 0
+        self.evidence: list[dict[str, Any]] = []
 
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -256,6 +258,12 @@ class Agent:
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group
+        if fault.get("kind") in ("exit", "exception") and self.evidence:
+            # Recent health changes travel with the failure they may explain.
+            evidence, self.evidence = self.evidence, []
+            for item in evidence:
+                self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
+                                     "fault": dict(item, attempt=group.spec.attempt if group else -1)})
         fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
         self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)
         self.ui.warn(_fault_line(fault))
@@ -278,13 +286,35 @@ class Agent:
         self.last_heartbeat = now
         if now - self.last_health >= HEALTH_EVERY_S:
             self.last_health = now
-            self.health = _read_health()
+            self._check_health(_read_health())
         group = self.group
         workers = group.summary() if group is not None else []
         self._send("heartbeat", {"node_id": self.node_id, "epoch": self.epoch,
                                  "attempt": group.spec.attempt if group else -1,
                                  "workers": workers, "health": self.health})
         self.ui.update(workers)
+
+    def _check_health(self, reading: dict[str, Any]) -> None:
+        """Keep changes in node health as evidence for the classifier (an OOM kill turns a
+        SIGKILL into 'oom-killer'); report hardware faults (SEV1) at once."""
+        from unicron.detect.classify import classify
+        from unicron.detect.faults import Severity
+        from unicron.detect.health import health_faults
+
+        reading.setdefault("ts", time.time())
+        group = self.group
+        attempt = group.spec.attempt if group is not None else -1
+        found = health_faults(self.health or None, reading, node=self.node_id, host=self.host, attempt=attempt)
+        self.health = reading
+        cutoff = time.time() - HEALTH_EVIDENCE_S
+        self.evidence = [f for f in self.evidence if f["ts"] >= cutoff]
+        for fault in found:
+            as_dict = fault.to_dict()
+            if classify(fault).severity is Severity.SEV1 and group is not None:
+                self._report(as_dict)
+            else:
+                self.evidence.append(as_dict)
+                self.events.emit("health", error_type=fault.error_type, message=fault.message, gpu=fault.gpu)
 
     def _join_body(self) -> dict[str, Any]:
         s = self.s
@@ -353,10 +383,8 @@ def _safe(text: str) -> str:
 
 def _read_health() -> dict[str, Any]:
     try:
-        from unicron.detect.health import read_gpu_health, read_host_health
+        from unicron.detect.health import read_health
 
-        health = dict(read_host_health())
-        health["gpus"] = read_gpu_health()
-        return health
+        return dict(read_health())
     except Exception as err:  # health is best effort; never stop the agent for it
         return {"error": str(err)}

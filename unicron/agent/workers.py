@@ -40,6 +40,7 @@ class RankState:
     exited_at: float | None = None
     snapshot_step: int | None = None
     steps_in_attempt: int = 0
+    hooked: bool = False  # said hello: its SIGUSR1 stack-dump handler is installed
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class WorkerGroup:
         t = msg.get("t")
         if t == "hello":
             self.saw_hello = True
+            r.hooked = True
         elif t == "step" and isinstance(msg.get("step"), int):
             if r.last_step_at is not None and msg["step"] > r.step:
                 r.iter_times.append(max(0.0, now - r.last_step_at) / (msg["step"] - r.step))
@@ -119,6 +121,8 @@ class WorkerGroup:
             self.hang.observe(r.rank, r.step, now)
         elif t == "exc":
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
+            if msg.get("fatal") is False:
+                return None  # a background thread died; the process goes on (kept for its exit)
             if r.rank not in self.reported_exc:
                 self.reported_exc.add(r.rank)
                 sent = msg.get("ts")
@@ -160,7 +164,8 @@ class WorkerGroup:
         """SIGUSR1 every live worker (faulthandler dumps, even inside a C++ collective) and read the dumps."""
         paths = {}
         for r in self.ranks.values():
-            if r.exitcode is None and r.proc.poll() is None:
+            # SIGUSR1 would kill a worker without the handler (--no-inject, or still starting).
+            if r.hooked and r.exitcode is None and r.proc.poll() is None:
                 path = Path(self.stack_dir) / f"rank{r.rank}.txt"
                 size = path.stat().st_size if path.exists() else 0
                 paths[r.rank] = (path, size)

@@ -1,0 +1,171 @@
+"""unicron.State in one process: snapshot layout, restore of every piece of state, refusals."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import unicron
+from unicron.errors import ConfigError
+from unicron.worker import snapshot
+from unicron.worker.state import State
+
+
+def _model_and_opt(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(5, 3)
+    loss = model(x).pow(2).mean() + random.random() + float(np.random.rand())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+@pytest.fixture()
+def snap_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("UNICRON_SNAPSHOT_DIR", str(tmp_path / "snaps"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("UNICRON_RESTORE_STEP", raising=False)
+    monkeypatch.delenv("UNICRON_AGENT_ADDR", raising=False)
+    return tmp_path / "snaps"
+
+
+def test_public_api_is_lazy() -> None:
+    assert unicron.__version__ == "0.1.0" and unicron.State is State
+    with pytest.raises(AttributeError):
+        unicron.Nope  # noqa: B018
+
+
+def test_commit_then_restore_continues_bit_for_bit(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _model_and_opt()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    extra = {"seen": 0, "hist": [], "t": torch.zeros(2)}
+    state = State(model=model, optimizer=opt, scheduler=sched, extra=extra)
+    assert state.restore() == 0 and state.enabled
+    for step in range(4):
+        _train_step(model, opt)
+        sched.step()
+        extra["seen"] += 5
+        extra["hist"].append(step)
+        extra["t"] += 1
+        state.commit(step + 1)
+    assert state.flush(30) and state.step == 4
+    # what the uninterrupted run does next
+    _train_step(model, opt)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_draws = (torch.rand(3), random.random(), np.random.rand())
+
+    assert snapshot.list_steps(snap_env / "rank1") == [2, 3, 4]  # newest three kept
+    assert not list((snap_env / "rank1").glob("*.tmp"))
+
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "4")
+    model2, opt2 = _model_and_opt(seed=123)  # different init: restore must overwrite it
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    extra2: dict = {"seen": -1}
+    state2 = State(model=model2, optimizer=opt2, scheduler=sched2, extra=extra2)
+    random.seed(99)
+    torch.manual_seed(99)
+    assert state2.restore() == 4 and state2.step == 4
+    assert extra2 is state2.extra and extra2["seen"] == 20 and extra2["hist"] == [0, 1, 2, 3]
+    assert torch.equal(extra2["t"], torch.full((2,), 4.0))
+    assert sched2.last_epoch == 4 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    _train_step(model2, opt2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    draws = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(draws[0], expected_draws[0]) and draws[1:] == expected_draws[1:]
+
+
+def test_buffers_reused_without_corrupting_earlier_snapshots(snap_env: Path) -> None:
+    weight = torch.nn.Parameter(torch.zeros(1000))
+    holder = torch.nn.ParameterDict({"w": weight})
+    state = State(model=holder)
+    ptrs = []
+    for step in range(1, 4):
+        with torch.no_grad():
+            weight.fill_(float(step))
+        state.commit(step)
+        ptrs.append(state._copier._buffers[0].data_ptr())
+    state.flush()
+    assert ptrs[0] == ptrs[1] == ptrs[2]  # no allocation per step
+    for step in range(1, 4):
+        saved = torch.load(snapshot.snapshot_path(snap_env, 1, step), weights_only=True)
+        assert torch.equal(saved["objects"]["model"]["w"], torch.full((1000,), float(step)))
+
+
+def test_outside_unicron_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("UNICRON_SNAPSHOT_DIR", "UNICRON_RESTORE_STEP", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    model, opt = _model_and_opt()
+    state = State(model=model, optimizer=opt)
+    assert state.restore() == 0 and not state.enabled
+    state.commit(1)
+    assert state.step == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_missing_snapshot_starts_fresh(snap_env: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "7")
+    model, _ = _model_and_opt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert State(model=model).restore() == 0
+    assert "no snapshot" in capsys.readouterr().err
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_refusals(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TypeError, match="state_dict"):
+        State(model=object())
+    with pytest.raises(TypeError, match="extra"):
+        State(extra=[1, 2])  # type: ignore[arg-type]
+    model, _ = _model_and_opt()
+    state = State(model=model, extra={"ok": [1, {"bad": np.float64(1.0)}]})
+    with pytest.raises(TypeError, match=r"extra\['ok'\]\[1\]\['bad'\] of type float64"):
+        state.commit(1)
+    state = State(model=model)
+    state.commit(2)
+    state.flush()
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "2")
+    model2, opt2 = _model_and_opt()
+    with pytest.raises(ValueError, match="holds"):
+        State(model=model2, optimizer=opt2).restore()
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "soon")
+    with pytest.raises(ConfigError, match="UNICRON_RESTORE_STEP"):
+        State(model=model2)
+
+
+def test_partial_writes_of_a_killed_worker_are_cleaned(snap_env: Path) -> None:
+    rank_dir = snap_env / "rank1"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "step0000000009.pt.tmp").write_bytes(b"half")
+    model, _ = _model_and_opt()
+    state = State(model=model)
+    state.commit(10)
+    state.flush()
+    assert sorted(os.listdir(rank_dir)) == ["step0000000010.pt"]
+
+
+def test_snapshot_layout_helpers(tmp_path: Path) -> None:
+    assert snapshot.snapshot_path(tmp_path, 3, 12).name == "step0000000012.pt"
+    for rank, steps in {0: [4, 5, 6], 1: [3, 4, 5], 2: [5]}.items():
+        d = snapshot.rank_dir(tmp_path, rank)
+        d.mkdir()
+        for s in steps:
+            (d / snapshot.snapshot_name(s)).write_bytes(b"x")
+        (d / "step0000000099.pt.tmp").write_bytes(b"partial")  # incomplete: ignored
+    found = snapshot.steps_by_rank(tmp_path)
+    assert found == {0: [4, 5, 6], 1: [3, 4, 5], 2: [5]}
+    assert snapshot.common_step(found, [0, 1]) == 5 and snapshot.common_step(found, [0, 1, 2]) == 5
+    assert snapshot.common_step({0: [1, 2], 1: [3]}, [0, 1]) is None
+    assert snapshot.common_step(found, [0, 7]) is None  # a rank with no snapshot at all
+    assert snapshot.steps_to_prune([5, 1, 3, 4], keep=3) == [1]
+    assert snapshot.steps_by_rank(tmp_path / "missing") == {}

@@ -1,0 +1,184 @@
+"""Worker entry point: ``python -u -m unicron.worker.boot [--module] SCRIPT ARGS...``.
+
+Installs the worker hooks (see ``unicron.worker.hooks``), then runs the script exactly as
+``python -u SCRIPT ARGS`` (or ``python -u -m MODULE ARGS``) would: ``__name__ == "__main__"``,
+``sys.argv == [SCRIPT, *ARGS]``, ``sys.path[0]`` the script's directory (the working directory
+for ``--module``), classes defined in the script picklable, multiprocessing ``spawn`` working.
+
+Exit status is the script's: its ``SystemExit`` code, or 1 for an uncaught exception, whose
+traceback is printed as Python prints it (for ``--module``, without the two runpy frames
+``python -m`` shows). Before
+the process dies the exception is sent to the agent (``exc``) and, when
+``TORCHELASTIC_ERROR_FILE`` is set and ``@record`` did not write it, written there in the
+format of torch.distributed.elastic's ``@record``.
+
+``main(argv)`` is also the entry for an interpreter that was started earlier (with torch
+already imported) and is told to become a worker: set ``os.environ`` first, then call it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import importlib.machinery
+import io
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+import types
+import zipfile
+from dataclasses import dataclass
+from types import TracebackType
+
+from unicron.errors import UnicronError, UsageError
+from unicron.worker import env, hooks
+
+USAGE = "usage: python -m unicron.worker.boot [--module] SCRIPT [ARGS...]"
+
+
+@dataclass(frozen=True)
+class Target:
+    script: str  # a path, or a module name when module is True
+    args: list[str]
+    module: bool = False
+
+
+def parse_argv(argv: list[str]) -> Target:
+    """``[--module|-m] SCRIPT ARGS...`` -> Target (raises UsageError)."""
+    if argv and argv[0] in ("--module", "-m"):
+        if len(argv) < 2:
+            raise UsageError(f"--module needs a module name; {USAGE}")
+        return Target(argv[1], list(argv[2:]), module=True)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv or (argv[0].startswith("-") and argv[0] != "-"):
+        raise UsageError(f"no script given; {USAGE}")
+    return Target(argv[0], list(argv[1:]))
+
+
+def run_target(target: Target) -> None:
+    """Run the script or module as ``__main__`` with python's argv and path conventions."""
+    sys.argv = [target.script, *target.args]
+    if target.module:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target.script, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.realpath(target.script))
+        if os.path.isfile(target.script) and not zipfile.is_zipfile(target.script):
+            run_file_as_main(target.script)
+        else:  # a directory or zip with __main__.py
+            runpy.run_path(target.script, run_name="__main__")
+
+
+def run_file_as_main(script: str) -> None:
+    """What ``python SCRIPT`` does: compile with the absolute path, exec as ``__main__``.
+
+    The module stays ``sys.modules["__main__"]`` afterwards, as under python, so atexit
+    handlers and pickling that refer to ``__main__`` keep working.
+    """
+    path = os.path.abspath(script)
+    with io.open_code(path) as fh:
+        source = fh.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main_module = types.ModuleType("__main__")
+    main_module.__dict__.update(
+        __file__=path,
+        __cached__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+        __builtins__=builtins,
+    )
+    sys.modules["__main__"] = main_module
+    exec(code, main_module.__dict__)
+
+
+_OWN_FRAMES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
+
+
+def _is_own_frame(filename: str) -> bool:
+    return filename in _OWN_FRAMES or os.path.abspath(filename) in _OWN_FRAMES
+
+
+def script_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the leading frames of this module and runpy: what ``python SCRIPT`` would show."""
+    while tb is not None and _is_own_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def error_file_record(exc: BaseException, tb_text: str, now: float) -> dict[str, object]:
+    """What torch.distributed.elastic's ``@record`` writes for an exception."""
+    return {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": tb_text, "timestamp": str(int(now))},
+        }
+    }
+
+
+def write_error_file(exc: BaseException, tb_text: str, started_at: float) -> None:
+    path = env.path_or_none(env.ERROR_FILE)
+    if path is None:
+        return
+    try:
+        if os.path.exists(path) and os.path.getmtime(path) >= started_at - 1.0:
+            return  # written during this run, by @record: it knows best
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(error_file_record(exc, tb_text, time.time()), fh)
+    except OSError as err:
+        print(f"unicron: could not write error file {path}: {err}", file=sys.stderr)
+
+
+def _die_of_sigint() -> None:
+    """Exit as python does after an uncaught KeyboardInterrupt: killed by SIGINT."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    hooks._real_os_exit(130)  # not reached unless SIGINT is blocked: exit as a shell reports it
+
+
+def _is_clean_exit(code: object) -> bool:
+    return code is None or code == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    started_at = time.time()
+    try:
+        target = parse_argv(sys.argv[1:] if argv is None else argv)
+        if not target.module and not os.path.exists(target.script):
+            raise UsageError(f"can't open file {os.path.abspath(target.script)!r}: no such file")
+        hooks.install()
+    except UnicronError as err:
+        print(f"unicron worker: {err}", file=sys.stderr)
+        return err.exit_code
+    try:
+        hooks.fire_start_faults()
+        run_target(target)
+    except SystemExit as exit_:
+        if _is_clean_exit(exit_.code):
+            hooks.finished_cleanly()
+        raise
+    except BaseException as exc:
+        # python prints value.__traceback__, not the tb argument: strip it on the exception
+        tb = script_traceback(exc.__traceback__)
+        exc.__traceback__ = tb
+        tb_text = "".join(traceback.format_exception(type(exc), exc, tb))
+        hooks.report_exception(type(exc), exc, tb)
+        write_error_file(exc, tb_text, started_at)
+        sys.excepthook(type(exc), exc, tb)
+        if isinstance(exc, KeyboardInterrupt):
+            _die_of_sigint()
+        return 1
+    hooks.finished_cleanly()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

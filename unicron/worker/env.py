@@ -1,0 +1,54 @@
+"""Environment variables the agent gives a worker, and how the worker reads them.
+
+Kept free of heavy imports: the agent imports these names too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from unicron.errors import ConfigError
+
+AGENT_ADDR = "UNICRON_AGENT_ADDR"  # zmq endpoint of the agent's PULL socket
+STACK_DIR = "UNICRON_STACK_DIR"  # SIGUSR1 dumps all thread stacks to rank{RANK}.txt here
+SNAPSHOT_DIR = "UNICRON_SNAPSHOT_DIR"  # unicron.State snapshots live here (agent-owned shm)
+RESTORE_STEP = "UNICRON_RESTORE_STEP"  # step every rank has a snapshot of
+INJECT = "UNICRON_INJECT"  # fault-injection specs KIND@RANK:STEP[;...]
+
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchelastic's per-worker error file (JSON)
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def rank(env: Mapping[str, str] | None = None) -> int:
+    """Global rank of this worker (``RANK``; 0 outside a distributed launch)."""
+    return _int(os.environ if env is None else env, "RANK", 0)
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int:
+    return _int(os.environ if env is None else env, "LOCAL_RANK", 0)
+
+
+def restore_step(env: Mapping[str, str] | None = None) -> int | None:
+    """``UNICRON_RESTORE_STEP`` as an int, or None when unset (fresh start)."""
+    env = os.environ if env is None else env
+    if not env.get(RESTORE_STEP, "").strip():
+        return None
+    step = _int(env, RESTORE_STEP, 0)
+    if step < 0:
+        raise ConfigError(f"{RESTORE_STEP}={step} must be >= 0")
+    return step
+
+
+def path_or_none(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    value = (os.environ if env is None else env).get(name, "")
+    return value or None

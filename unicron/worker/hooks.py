@@ -1,0 +1,277 @@
+"""Hooks installed in every worker: iteration boundaries, exceptions, stack dumps, faults.
+
+- **Steps.** A global optimizer step post-hook counts completed steps, counting only the first
+  optimizer that ever stepped (several optimizers stepping in one iteration count once). Scripts
+  with custom loops call ``unicron.step()``; from the first explicit call on, optimizer steps are
+  no longer counted, so nothing is counted twice (that first call takes over the boundary the
+  optimizer just marked). ``unicron.step(n)`` sets the count exactly. Every boundary sends ``step{rank,step,ts}``
+  and gives injected faults their chance to fire. The hook is registered when
+  ``torch.optim.optimizer`` is first imported, so a worker that never imports torch never pays
+  for it.
+- **Exceptions.** ``sys.excepthook`` and ``threading.excepthook`` send ``exc{...}`` (once per
+  exception) before chaining to the previous hook.
+- **Stacks.** ``faulthandler`` dumps every thread's Python stack to
+  ``$UNICRON_STACK_DIR/rank{RANK}.txt`` on SIGUSR1. It runs in the C signal handler, so it
+  works while the main thread is blocked inside a C++ collective. The file is opened in append
+  mode: a reader truncates it (never unlinks it) before signalling, or reads past the old size.
+- **Hard exits.** ``os._exit`` (common after ``destroy_process_group``) skips atexit, so it is
+  wrapped to finish pending snapshot writes, say ``bye`` on code 0 and flush the channel first.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.abc
+import importlib.machinery
+import os
+import signal
+import sys
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from types import ModuleType, TracebackType
+from typing import IO, Any, NoReturn
+
+from unicron.worker import channel, env
+from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
+
+OPTIMIZER_MODULE = "torch.optim.optimizer"
+
+
+class StepCounter:
+    """Completed-step bookkeeping (pure: no I/O)."""
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.explicit = False  # set by the first unicron.step(): optimizer steps stop counting
+        self._first_optimizer: weakref.ref[Any] | None = None
+
+    def on_optimizer_step(self, optimizer: object) -> int | None:
+        """New completed count if this optimizer step ends an iteration, else None."""
+        if self.explicit:
+            return None
+        first = self._first_optimizer() if self._first_optimizer is not None else None
+        if first is None:  # no optimizer yet, or the first one was garbage collected
+            self._first_optimizer = weakref.ref(optimizer)
+        elif first is not optimizer:
+            return None
+        self.completed += 1
+        return self.completed
+
+    def on_explicit_step(self, completed: int | None) -> int | None:
+        """New completed count, or None when there is no new boundary to announce.
+
+        The first ``unicron.step()`` of a loop that also steps an optimizer comes right after
+        the hook counted that iteration: it takes the boundary over instead of counting twice.
+        """
+        takes_over = not self.explicit and self._first_optimizer is not None and completed is None
+        self.explicit = True
+        if takes_over:
+            return None
+        self.completed = self.completed + 1 if completed is None else int(completed)
+        return self.completed
+
+
+class _Runtime:
+    def __init__(self) -> None:
+        self.counter = StepCounter()
+        self.faults: list[Fault] = []
+        self.rank = 0
+        self.installed = False
+        self.stack_file: IO[str] | None = None
+        self.optimizer_hook: Any = None  # torch RemovableHandle
+        self.reported: set[int] = set()  # id()s of exceptions already sent
+        self.hard_exit_callbacks: list[Callable[[int], object]] = []
+        self.pid = os.getpid()
+
+
+_rt = _Runtime()
+_real_os_exit = os._exit
+_prev_excepthook = sys.excepthook
+_prev_threading_excepthook = threading.excepthook
+
+
+# -- steps ------------------------------------------------------------------------------------
+
+
+def _boundary(completed: int) -> None:
+    channel.get().emit("step", step=completed)
+    if _rt.faults:
+        for fault in faults_at(_rt.faults, _rt.rank, completed):
+            fire(fault)
+
+
+def _on_optimizer_step(optimizer: object, args: Any, kwargs: Any) -> None:
+    completed = _rt.counter.on_optimizer_step(optimizer)
+    if completed is not None:
+        _boundary(completed)
+
+
+def step(completed: int | None = None) -> int:
+    """Mark an iteration boundary in a custom loop; returns the completed-step count.
+
+    ``completed`` sets the count (e.g. after resuming); by default it is the previous count + 1.
+    After the first call, optimizer steps are no longer counted.
+    """
+    n = _rt.counter.on_explicit_step(completed)
+    if n is not None:
+        _boundary(n)
+    return _rt.counter.completed
+
+
+def completed_steps() -> int:
+    return _rt.counter.completed
+
+
+def set_completed_steps(completed: int) -> None:
+    """Rebase the count, without a boundary (``State.restore`` after resuming at a step)."""
+    _rt.counter.completed = int(completed)
+
+
+def _register_optimizer_hook(optimizer_module: ModuleType) -> None:
+    if _rt.optimizer_hook is None:
+        _rt.optimizer_hook = optimizer_module.register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+class _ImportWatcher(importlib.abc.MetaPathFinder):
+    """Registers the optimizer hook right after ``torch.optim.optimizer`` is executed."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != OPTIMIZER_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                _hook_after_exec(spec.loader)
+                return spec
+        return None
+
+
+def _hook_after_exec(loader: Any) -> None:
+    exec_module = loader.exec_module
+
+    def exec_and_hook(module: ModuleType) -> None:
+        exec_module(module)
+        _uninstall_watcher()
+        _register_optimizer_hook(module)
+
+    loader.exec_module = exec_and_hook
+
+
+_watcher = _ImportWatcher()
+
+
+def _uninstall_watcher() -> None:
+    if _watcher in sys.meta_path:
+        sys.meta_path.remove(_watcher)
+
+
+def _install_optimizer_hook() -> None:
+    module = sys.modules.get(OPTIMIZER_MODULE)
+    if module is not None:  # torch already imported (e.g. a warm interpreter)
+        _register_optimizer_hook(module)
+    elif _watcher not in sys.meta_path:
+        sys.meta_path.insert(0, _watcher)
+
+
+# -- exceptions -------------------------------------------------------------------------------
+
+
+def exception_type_name(exc_type: type[BaseException]) -> str:
+    """The type as Python's traceback prints it (``RuntimeError``, ``torch.distributed.X``)."""
+    module = exc_type.__module__
+    qualname = exc_type.__qualname__
+    return qualname if module in ("builtins", "__main__") else f"{module}.{qualname}"
+
+
+def report_exception(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None, *, fatal: bool = True
+) -> None:
+    """Send ``exc{rank,type,msg,tb,fatal,ts}`` for this exception, once. ``fatal`` is False for
+    an exception that ended only a background thread: the agent records it but does not stop
+    the job for it."""
+    if id(exc) in _rt.reported:
+        return
+    _rt.reported.add(id(exc))
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    channel.get().emit("exc", type=exception_type_name(exc_type), msg=str(exc), tb=text, fatal=fatal)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    try:
+        report_exception(exc_type, exc, tb)
+    finally:
+        _prev_excepthook(exc_type, exc, tb)
+
+
+def _threading_excepthook(args: Any) -> None:
+    try:
+        if args.exc_type is not SystemExit and args.exc_value is not None:
+            report_exception(args.exc_type, args.exc_value, args.exc_traceback, fatal=False)
+    finally:
+        _prev_threading_excepthook(args)
+
+
+# -- exits ------------------------------------------------------------------------------------
+
+
+def add_hard_exit_callback(callback: Callable[[int], object]) -> None:
+    """Run ``callback(code)`` before ``os._exit`` in this process (e.g. finish a snapshot)."""
+    _rt.hard_exit_callbacks.append(callback)
+
+
+def finished_cleanly() -> None:
+    channel.get().emit("bye")
+
+
+def _os_exit(status: int) -> NoReturn:
+    if os.getpid() == _rt.pid:  # forked children (dataloader workers) exit untouched
+        try:
+            for callback in list(_rt.hard_exit_callbacks):
+                callback(status)
+            if status == 0:
+                finished_cleanly()
+            channel.get().close()
+        except BaseException:  # an exit must happen whatever the cleanup does
+            pass
+    _real_os_exit(status)
+
+
+# -- install ----------------------------------------------------------------------------------
+
+
+def _install_stack_dump(stack_dir: str, rank: int) -> None:
+    os.makedirs(stack_dir, exist_ok=True)
+    # Kept open for the life of the process: faulthandler writes to its fd from a signal handler.
+    _rt.stack_file = open(os.path.join(stack_dir, f"rank{rank}.txt"), "a", encoding="utf-8")
+    faulthandler.register(signal.SIGUSR1, file=_rt.stack_file, all_threads=True, chain=False)
+
+
+def install() -> None:
+    """Install every hook from the environment; idempotent. Raises UnicronError on bad env."""
+    if _rt.installed:
+        return
+    _rt.pid = os.getpid()
+    _rt.rank = env.rank()
+    spec = env.path_or_none(env.INJECT)
+    _rt.faults = parse_inject_spec(spec) if spec else []
+    channel.get().emit("hello", local_rank=env.local_rank(), pid=os.getpid())
+    stack_dir = env.path_or_none(env.STACK_DIR)
+    if stack_dir:
+        _install_stack_dump(stack_dir, _rt.rank)
+    sys.excepthook = _excepthook
+    threading.excepthook = _threading_excepthook
+    os._exit = _os_exit
+    _install_optimizer_hook()
+    _rt.installed = True
+
+
+def fire_start_faults() -> None:
+    """Faults injected at STEP 0 fire here, before the script runs."""
+    for fault in faults_at(_rt.faults, _rt.rank, 0):
+        fire(fault)

@@ -1,0 +1,98 @@
+"""Layout of ``unicron.State`` snapshots on disk (shared memory), and choosing a restore step.
+
+``$UNICRON_SNAPSHOT_DIR/rank{R}/step{S:010d}.pt`` holds "S steps completed" for rank R. It is
+written to ``step{S:010d}.pt.tmp`` and renamed, so a ``.pt`` that exists is complete. Each
+worker keeps its newest ``KEEP`` snapshots.
+
+Why three and not two: writes are asynchronous, so when rank A has just finished writing
+step k, a rank B that is in step k may have only k-2 complete (its k-1 write still running).
+With two kept, A would hold {k-1, k} and B {k-3, k-2}: no step in common. Three always
+leave one (for training where every step synchronises the ranks at least once).
+
+Torch-free: the agent imports this to pick ``UNICRON_RESTORE_STEP`` (``common_step``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+KEEP = 3
+_SNAPSHOT = re.compile(r"^step(\d{10})\.pt$")
+_RANK_DIR = re.compile(r"^rank(\d+)$")
+
+
+def rank_dir(root: str | os.PathLike[str], rank: int) -> Path:
+    return Path(root) / f"rank{rank}"
+
+
+def snapshot_name(step: int) -> str:
+    return f"step{step:010d}.pt"
+
+
+def snapshot_path(root: str | os.PathLike[str], rank: int, step: int) -> Path:
+    return rank_dir(root, rank) / snapshot_name(step)
+
+
+def list_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """Complete snapshots in one rank's directory, ascending (missing directory: none)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_SNAPSHOT.match, names) if m)
+
+
+def steps_by_rank(root: str | os.PathLike[str]) -> dict[int, list[int]]:
+    """``{rank: [steps...]}`` for every ``rank{R}`` directory under root."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        m = _RANK_DIR.match(name)
+        if m:
+            found[int(m.group(1))] = list_steps(Path(root) / name)
+    return found
+
+
+def common_step(steps: Mapping[int, Iterable[int]], ranks: Iterable[int]) -> int | None:
+    """Newest step every one of ``ranks`` has a snapshot of; None if there is none."""
+    common: set[int] | None = None
+    for rank in ranks:
+        have = set(steps.get(rank, ()))
+        common = have if common is None else common & have
+        if not common:
+            return None
+    return max(common) if common else None
+
+
+def steps_to_prune(steps: Iterable[int], keep: int) -> list[int]:
+    """All but the newest ``keep`` steps."""
+    ordered = sorted(steps)
+    return ordered[:-keep] if keep > 0 else ordered
+
+
+def prune(directory: str | os.PathLike[str], keep: int) -> None:
+    for step in steps_to_prune(list_steps(directory), keep):
+        try:
+            os.unlink(Path(directory) / snapshot_name(step))
+        except FileNotFoundError:
+            pass
+
+
+def remove_partial(directory: str | os.PathLike[str]) -> None:
+    """Remove ``.tmp`` files a killed writer left behind (they hold shared memory)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.endswith(".pt.tmp"):
+            try:
+                os.unlink(Path(directory) / name)
+            except FileNotFoundError:
+                pass
