@@ -15,6 +15,14 @@ pytestmark = pytest.mark.slow
 SECRET = "s3cret-for-tests"
 
 
+def _wait_for_output(workdir, text: str, count: int) -> None:
+    def seen() -> bool:
+        logs = list((workdir / "logs").rglob("stdout.log"))
+        return sum(text in p.read_text(errors="replace") for p in logs) >= count
+
+    wait_for(seen, 90, f"{count} workers to print {text!r}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,7 +63,6 @@ def test_elastic_late_joiner_is_admitted_and_lost_node_is_survived(workdir, laun
     # Let it train a little, then make node b vanish without a word.
     wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "workers_started" and e.get("world_size") == 2],
              30, "workers on both nodes")
-    time.sleep(1.0)  # a few training steps on two nodes (not a wait for a condition)
     killed_at = time.time()
     b.proc.send_signal(signal.SIGKILL)
     b.proc.wait(10)
@@ -89,11 +96,28 @@ def test_signal_stops_everything_and_leaves_no_orphans(workdir, launch, sig, cod
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[0]])\n"
         "print('ready', flush=True)\n"
         "while True:\n    time.sleep(0.1)\n")
-    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "3",
+    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "3", "--redirects", "1",
                    "--log-dir", str(workdir / "logs"), str(workdir / "spawner.py")], workdir)
-    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"], 60, "workers")
-    time.sleep(1.0)  # let the workers start their grandchildren (not a condition wait)
+    _wait_for_output(workdir, "ready", 2)  # both workers have started their grandchildren
     item.proc.send_signal(sig)
     rc, _, err = item.wait(30)
     assert rc == code, err
     assert "interrupted" in err
+
+
+def test_workers_die_with_a_sigkilled_agent(workdir, launch) -> None:
+    import psutil
+
+    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "logs"),
+                   "--redirects", "1", str(workdir / "train_state.py"), "--no-state", "--steps", "100000",
+                   "--sleep", "0.05"], workdir)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"], 60, "workers")
+    agent = psutil.Process(item.proc.pid)
+    workers = wait_for(lambda: [c for c in agent.children(recursive=True) if "train_state.py" in " ".join(c.cmdline())]
+                       if agent.is_running() else None, 30, "the worker processes")
+    assert len(workers) == 2
+    _wait_for_output(workdir, "starts at step", 2)  # both workers run the script: their hooks are in
+    item.proc.send_signal(signal.SIGKILL)
+    item.proc.wait(10)
+    gone, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, f"workers outlived their agent: {[p.pid for p in alive]}"

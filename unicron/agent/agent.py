@@ -193,7 +193,7 @@ class Agent:
                                     master_addr=spec.master_addr, master_port=spec.master_port,
                                     restart_count=spec.restart_count, error_file=error_file))
             env.update({"UNICRON_AGENT_ADDR": self.agent_addr, "UNICRON_STACK_DIR": self.stack_dir,
-                        "UNICRON_SNAPSHOT_DIR": self.shm_dir})
+                        "UNICRON_SNAPSHOT_DIR": self.shm_dir, "UNICRON_AGENT_PID": str(os.getpid())})
             if spec.restore_step is not None:
                 env["UNICRON_RESTORE_STEP"] = str(spec.restore_step)
             if spec.inject:

@@ -24,6 +24,7 @@ AGENT_OWNED_VARS = (
     "UNICRON_RESTORE_STEP",
     "UNICRON_INJECT",
     "UNICRON_SECRET",
+    "UNICRON_AGENT_PID",
 )
 
 BOOT_MODULE = "unicron.worker.boot"

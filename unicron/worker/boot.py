@@ -148,8 +148,26 @@ def _is_clean_exit(code: object) -> bool:
     return code is None or code == 0
 
 
+def die_with_agent() -> None:
+    """Ask the kernel to SIGKILL this worker if its agent dies (even by SIGKILL), so a lost
+    agent never leaves workers behind. Linux only; elsewhere a no-op."""
+    agent = os.environ.get("UNICRON_AGENT_PID", "")
+    if not agent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(agent):  # the agent died before the request took effect
+        hooks._real_os_exit(137)
+
+
 def main(argv: list[str] | None = None) -> int:
     started_at = time.time()
+    die_with_agent()
     try:
         target = parse_argv(sys.argv[1:] if argv is None else argv)
         if not target.module and not os.path.exists(target.script):
