@@ -21,6 +21,7 @@ import zmq
 
 from unicron.agent.logs import ConsoleTee, RunLogDir
 from unicron.agent.settings import AgentSettings
+from unicron.agent.warm import WarmPool, boot_argv, should_refill
 from unicron.agent.workers import GroupSpec, WorkerGroup
 from unicron.detect.hang import HangDetector
 from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
@@ -60,6 +61,9 @@ class Agent:
         self.last_health = 0.0
         self.dropped_local = 0
         self.evidence: list[dict[str, Any]] = []
+        # Zygotes with torch imported, so a restart skips interpreter start and imports.
+        self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env={})
+                     if s.warm and boot_argv(list(s.cmd), s.cmd[0]) is not None else None)
 
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -99,6 +103,7 @@ class Agent:
                     else:
                         self._drain_workers(pull)
                 self._watch_workers()
+                self._refill_pool()
                 self._heartbeat()
                 if welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
                     raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
@@ -114,6 +119,8 @@ class Agent:
             raise
         finally:
             self._stop_group(reason="agent exit")
+            if self.pool is not None:
+                self.pool.close()
             self.tee.close()
             dealer.close(linger=500)
             pull.close(0)
@@ -171,12 +178,13 @@ class Agent:
                             warmup_steps=self.s.hang_warmup_steps,
                             first_step_timeout_s=self.s.first_step_timeout_s)
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=self._env_factory(spec), run_logs=self.run_logs,
-                            tee=self.tee, host=self.host, hang=hang, role=self.s.role, stack_dir=self.stack_dir)
+                            tee=self.tee, host=self.host, hang=hang, role=self.s.role, stack_dir=self.stack_dir,
+                            pool=self.pool)
         self.group = group
         group.start(time.time())
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
                          ranks=sorted(group.ranks), world_size=spec.world_size,
-                         restore_step=spec.restore_step, master_port=spec.master_port)
+                         restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts)
         what = f"attempt {spec.attempt}: ranks {min(group.ranks)}-{max(group.ranks)} of {spec.world_size}"
         if spec.restore_step is not None:
             what += f", restoring step {spec.restore_step} from memory"
@@ -255,6 +263,15 @@ class Agent:
             if hang is not None:
                 group.hang_reported = True
                 self._report(hang)
+
+    def _refill_pool(self) -> None:
+        """Refill the warm pool once the attempt trains (not while its workers still start)."""
+        group = self.group
+        if self.pool is None or group is None:
+            return
+        progress = max((r.steps_in_attempt for r in group.ranks.values()), default=0)
+        if should_refill(time.time(), group.started_at, progress):
+            self.pool.refill()
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group

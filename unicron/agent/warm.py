@@ -71,6 +71,19 @@ def boot_argv(cmd: Sequence[str], python: str) -> list[str] | None:
     return list(cmd[len(head):])
 
 
+REFILL_DELAY_S = 30.0  # refill anyway this long after an attempt started, steps reported or not
+
+
+def should_refill(now: float, attempt_started_at: float, steps_completed: int, *,
+                  delay_s: float = REFILL_DELAY_S) -> bool:
+    """When to start replacement zygotes: once the attempt completed a step, or ``delay_s`` after it began.
+
+    Not at once: new zygotes importing torch would compete for CPU with the workers that are
+    starting (a cold first attempt imports torch itself). Calling ``refill`` on a full pool is cheap.
+    """
+    return steps_completed > 0 or now - attempt_started_at >= delay_s
+
+
 def spec_line(argv: Sequence[str], env: Mapping[str, str], cwd: str, logs: RankLogs) -> bytes:
     """The one line a zygote reads to become a worker."""
     spec = {"argv": list(argv), "env": dict(env), "cwd": cwd, "stdout": logs.stdout_path,

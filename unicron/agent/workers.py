@@ -19,6 +19,7 @@ from typing import Any
 from unicron.agent.logs import ConsoleTee, RankLogs, RunLogDir
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
+from unicron.agent.warm import WarmPool
 from unicron.detect.hang import HangDetector
 
 STACK_WAIT_S = 1.5
@@ -60,7 +61,7 @@ class GroupSpec:
 
 class WorkerGroup:
     def __init__(self, spec: GroupSpec, *, cmd: list[str], env_for: Any, run_logs: RunLogDir, tee: ConsoleTee,
-                 host: str, hang: HangDetector, role: str, stack_dir: str) -> None:
+                 host: str, hang: HangDetector, role: str, stack_dir: str, pool: WarmPool | None = None) -> None:
         self.spec = spec
         self.cmd = cmd
         self.env_for = env_for
@@ -70,6 +71,8 @@ class WorkerGroup:
         self.hang = hang
         self.role = role
         self.stack_dir = stack_dir
+        self.pool = pool
+        self.warm_starts = 0
         self.ranks: dict[int, RankState] = {}
         self.started_at = 0.0
         self.reported_exc: set[int] = set()
@@ -86,7 +89,12 @@ class WorkerGroup:
         for plan in plans:
             plan = _capture_stderr(plan, self.run_logs, self.spec.attempt)
             env = self.env_for(plan.local_rank, plan.rank, plan.error_file or "")
-            proc = start_worker(self.cmd, env, plan, tee=self.tee)
+            # A warm interpreter (torch already imported) if one is ready, else a cold start.
+            proc = self.pool.take(self.cmd, env, plan, tee=self.tee) if self.pool is not None else None
+            if proc is None:
+                proc = start_worker(self.cmd, env, plan, tee=self.tee)
+            else:
+                self.warm_starts += 1
             self.ranks[plan.rank] = RankState(plan.rank, plan.local_rank, proc, plan, now)
         self.hang.start(now, list(self.ranks))
 

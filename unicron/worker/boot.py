@@ -148,10 +148,10 @@ def _is_clean_exit(code: object) -> bool:
     return code is None or code == 0
 
 
-def die_with_agent() -> None:
-    """Ask the kernel to SIGKILL this worker if its agent dies (even by SIGKILL), so a lost
-    agent never leaves workers behind. Linux only; elsewhere a no-op."""
-    agent = os.environ.get("UNICRON_AGENT_PID", "")
+def die_with_agent(agent_pid: str | None = None) -> None:
+    """Ask the kernel to SIGKILL this process if its agent (its parent) dies, even by SIGKILL,
+    so a lost agent never leaves workers or idle zygotes behind. Linux only; else a no-op."""
+    agent = os.environ.get("UNICRON_AGENT_PID", "") if agent_pid is None else agent_pid
     if not agent.isdigit() or not sys.platform.startswith("linux"):
         return
     try:

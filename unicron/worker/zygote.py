@@ -176,6 +176,7 @@ def become_worker(spec: dict[str, Any], capture: _Capture) -> int:
 
 
 def main(argv: list[str]) -> int:
+    boot.die_with_agent(str(os.getppid()))  # an idle zygote must not outlive its agent either
     ready_fd: int | None = None
     if len(argv) == 2 and argv[0] == "--ready-fd":
         ready_fd = int(argv[1])
