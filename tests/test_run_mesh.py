@@ -121,3 +121,26 @@ def test_workers_die_with_a_sigkilled_agent(workdir, launch) -> None:
     item.proc.wait(10)
     gone, alive = psutil.wait_procs(workers, timeout=15)
     assert not alive, f"workers outlived their agent: {[p.pid for p in alive]}"
+
+
+def test_standalone_coordinator_serves_two_jobs(workdir, launch) -> None:
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    coord = launch(["coordinator", "--port", str(port), "--host", "127.0.0.1", "--log-dir", str(workdir / "coord")],
+                   workdir, env)
+    jobs = []
+    for name in ("job-a", "job-b"):
+        jobs.append(launch(["run", "--nnodes", "1", "--nproc-per-node", "2", "--coordinator", f"127.0.0.1:{port}",
+                            "--rdzv-id", name, "--log-dir", str(workdir / name), str(workdir / "train_state.py"),
+                            "--no-state", "--steps", "5", "--out", str(workdir / f"{name}.txt")], workdir, env))
+    for item in jobs:
+        code, _, err = item.wait(90)
+        assert code == 0, err
+    for name in ("job-a", "job-b"):
+        events = read_events(workdir / "coord" / name)
+        assert [e["exit_code"] for e in events if e["kind"] == "job_end"] == [0]
+        assert {e["job"] for e in events} == {name}
+    assert coord.proc.poll() is None  # it serves on after both jobs ended
+    coord.proc.send_signal(signal.SIGTERM)
+    code, _, err = coord.wait(20)
+    assert code == 0, err

@@ -3,6 +3,7 @@ errors into one line for the user and an exit code."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -16,6 +17,22 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from unicron import __version__
+
+        typer.echo(f"unicron {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """A drop-in torchrun that makes distributed PyTorch training heal itself."""
 
 
 def _register_all() -> None:
@@ -48,18 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         error_line("interrupted")
         return 130
-    except Exception as exc:  # click usage errors and friends
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
-            return exc.exit_code
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:
+        # typer vendors click (typer._click); match its exceptions by shape, not by import.
+        code = getattr(exc, "exit_code", None)
+        if type(exc).__name__ == "Exit" and isinstance(code, int):
+            return code
+        if hasattr(exc, "format_message") and isinstance(code, int):
             error_line(exc.format_message())
-            return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
+            return code
+        if type(exc).__name__ == "Abort":
             error_line("aborted")
             return 130
-        raise
+        if os.environ.get("UNICRON_DEBUG"):
+            raise
+        error_line(f"internal error: {type(exc).__name__}: {exc} (set UNICRON_DEBUG=1 for the traceback)")
+        return 70
     return rv if isinstance(rv, int) else 0
 
 

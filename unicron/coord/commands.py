@@ -32,9 +32,9 @@ def register(app: typer.Typer) -> None:
         from unicron.events import EVENTS_FILE, EventLog
         from unicron.runs import RunInfo, register_run, unregister_run
 
-        secret = _secret(secret_file)
         if not 0 <= port <= 65535:
             raise UsageError(f"--port: {port} is not a TCP port")
+        secret = _secret(secret_file)
         base = Path(log_dir) if log_dir else Path(os.environ.get("TMPDIR", "/tmp")) / f"unicron-coordinator-{os.getpid()}"
         logs: dict[str, EventLog] = {}
         registered: list[str] = []

@@ -46,7 +46,8 @@ def settings_from_config(cfg: LaunchConfig) -> AgentSettings:
         node_rank=cfg.node_rank,
         max_restarts=cfg.max_restarts,
         role=cfg.role,
-        rdzv_host=cfg.rdzv_host,
+        # Workers reach the store where the coordinator runs: a standalone one's host, else the endpoint's.
+        rdzv_host=cfg.coordinator.rpartition(":")[0].strip("[]") if cfg.coordinator else cfg.rdzv_host,
         rdzv_port=cfg.rdzv_port,
         embed_coordinator=cfg.coordinator is None,
         coordinator=cfg.coordinator,

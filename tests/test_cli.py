@@ -1,0 +1,41 @@
+"""The `unicron` command itself: version, help, and one clear line for every kind of misuse."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from e2e import clean_env, unicron_cmd
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(unicron_cmd(*args), capture_output=True, text=True, timeout=timeout, env=clean_env())
+
+
+def test_version_and_help() -> None:
+    assert _run("--version").stdout.strip() == "unicron 0.1.0"
+    out = _run("--help").stdout
+    for command in ("run", "coordinator", "plan", "simulate", "status", "events"):
+        assert command in out
+    assert "--nproc-per-node" in _run("run", "--help").stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bogus"], "No such command"),
+    (["plan"], "Missing option"),
+    (["status", "--bogus"], "No such option"),
+    (["run", "--nnodes", "3:2", "x.py"], "--nnodes"),
+    (["run", "--bogus-flag", "x.py"], "--bogus-flag"),
+    (["coordinator", "--port", "70000"], "port"),
+])
+def test_misuse_is_one_line_and_nonzero(args, message) -> None:
+    proc = _run(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unicron: error:") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_coordinator_without_secret_is_refused() -> None:
+    proc = _run("coordinator", "--port", "0")
+    assert proc.returncode == 2 and "UNICRON_SECRET" in proc.stderr
