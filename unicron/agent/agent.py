@@ -61,6 +61,7 @@ class Agent:
         self.last_health = 0.0
         self.dropped_local = 0
         self.evidence: list[dict[str, Any]] = []
+        self.steps_seen = False  # some attempt's workers reported steps: the script steps
         # Zygotes with torch imported, so a restart skips interpreter start and imports.
         self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env={})
                      if s.warm and boot_argv(list(s.cmd), s.cmd[0]) is not None else None)
@@ -179,7 +180,7 @@ class Agent:
                             first_step_timeout_s=self.s.first_step_timeout_s)
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=self._env_factory(spec), run_logs=self.run_logs,
                             tee=self.tee, host=self.host, hang=hang, role=self.s.role, stack_dir=self.stack_dir,
-                            pool=self.pool)
+                            pool=self.pool, expect_steps=self.steps_seen)
         self.group = group
         group.start(time.time())
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
@@ -292,6 +293,7 @@ class Agent:
         if group is None:
             return
         self.group = None
+        self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
         group.stop(self.s.grace_s, sig)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason)
 
@@ -360,6 +362,8 @@ def _coded(body: dict[str, Any]) -> UnicronError:
 def _fault_line(fault: dict[str, Any]) -> str:
     who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('host')}"
     what = fault.get("summary") or fault.get("message") or fault.get("kind")
+    if fault.get("error_type") and not fault.get("summary"):
+        what = f"{fault['error_type']}: {what}"
     return f"{fault.get('kind')} on {who} at step {fault.get('steps_completed', '?')}: {what}"
 
 

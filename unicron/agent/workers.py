@@ -61,7 +61,8 @@ class GroupSpec:
 
 class WorkerGroup:
     def __init__(self, spec: GroupSpec, *, cmd: list[str], env_for: Any, run_logs: RunLogDir, tee: ConsoleTee,
-                 host: str, hang: HangDetector, role: str, stack_dir: str, pool: WarmPool | None = None) -> None:
+                 host: str, hang: HangDetector, role: str, stack_dir: str, pool: WarmPool | None = None,
+                 expect_steps: bool = False) -> None:
         self.spec = spec
         self.cmd = cmd
         self.env_for = env_for
@@ -73,6 +74,10 @@ class WorkerGroup:
         self.stack_dir = stack_dir
         self.pool = pool
         self.warm_starts = 0
+        # Hang detection needs step reports. A script that never steps (no torch.optim, no
+        # unicron.step(), or --no-inject) must never be called hung; one that stepped in an
+        # earlier attempt is held to the first-step allowance from the start.
+        self.expect_steps = expect_steps
         self.ranks: dict[int, RankState] = {}
         self.started_at = 0.0
         self.reported_exc: set[int] = set()
@@ -135,7 +140,7 @@ class WorkerGroup:
                 self.reported_exc.add(r.rank)
                 sent = msg.get("ts")
                 latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
-                return self._fault(r, "exception", now, message=f"{msg.get('type')}: {msg.get('msg')}",
+                return self._fault(r, "exception", now, message=str(msg.get("msg") or ""),
                                    error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
         elif t == "snap" and isinstance(msg.get("step"), int):
             r.snapshot_step = msg["step"]
@@ -158,6 +163,8 @@ class WorkerGroup:
         return faults, done
 
     def check_hang(self, now: float) -> dict[str, Any] | None:
+        if not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values()):
+            return None
         verdict = self.hang.check(now)
         if verdict is None:
             return None

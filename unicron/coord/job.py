@@ -346,7 +346,9 @@ def _common_snapshot_step(stopped: Any, old_world: int, new_world: int) -> int |
 def _describe(fault: dict[str, Any]) -> str:
     where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('host', '?')}"
     kind = fault.get("kind", "fault")
-    detail = fault.get("message") or fault.get("error_type") or ""
+    detail = fault.get("message") or ""
+    if fault.get("error_type"):
+        detail = f"{fault['error_type']}: {detail}" if detail else str(fault["error_type"])
     return f"{kind} on {where}" + (f": {detail}" if detail else "")
 
 
