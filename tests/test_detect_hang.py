@@ -173,3 +173,23 @@ def test_never_a_hang_while_steps_arrive_within_the_threshold(intervals: list[fl
     assert det.check(now + limit * 0.999) is None
     verdict = det.check(now + limit * 1.001 + 1e-6)
     assert verdict is not None and verdict.threshold_s == limit
+
+
+def test_hang_right_after_the_first_steps_uses_the_early_allowance() -> None:
+    """Before the median is known, a stall is judged against k x the longest gap seen so far
+    (start-up included), not the long first-step timeout."""
+    from unicron.detect.hang import HangDetector
+
+    det = HangDetector(k=3.0, floor_s=2.0, warmup_steps=3, first_step_timeout_s=300.0)
+    det.start(0.0, [0, 1])
+    assert det.check(250.0) is None  # nobody stepped yet: the first-step allowance (300 s)
+    det = HangDetector(k=3.0, floor_s=2.0, warmup_steps=3, first_step_timeout_s=300.0)
+    det.start(0.0, [0, 1])
+    for rank in (0, 1):
+        det.observe(rank, 1, 4.0)  # start-up took 4 s
+        det.observe(rank, 2, 4.1)
+    threshold, warmup = det.threshold_s()
+    assert warmup and threshold == 12.0  # 3 x 4 s
+    assert det.check(4.1 + 11.9) is None
+    verdict = det.check(4.1 + 12.1)
+    assert verdict is not None and verdict.warmup

@@ -21,6 +21,7 @@ class _RankProgress:
     last_step: int | None = None
     steps_in_attempt: int = 0
     times: deque[float] = field(default_factory=deque)
+    longest_s: float = 0.0  # longest gap between progress reports this attempt (first one included)
 
 
 class StepStats:
@@ -57,6 +58,7 @@ class StepStats:
         if p.last_step is not None and step <= p.last_step:
             return False  # duplicate or reordered report
         advanced = 1 if p.last_step is None else step - p.last_step
+        p.longest_s = max(p.longest_s, ts - p.last_progress_ts)
         if p.last_step is not None and p.steps_in_attempt + advanced > self.skip_first:
             p.times.append(max(ts - p.last_progress_ts, 0.0) / advanced)
         p.last_step = step
@@ -80,6 +82,14 @@ class StepStats:
         """The job's pace: the largest per-rank median (the slowest rank sets the pace)."""
         medians = [m for m in (self.median(r) for r in self._ranks) if m is not None]
         return max(medians) if medians else None
+
+    def longest_interval(self) -> float:
+        """The longest gap between progress reports of any rank this attempt (start-up included)."""
+        return max((p.longest_s for p in self._ranks.values()), default=0.0)
+
+    def started_all(self) -> bool:
+        """Every expected rank has completed at least one step this attempt."""
+        return bool(self._ranks) and all(p.steps_in_attempt > 0 for p in self._ranks.values())
 
     def samples(self, rank: int) -> int:
         p = self._ranks.get(rank)
@@ -177,10 +187,20 @@ class HangDetector:
         )
 
     def threshold_s(self) -> tuple[float, bool]:
-        """The allowed gap without progress now, and whether it is the warm-up allowance."""
+        """The allowed gap without progress now, and whether it is the warm-up allowance.
+
+        Before every rank has completed a step: ``first_step_timeout_s`` (imports, data
+        loading, compilation). During the rest of warm-up the running median is not known yet,
+        but the longest gap seen so far is (start-up included, so it is generous): k times it,
+        at least ``floor_s``, at most ``first_step_timeout_s``. A hang right after the first
+        steps is then found in about k x (start-up time), not after the first-step timeout.
+        """
         median = self.stats.job_median()
-        if self.in_warmup() or median is None:
+        if not self.stats.started_all():
             return self.first_step_timeout_s, True
+        if self.in_warmup() or median is None:
+            early = max(self.k * self.stats.longest_interval(), self.floor_s)
+            return min(early, self.first_step_timeout_s), True
         return max(self.k * median, self.floor_s), False
 
     def check(self, now: float) -> HangVerdict | None:
