@@ -197,3 +197,19 @@ def test_detect_decider_on_real_fault_shapes(fault, action) -> None:
     assert decision.action == action
     if action == "stop":
         assert decision.exit_code != 0
+
+
+def test_node_busy_stopping_its_workers_is_judged_by_the_stop_timeout() -> None:
+    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 2}}, 2)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 2)
+    core.on_heartbeat("b", {"workers": [], "health": {}}, 2)
+    # Both nodes are silent for 7 s while they stop hung workers (heartbeat timeout is 3 s).
+    assert not [o for o in core.tick(9) if isinstance(o, Emit) and o.kind == "node_lost"]
+    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 9.5)
+    outs = core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 9.6)
+    assert any(isinstance(o, OpenStore) for o in outs)
+    assert len(core.members.active()) == 2

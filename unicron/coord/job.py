@@ -115,6 +115,7 @@ class JobCore:
         attempt = self.attempt
         if attempt is None or body["attempt"] != attempt.number or not self.members.is_active(node_id):
             return [Emit("fault_stale", {"node_id": node_id, "attempt": body["attempt"]})]
+        self.members.heartbeat(node_id, now)  # any message is a sign of life
         fault = dict(body["fault"], node_id=node_id, reported_at=now)
         attempt.faults.append(fault)
         if isinstance(fault.get("latency_s"), (int, float)):
@@ -139,6 +140,7 @@ class JobCore:
         if attempt is None or body["attempt"] != attempt.number or self.phase is not Phase.STOPPING:
             return []
         attempt.stopped[node_id] = body
+        self.members.heartbeat(node_id, now)  # any message is a sign of life
         out: list[Out] = [Emit("node_stopped", {"node_id": node_id, "attempt": attempt.number})]
         if self._all_stopped():
             out += self._after_stop(now)
@@ -157,7 +159,10 @@ class JobCore:
         out: list[Out] = []
         if self.phase in (Phase.DONE, Phase.FAILED):
             return out
-        for node in self.members.expire(now):
+        # A node busy stopping its workers (SIGTERM, then SIGKILL after the grace period) may be
+        # silent meanwhile: the stop timeout, not the heartbeat timeout, judges it.
+        stopping = frozenset(self._unacked()) if self.phase is Phase.STOPPING and self.attempt else frozenset()
+        for node in self.members.expire(now, stopping):
             out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
                                           "silent_s": round(now - node.last_heartbeat, 3)}))
             self.detections.append(now - node.last_heartbeat)

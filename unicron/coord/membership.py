@@ -101,9 +101,11 @@ class Membership:
             node.health = health
         return True
 
-    def expire(self, now: float) -> list[NodeRecord]:
-        """Declare lost every active node silent for longer than the heartbeat timeout."""
-        lost = [n for n in self.active() if now - n.last_heartbeat > self.heartbeat_timeout_s]
+    def expire(self, now: float, exempt: frozenset[str] = frozenset()) -> list[NodeRecord]:
+        """Declare lost every active node silent for longer than the heartbeat timeout
+        (except ``exempt`` ones, judged by another deadline)."""
+        lost = [n for n in self.active()
+                if n.node_id not in exempt and now - n.last_heartbeat > self.heartbeat_timeout_s]
         for node in lost:
             self._remove(node, NodeState.LOST)
         return lost
