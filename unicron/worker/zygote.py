@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import sys
 import tempfile
+import threading
 from typing import IO, Any
 
 # Imported before torch, as in a cold worker: hooks remember the default excepthooks.
@@ -90,6 +92,47 @@ def read_spec_line(fd: int) -> bytes | None:
             break
     line = b"".join(chunks)
     return line.split(b"\n", 1)[0] if line else None
+
+
+class _Background:
+    """Import at SCHED_IDLE: a zygote fills the pool while the job trains, and must take only
+    CPU time training leaves unused. Normal scheduling returns once the imports are done, or at
+    once if the zygote is handed its job while still importing (a helper thread watches stdin).
+    Best effort: where the policy cannot be changed, the zygote imports at normal priority."""
+
+    def __init__(self) -> None:
+        self.tid = threading.get_native_id()
+        self.idle = False
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
+        try:
+            os.sched_setscheduler(self.tid, os.SCHED_IDLE, os.sched_param(0))
+            self.idle = True
+        except (AttributeError, OSError):
+            return
+        self._thread = threading.Thread(target=self._watch, name="unicron-zygote-wake", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        select.select([0, self._wake_r], [], [])
+        self._normal()
+
+    def _normal(self) -> None:
+        if self.idle:
+            try:
+                os.sched_setscheduler(self.tid, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass
+            self.idle = False
+
+    def end(self) -> None:
+        """Back to normal scheduling; no thread or descriptor of ours is left for the worker."""
+        self._normal()
+        os.write(self._wake_w, b"x")  # let the watcher thread finish
+        if self._thread is not None:
+            self._thread.join(5.0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 def _preload() -> None:
@@ -181,12 +224,14 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "--ready-fd":
         ready_fd = int(argv[1])
     capture = _Capture()
+    background = _Background()
     try:
         _preload()
     except BaseException as err:  # any import failure: this zygote must never become a worker
         capture.restore_console()
         print(f"unicron zygote: preloading failed: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_PRELOAD_FAILED
+    background.end()
     if ready_fd is not None:
         try:
             os.write(ready_fd, b"r")
