@@ -438,7 +438,8 @@ def test_terminate_all_uses_the_clock_for_the_grace(tmp_path: Path, workers: lis
 
 LAUNCHER = """
     import sys, time
-    from unicron.agent.procs import LauncherSignals, set_child_subreaper, spawn, wait_any, running
+    from unicron.agent.procs import running, spawn, wait_any
+    from unicron.agent.signals import LauncherSignals, set_child_subreaper
     set_child_subreaper(True)
     worker_code = (
         "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"

@@ -14,8 +14,8 @@ import zmq
 
 from unicron.agent.agent import Agent
 from unicron.agent.logs import RunLogDir
-from unicron.agent.procs import LauncherSignals, set_child_subreaper
 from unicron.agent.settings import AgentSettings
+from unicron.agent.signals import LauncherSignals, set_child_subreaper
 from unicron.agent.ui import AgentUI
 from unicron.coord.decide import DetectDecider
 from unicron.coord.server import CoordinatorServer
