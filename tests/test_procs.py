@@ -28,14 +28,13 @@ from unicron.agent.logs import (
     plan_rank_logs,
 )
 from unicron.agent.procs import (
-    LauncherSignals,
     WorkerProcess,
-    set_child_subreaper,
     spawn,
     start_worker,
     terminate_all,
     wait_any,
 )
+from unicron.agent.signals import LauncherSignals, set_child_subreaper
 from unicron.errors import FatalUserError, UsageError
 
 REPO = Path(__file__).resolve().parents[1]
