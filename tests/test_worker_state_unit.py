@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 import unicron
 from unicron.errors import ConfigError
-from unicron.worker import snapshot
+from unicron.worker import snapshot, snapslots
 from unicron.worker.state import State
 
 
@@ -85,21 +86,26 @@ def test_commit_then_restore_continues_bit_for_bit(snap_env: Path, monkeypatch: 
     assert torch.equal(draws[0], expected_draws[0]) and draws[1:] == expected_draws[1:]
 
 
-def test_buffers_reused_without_corrupting_earlier_snapshots(snap_env: Path) -> None:
+def test_slots_reused_without_corrupting_earlier_snapshots(snap_env: Path) -> None:
     weight = torch.nn.Parameter(torch.zeros(1000))
     holder = torch.nn.ParameterDict({"w": weight})
     state = State(model=holder)
     ptrs = []
-    for step in range(1, 4):
+    for step in range(1, 8):
         with torch.no_grad():
             weight.fill_(float(step))
         state.commit(step)
-        ptrs.append(state._copier._buffers[0].data_ptr())
-    state.flush()
-    assert ptrs[0] == ptrs[1] == ptrs[2]  # no allocation per step
-    for step in range(1, 4):
-        saved = torch.load(snapshot.snapshot_path(snap_env, 1, step), weights_only=True)
+        ptrs.append({k: m.data_ptr() for k, m in state._store._maps.items()})
+    assert state.flush() and state.flush(0)  # synchronous: nothing is ever in flight
+    assert ptrs[2] == ptrs[6]  # three slots mapped once, no allocation or mapping per step
+    rank_dir = snap_env / "rank1"
+    assert sorted(os.listdir(rank_dir)) == ["slot0.bin", "slot1.bin", "slot2.bin",
+                                            *(snapshot.snapshot_name(s) for s in (5, 6, 7))]
+    for step in (5, 6, 7):
+        saved = snapslots.read(rank_dir, step)
         assert torch.equal(saved["objects"]["model"]["w"], torch.full((1000,), float(step)))
+    marker = json.loads((rank_dir / snapshot.snapshot_name(7)).read_text())  # plain JSON, no pickle
+    assert marker["nbytes"] >= 4000 + 5056 and marker["slot"] == 0  # weights + torch RNG, 7 % 3 round robin
 
 
 def test_outside_unicron_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,7 +157,7 @@ def test_partial_writes_of_a_killed_worker_are_cleaned(snap_env: Path) -> None:
     state = State(model=model)
     state.commit(10)
     state.flush()
-    assert sorted(os.listdir(rank_dir)) == ["step0000000010.pt"]
+    assert sorted(os.listdir(rank_dir)) == ["slot0.bin", "step0000000010.pt"]
 
 
 def test_snapshot_layout_helpers(tmp_path: Path) -> None:

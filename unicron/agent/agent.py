@@ -368,8 +368,8 @@ def _fault_line(fault: dict[str, Any]) -> str:
 
 
 def _scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Steps with a complete snapshot, per global rank (files exist only once fully written),
-    and the bytes held per step over all local ranks."""
+    """Steps with a complete snapshot, per global rank (markers exist only once complete),
+    and the bytes held per step over all local ranks (marker plus the data slot it names)."""
     found: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
     try:
@@ -384,10 +384,14 @@ def _scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
             if name.startswith("step") and name.endswith(".pt") and name[4:-3].isdigit():
                 step = int(name[4:-3])
                 steps.append(step)
-                try:
-                    sizes[str(step)] = sizes.get(str(step), 0) + os.path.getsize(os.path.join(root, entry, name))
-                except OSError:
-                    pass
+                path = os.path.join(root, entry, name)
+                try:  # the marker is JSON naming the bytes of its data slot (unicron.worker.snapslots)
+                    with open(path, encoding="utf-8") as f:
+                        data = json.load(f).get("nbytes", 0)
+                    size = os.path.getsize(path) + (data if isinstance(data, int) else 0)
+                except (OSError, ValueError, AttributeError):
+                    continue
+                sizes[str(step)] = sizes.get(str(step), 0) + size
         found[entry[4:]] = sorted(steps)
     return found, sizes
 

@@ -1,13 +1,15 @@
 """Layout of ``unicron.State`` snapshots on disk (shared memory), and choosing a restore step.
 
-``$UNICRON_SNAPSHOT_DIR/rank{R}/step{S:010d}.pt`` holds "S steps completed" for rank R. It is
-written to ``step{S:010d}.pt.tmp`` and renamed, so a ``.pt`` that exists is complete. Each
+``$UNICRON_SNAPSHOT_DIR/rank{R}/step{S:010d}.pt`` is the marker of "S steps completed" for rank
+R: a small JSON file naming the ``slot{k}.bin`` that holds the raw tensors (format and commit
+protocol in ``snapslots``). It is written to ``step{S:010d}.pt.tmp`` and renamed once the data
+is in place, and removed before its slot is reused, so a ``.pt`` that exists is complete. Each
 worker keeps its newest ``KEEP`` snapshots.
 
-Why three and not two: writes are asynchronous, so when rank A has just finished writing
-step k, a rank B that is in step k may have only k-2 complete (its k-1 write still running).
-With two kept, A would hold {k-1, k} and B {k-3, k-2}: no step in common. Three always
-leave one (for training where every step synchronises the ranks at least once).
+Why three: commits are synchronous, so when rank A has finished step k a rank B in lockstep
+has at least k-1 complete; two kept would leave a common step, three leave a margin for a
+training loop whose ranks synchronise less than once per step, at ``KEEP`` times the state
+in shared memory.
 
 Torch-free: the agent imports this to pick ``UNICRON_RESTORE_STEP`` (``common_step``).
 """

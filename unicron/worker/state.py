@@ -8,7 +8,7 @@ Usage::
     start = state.restore()          # steps completed: 0 on a fresh start
     for step in range(start, total):
         ...                          # forward / backward / opt.step()
-        state.commit(step + 1)       # "step + 1 steps completed", snapshotted asynchronously
+        state.commit(step + 1)       # "step + 1 steps completed", snapshotted before it returns
 
 ``State(extra=None, keep=3, **objects)``
     ``objects``: anything with ``state_dict()`` / ``load_state_dict()`` (model, optimizer, LR
@@ -19,110 +19,51 @@ Usage::
     Under a unicron restart (``UNICRON_RESTORE_STEP`` set), loads this rank's snapshot of that
     step into every object, ``extra`` and all RNG states (python ``random``, numpy's global RNG
     if numpy is used, torch CPU, CUDA if initialised) and returns the step; otherwise returns 0
-    and changes nothing. The worker's step counter continues from the restored step.
+    and changes nothing in the objects. The worker's step counter continues from the restored
+    step. Snapshots this rank holds of later steps (the failed attempt's) are dropped.
 ``commit(step)``
-    Copies everything (and the RNG states) to CPU memory before returning, so the snapshot is
-    consistent whatever the training loop does next; then a background thread ``torch.save``s
-    it to ``$UNICRON_SNAPSHOT_DIR/rank{RANK}/step{step:010d}.pt`` and tells the agent
-    (``snap``). A commit waits for the previous write, so at most one snapshot is in flight;
-    CPU buffers are reused from one commit to the next. Outside unicron (no
-    ``UNICRON_SNAPSHOT_DIR``) it only records the step.
+    Copies every tensor (and the RNG states) into a slot of shared memory that stays mapped
+    from one commit to the next, so the cost is one ``copy_`` per tensor on the caller's
+    thread: no serialization, no background thread. Then it writes the tree as JSON next to
+    it and tells the agent (``snap``); layout and protocol in ``snapslots``. CUDA tensors are
+    copied device-to-host into the slot and synchronised before the snapshot is declared. Returning means
+    the snapshot is complete, so it is consistent whatever the training loop does next.
+    Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.
 ``flush(timeout=None)``
-    Waits for the write in flight (also done automatically at exit and before ``os._exit``).
+    Kept for compatibility: commits are synchronous, nothing is ever in flight; returns True.
 ``step``, ``extra``, ``enabled``
     Steps completed as of the last restore/commit; the live extra dict; whether snapshots are
     being written.
 
-A failed write (e.g. shared memory full) is reported on stderr and training goes on; the
-agent then restores from the newest snapshot that was written. Not captured: where a data
+A failed write (e.g. shared memory full: slot files are ``posix_fallocate``d, so a full tmpfs
+is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr and training goes on;
+the agent then restores from the newest snapshot that was written. Refused at commit, with the
+path of the offending value: anything the JSON codec (``snapcodec``) cannot give back with its
+exact type (numpy scalars, arbitrary objects, sparse or quantized tensors). Restored tensors are
+CPU tensors (``load_state_dict`` moves them), contiguous unless they were a dense permutation;
+two entries that shared storage come back as two tensors. Not captured: where a data
 loader is inside its epoch (its seed comes from the restored torch RNG when the iterator is
 created); scripts that resume mid-epoch keep their batch index in ``extra``.
 """
 
 from __future__ import annotations
 
-import collections
-import os
 import random
 import sys
-import threading
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from unicron.worker import channel, env, hooks, snapshot
-
-FORMAT = 1
-HARD_EXIT_FLUSH_S = 30.0  # how long os._exit waits for a snapshot write in flight
-# Exact types: subclasses (numpy scalars are floats, enums are ints) pickle as their own class,
-# which torch.load(weights_only=True) refuses.
-_LEAF_TYPES = frozenset(
-    {type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device, torch.Size}
-)
-
-
-class _CpuCopier:
-    """Deep-copies a state tree to CPU, reusing the previous commit's tensors as buffers.
-
-    Only types ``torch.load(weights_only=True)`` can read back are accepted; anything else
-    is refused now, with its path, rather than at restore time.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-        self._next: list[torch.Tensor] = []
-        self._cuda_devices: set[torch.device] = set()
-
-    def begin(self) -> None:
-        self._next = []
-        self._cuda_devices = set()
-
-    def end(self) -> None:
-        for device in self._cuda_devices:  # non_blocking copies into pinned memory: wait for them
-            torch.cuda.synchronize(device)
-        self._buffers = self._next
-
-    def _tensor(self, src: torch.Tensor) -> torch.Tensor:
-        src = src.detach()
-        i = len(self._next)
-        if src.layout != torch.strided:
-            buf = src.to("cpu", copy=True)
-        else:
-            old = self._buffers[i] if i < len(self._buffers) else None
-            pin = src.is_cuda
-            if old is None or old.shape != src.shape or old.dtype != src.dtype or old.is_pinned() != pin:
-                old = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-            old.copy_(src, non_blocking=pin)
-            if pin:
-                self._cuda_devices.add(src.device)
-            buf = old
-        self._next.append(buf)
-        return buf
-
-    def visit(self, x: Any, path: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            return self._tensor(x)
-        if type(x) in _LEAF_TYPES:
-            return x
-        if type(x) in (dict, collections.OrderedDict, collections.Counter):
-            out = type(x)()
-            for k, v in x.items():
-                out[k] = self.visit(v, f"{path}[{k!r}]")
-            if hasattr(x, "_metadata"):  # module state_dicts carry versions load_state_dict reads
-                out._metadata = x._metadata  # type: ignore[attr-defined]
-            return out
-        if type(x) in (list, tuple, set):
-            return type(x)(self.visit(v, f"{path}[{i}]") for i, v in enumerate(x))
-        raise TypeError(
-            f"unicron.State cannot snapshot {path} of type {type(x).__qualname__}: use tensors, "
-            "python scalars/strings, and lists/tuples/dicts of them"
-        )
+from unicron.worker import channel, env, hooks, snapcodec, snapshot, snapslots
 
 
 def capture_rng() -> dict[str, Any]:
-    """Every RNG state a training step may draw from, as weights_only-loadable values."""
-    rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Every RNG state a training step may draw from, as values ``snapcodec`` encodes."""
+    version, internal, gauss = random.getstate()  # 625 ints: one tensor, not 625 JSON numbers
+    rng: dict[str, Any] = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                                      "gauss": gauss},
+                           "torch": torch.get_rng_state()}
     np = sys.modules.get("numpy")
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -134,7 +75,8 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(rng: dict[str, Any]) -> None:
-    random.setstate(rng["python"])
+    py = rng["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
     torch.set_rng_state(rng["torch"])
     if "numpy" in rng:
         import numpy as np
@@ -145,37 +87,6 @@ def restore_rng(rng: dict[str, Any]) -> None:
     if "cuda" in rng and torch.cuda.is_available():
         states = rng["cuda"][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all(states)
-
-
-class _BackgroundWriter:
-    """One snapshot write at a time, on a non-daemon thread (so exit waits for it)."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._last_error: str | None = None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                return False
-            self._thread = None
-        return True
-
-    def start(self, job: Callable[[], None]) -> None:
-        self.wait()
-        self._thread = threading.Thread(target=self._run, args=(job,), name="unicron-snapshot")
-        self._thread.start()
-
-    def _run(self, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except Exception as err:  # report once per distinct error; training goes on
-            text = f"{type(err).__name__}: {err}"
-            if text != self._last_error:
-                print(f"unicron: snapshot write failed: {text}", file=sys.stderr, flush=True)
-                self._last_error = text
 
 
 class State:
@@ -194,16 +105,12 @@ class State:
         if keep < 1:
             raise ValueError("unicron.State(keep=...) must be >= 1")
         self._extra: dict[str, Any] = extra if extra is not None else {}
-        self._keep = keep
         self._rank = env.rank()
         self._root = env.path_or_none(env.SNAPSHOT_DIR)
         self._restore_step = env.restore_step()
         self._step = 0
-        self._copier = _CpuCopier()
-        self._writer = _BackgroundWriter()
-        self._cleaned = False
-        if self._root is not None:
-            hooks.add_hard_exit_callback(lambda code: self.flush(HARD_EXIT_FLUSH_S))
+        self._store = snapslots.SlotStore(snapshot.rank_dir(self._root or ".", self._rank), keep)
+        self._last_error: str | None = None
 
     @property
     def step(self) -> int:
@@ -221,61 +128,58 @@ class State:
         return f"unicron.State(objects={list(self._objects)}, step={self._step}, enabled={self.enabled})"
 
     def restore(self) -> int:
-        if self._root is None or not self._restore_step:  # unset, or nothing completed yet
+        if self._root is None:
             return 0
-        path = snapshot.snapshot_path(self._root, self._rank, self._restore_step)
-        if not path.is_file():
+        step = self._restore_step or 0  # unset, or nothing completed yet: a fresh start
+        path = snapshot.snapshot_path(self._root, self._rank, step)
+        if step and not path.is_file():
             print(f"unicron: no snapshot {path}; starting fresh", file=sys.stderr, flush=True)
-            return 0
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if payload.get("format") != FORMAT or payload.get("step") != self._restore_step:
-            raise ValueError(f"{path} is not a unicron snapshot of step {self._restore_step}")
-        saved = payload["objects"]
-        if set(saved) != set(self._objects):
-            raise ValueError(
-                f"snapshot {path} holds {sorted(saved)} but this State has {sorted(self._objects)}"
-            )
+            step = 0
+        if step:
+            self._load(self._store.directory, step)
+        self._store.prepare(newest_kept=step)  # later steps belong to the attempt that failed
+        return step
+
+    def _load(self, directory: Path, step: int) -> None:
+        saved = snapslots.read(directory, step)
+        if not isinstance(saved, dict) or not {"objects", "extra", "rng"} <= saved.keys():
+            raise ValueError(f"{directory} holds no unicron snapshot of step {step}")
+        objects = saved["objects"]
+        if set(objects) != set(self._objects):
+            raise ValueError(f"snapshot of step {step} in {directory} holds {sorted(objects)} "
+                             f"but this State has {sorted(self._objects)}")
         for name, obj in self._objects.items():
-            obj.load_state_dict(saved[name])
+            obj.load_state_dict(objects[name])
         self._extra.clear()
-        self._extra.update(payload["extra"])
-        restore_rng(payload["rng"])
-        self._step = self._restore_step
-        hooks.set_completed_steps(self._step)
-        return self._step
+        self._extra.update(saved["extra"])
+        restore_rng(saved["rng"])
+        self._step = step
+        hooks.set_completed_steps(step)
 
     def commit(self, step: int) -> None:
         step = int(step)
         self._step = step
         if self._root is None:
             return
-        self._writer.wait()  # bounded memory: one snapshot in flight, and its buffers are free
-        self._copier.begin()
-        payload = {
-            "format": FORMAT,
-            "step": step,
+        encoder = snapcodec.Encoder()  # refuses what it cannot give back, with its path
+        tree = {
             "rank": self._rank,
-            "objects": {n: self._copier.visit(o.state_dict(), n) for n, o in self._objects.items()},
-            "extra": self._copier.visit(self._extra, "extra"),
-            "rng": capture_rng(),
+            "objects": {n: encoder.encode(o.state_dict(), n) for n, o in self._objects.items()},
+            "extra": encoder.encode(self._extra, "extra"),
+            "rng": encoder.encode(capture_rng(), "rng"),
         }
-        self._copier.end()
-        directory = snapshot.rank_dir(self._root, self._rank)
-        if not self._cleaned:
-            directory.mkdir(parents=True, exist_ok=True)
-            snapshot.remove_partial(directory)
-            self._cleaned = True
-        self._writer.start(lambda: self._write(payload, step))
-
-    def _write(self, payload: dict[str, Any], step: int) -> None:
-        assert self._root is not None
-        final = snapshot.snapshot_path(self._root, self._rank, step)
-        tmp = final.with_name(final.name + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, final)
-        snapshot.prune(final.parent, self._keep)
-        channel.get().emit("snap", step=step, bytes=final.stat().st_size)
+        try:
+            if not self._store.prepared:  # restore() was not called: nothing to continue from
+                self._store.prepare(newest_kept=0)
+            nbytes = self._store.write(step, tree, encoder)
+        except (OSError, RuntimeError) as err:  # e.g. shm full: report once per distinct error, go on
+            text = f"{type(err).__name__}: {err}"
+            if text != self._last_error:
+                print(f"unicron: snapshot write failed: {text}", file=sys.stderr, flush=True)
+                self._last_error = text
+            return
+        channel.get().emit("snap", step=step, bytes=nbytes)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the write in flight; False if it is still running after ``timeout``."""
-        return self._writer.wait(timeout)
+        """Nothing to wait for: ``commit`` returns once its snapshot is complete."""
+        return True

@@ -1,0 +1,204 @@
+"""Snapshots in shared memory as ``keep`` reusable raw slots plus one JSON marker per step.
+
+One rank's directory ``$UNICRON_SNAPSHOT_DIR/rank{R}/`` holds
+
+``slot{k}.bin`` (k < keep)
+    the tensors of one snapshot, raw, each at the offset its record names. A slot file is
+    mapped once (``MAP_SHARED``) and reused: a commit is one ``copy_`` per tensor into it, no
+    serialization. It is resized only when the state's total size changes.
+``step{S:010d}.pt``
+    the marker: JSON ``{"format": 2, "step", "slot", "nbytes", "tensors": [records], "tree"}``
+    (``snapcodec``); ``nbytes`` is the slot's data size, what the agent reports. Its name is the one ``snapshot`` and the
+    agent list as "a complete snapshot of step S".
+
+Commit protocol (one writer: the worker that owns the directory): pick a slot (a free one,
+else the one holding the oldest step); unlink that step's marker *before* touching the slot;
+copy every tensor in; write the marker to ``step{S:010d}.pt.tmp`` and rename it. So a marker
+that exists always describes a slot that holds exactly its data, and a worker killed
+mid-copy leaves a slot no marker points at. tmpfs needs no fsync: the files live as long as
+the machine, not the process, which is all snapshots must outlive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unicron.worker import snapcodec, snapshot
+
+FORMAT = 2
+
+
+def slot_name(slot: int) -> str:
+    return f"slot{slot}.bin"
+
+
+def choose_slot(held: Mapping[int, int], keep: int, step: int) -> int:
+    """Slot for a snapshot of ``step``: the one already holding ``step`` (committed again), else
+    the lowest free one, else the one holding the oldest step. ``held``: slot -> step."""
+    for slot, held_step in held.items():
+        if held_step == step:
+            return slot
+    for slot in range(keep):
+        if slot not in held:
+            return slot
+    return min(held, key=lambda s: (held[s], s))
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        marker = json.load(f)
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a unicron snapshot marker (format {FORMAT})")
+    return marker
+
+
+class SlotStore:
+    """The writer side of one rank's snapshot directory."""
+
+    def __init__(self, directory: Path, keep: int) -> None:
+        self.directory = directory
+        self.keep = keep
+        self._held: dict[int, int] = {}  # slot -> step of the live marker pointing at it
+        self._maps: dict[int, torch.Tensor] = {}  # slot -> uint8 view of its mapped file
+        self._views: dict[int, tuple[snapcodec.Layout, list[torch.Tensor]]] = {}  # slot -> its views
+        self._layout: snapcodec.Layout | None = None  # of the last commit: reused while specs match
+        self.prepared = False
+
+    def prepare(self, newest_kept: int) -> None:
+        """Adopt what a previous process of this rank left: drop partial markers and markers
+        of steps after ``newest_kept`` (another attempt's future: mixing them with this
+        attempt's steps could pair ranks from different timelines), learn which slot each
+        remaining marker holds."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        snapshot.remove_partial(self.directory)
+        self._held.clear()
+        for step in snapshot.list_steps(self.directory):
+            path = self.directory / snapshot.snapshot_name(step)
+            try:
+                slot = read_marker(path).get("slot")
+            except (OSError, ValueError):
+                slot = None
+            if step > newest_kept or not (isinstance(slot, int) and 0 <= slot < self.keep) \
+                    or slot in self._held:
+                _unlink(path)
+            else:
+                self._held[slot] = step
+        self.prepared = True
+
+    def write(self, step: int, tree: Any, encoder: snapcodec.Encoder) -> int:
+        """Store ``tree`` (what ``encoder`` returned) as step ``step``; returns its data bytes."""
+        tree_json = json.dumps(tree, allow_nan=False, separators=(",", ":"))  # may fail: before any change
+        layout = self._layout
+        if layout is None or layout.specs != encoder.specs:
+            layout = self._layout = snapcodec.Layout(encoder.specs)
+        slot = choose_slot(self._held, self.keep, step)
+        if slot in self._held:  # its data is about to be overwritten: no marker may point at it
+            _unlink(self.directory / snapshot.snapshot_name(self._held.pop(slot)))
+        self._copy(slot, layout, encoder.tensors)
+        head = json.dumps({"format": FORMAT, "step": step, "slot": slot, "nbytes": layout.nbytes})
+        text = f'{head[:-1]},"tensors":{layout.records_json},"tree":{tree_json}}}'
+        final = self.directory / snapshot.snapshot_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, final)
+        self._held[slot] = step
+        return layout.nbytes
+
+    def _copy(self, slot: int, layout: snapcodec.Layout, tensors: list[torch.Tensor]) -> None:
+        if layout.nbytes == 0:
+            return
+        cached = self._views.get(slot)
+        if cached is not None and cached[0] is layout:
+            views = cached[1]
+        else:
+            data = self._map(slot, layout.nbytes)
+            views = [tensor_view(data, r) for r in layout.records]
+            self._views[slot] = (layout, views)
+        devices: set[torch.device] = set()
+        with torch.no_grad():  # a source that requires grad must not make the slot part of a graph
+            for view, src in zip(views, tensors, strict=True):
+                if src.is_cuda:
+                    devices.add(src.device)
+                    view.copy_(src, non_blocking=True)
+                else:
+                    view.copy_(src)
+        for device in devices:  # device-to-host copies must have landed before the marker says "complete"
+            torch.cuda.synchronize(device)
+
+    def _map(self, slot: int, total: int) -> torch.Tensor:
+        data = self._maps.get(slot)
+        if data is not None and data.numel() == total:
+            return data
+        self._maps.pop(slot, None)  # unmap before resizing (a shrunk mapping faults past its end)
+        self._views.pop(slot, None)
+        path = self.directory / slot_name(slot)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size > total:
+                os.ftruncate(fd, total)
+            # reserve the pages now: a full tmpfs is then an OSError here, not a SIGBUS mid-copy
+            os.posix_fallocate(fd, 0, total)
+        finally:
+            os.close(fd)
+        data = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        self._maps[slot] = data
+        return data
+
+
+def tensor_view(data: torch.Tensor, record: Mapping[str, Any]) -> torch.Tensor:
+    """The contiguous tensor a record describes, viewing ``data`` (uint8) at its offset."""
+    dtype = snapcodec.dtype_from_name(record["dtype"])
+    offset, nbytes, shape = int(record["offset"]), int(record["nbytes"]), [int(n) for n in record["shape"]]
+    numel = 1
+    for n in shape:
+        numel *= n
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if nbytes != numel * itemsize or offset < 0 or offset % snapcodec.ALIGN or offset + nbytes > data.numel():
+        raise ValueError(f"tensor record {dict(record)} does not fit a {data.numel()}-byte slot")
+    return data[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def read(directory: Path, step: int) -> Any:
+    """The tree committed as step ``step``, its tensors copied out (nothing stays mapped)."""
+    path = directory / snapshot.snapshot_name(step)
+    marker = read_marker(path)
+    total = marker.get("nbytes")
+    if marker.get("step") != step or not isinstance(total, int) or "tree" not in marker:
+        raise ValueError(f"{path} is not a unicron snapshot of step {step}")
+    data = torch.empty(0, dtype=torch.uint8)
+    if total:
+        slot_path = directory / slot_name(int(marker["slot"]))
+        if os.path.getsize(slot_path) < total:
+            raise ValueError(f"{slot_path} is shorter than the {total} bytes {path} describes")
+        data = torch.from_file(str(slot_path), shared=False, size=total, dtype=torch.uint8)
+
+    records = marker.get("tensors")
+    if not isinstance(records, list):
+        raise ValueError(f"{path} is not a unicron snapshot of step {step}")
+
+    def load(i: int) -> torch.Tensor:
+        record = records[i]
+        view = tensor_view(data, record)
+        if "stride" not in record:
+            return view.clone()
+        out = torch.empty_strided(view.shape, [int(s) for s in record["stride"]], dtype=view.dtype)
+        return out.copy_(view)
+
+    try:
+        return snapcodec.decode(marker["tree"], load)
+    except (KeyError, TypeError, IndexError) as err:
+        raise ValueError(f"{path}: malformed snapshot metadata ({type(err).__name__}: {err})") from None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
