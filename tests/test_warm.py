@@ -237,7 +237,9 @@ def test_zygote_killed_while_idle_is_noticed(tmp_path: Path) -> None:
         assert pool.wait_ready(IMPORT_S)
         (pid,) = pool.pids()
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10, "the zygote to die")
+        # Dead means waitable: a zombie leader whose other threads (torch starts some) are gone.
+        wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                   and len(os.listdir(f"/proc/{pid}/task")) <= 1, 10, "the zygote to die")
         logs = rank_logs(tmp_path)
         assert pool.take([*BOOT, "t.py"], base_env(), logs) is None
         assert pool.last_miss == "no live zygote" and pool.disabled is None
