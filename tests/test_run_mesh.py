@@ -80,6 +80,9 @@ def test_agent_with_wrong_secret_is_refused_clearly(workdir, launch) -> None:
     port = free_port()
     a = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="join_timeout=8"), workdir,
                clean_env(UNICRON_SECRET=SECRET))
+    # a must be the one hosting the coordinator (whichever agent binds the port first hosts it).
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "agent a to host the coordinator")
     b = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="join_timeout=8"), workdir,
                clean_env(UNICRON_SECRET="not-the-secret"))
     code_b, _, err_b = b.wait(60)
