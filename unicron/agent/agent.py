@@ -217,7 +217,7 @@ class Agent:
         if group is not None and group.spec.attempt == body["attempt"]:
             # Report ranks that already died before we kill the rest: the root cause is often
             # among them (a SIGKILLed rank), while its peers' exceptions only echo it.
-            for fault in group.poll(time.time())[0]:
+            for fault in group.settle_dying():
                 self._report(fault)
             if body["want_stacks"]:
                 stacks = group.dump_stacks()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import tempfile
 import time
 from typing import Any
@@ -122,11 +121,3 @@ def _write_secret(directory: str, secret: bytes) -> str:
     with os.fdopen(fd, "wb") as fh:
         fh.write(secret)
     return path
-
-
-def main_for_tests(settings: AgentSettings) -> int:  # pragma: no cover - convenience for debugging
-    return run_agent(settings)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use `unicron run`")

@@ -120,6 +120,9 @@ class WorkerGroup:
         r = self.ranks.get(rank) if isinstance(rank, int) else None
         if r is None:
             return None
+        sent = msg.get("ts")
+        if isinstance(sent, (int, float)) and sent < self.started_at:
+            return None  # a late word from the previous attempt's worker of the same rank
         t = msg.get("t")
         if t == "hello":
             self.saw_hello = True
@@ -161,6 +164,31 @@ class WorkerGroup:
                 faults.append(self._exit_fault(r, now))
         done = all(r.exitcode == 0 for r in self.ranks.values())
         return faults, done
+
+    def settle_dying(self, timeout_s: float = 1.0) -> list[dict[str, Any]]:
+        """Faults of ranks that already died but are not reapable yet.
+
+        A process that exits tears its threads down before the kernel lets the parent reap it,
+        and its peers may see its sockets close (and fail) in between. Waiting for those few
+        milliseconds keeps the real root cause (its exit code) from being lost to its victims.
+        """
+        import psutil
+
+        faults: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            faults += self.poll(time.time())[0]
+            dying = []
+            for r in self.ranks.values():
+                if r.exitcode is None:
+                    try:
+                        if psutil.Process(r.proc.pid).status() == psutil.STATUS_ZOMBIE:
+                            dying.append(r)
+                    except psutil.Error:
+                        dying.append(r)
+            if not dying or time.monotonic() > deadline:
+                return faults
+            time.sleep(0.005)
 
     def check_hang(self, now: float) -> dict[str, Any] | None:
         if not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values()):
