@@ -396,10 +396,43 @@ def _scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
     return found, sizes
 
 
+OWNER_FILE = "agent.owner"
+
+
 def _shm_dir(run_id: str) -> str:
+    """The agent's snapshot directory in shared memory, marked with its owner (pid and start
+    time), after removing those whose agent died without cleaning up (SIGKILL, lost node)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    _remove_orphaned_shm(base)
     path = tempfile.mkdtemp(prefix=f"unicron-{_safe(run_id)[:40]}-", dir=base)
+    with open(os.path.join(path, OWNER_FILE), "w") as fh:
+        fh.write(f"{os.getpid()} {_start_time(os.getpid())}")
     return path
+
+
+def _start_time(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return -1.0
+
+
+def _remove_orphaned_shm(base: str) -> None:
+    try:
+        entries = [e for e in os.listdir(base) if e.startswith("unicron-")]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, OWNER_FILE)) as fh:
+                pid_text, started = fh.read().split()
+            pid, created = int(pid_text), float(started)
+        except (OSError, ValueError):
+            continue  # not ours to judge (no owner mark)
+        if _start_time(pid) != created:  # that agent is gone (or its pid was reused)
+            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
 
 
 def _safe(text: str) -> str:

@@ -1,0 +1,34 @@
+"""Snapshot directories of agents that died without cleaning up are removed by the next agent."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+
+from unicron.agent.agent import OWNER_FILE, _remove_orphaned_shm
+
+
+def _owned(base, name: str, pid: int, created: float) -> str:
+    path = base / name
+    (path / "rank0").mkdir(parents=True)
+    (path / "rank0" / "slot0.bin").write_bytes(b"x" * 1024)
+    (path / OWNER_FILE).write_text(f"{pid} {created}")
+    return str(path)
+
+
+def test_only_dead_owners_lose_their_directory(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(dead.pid).create_time()
+    dead.wait()
+    me = psutil.Process(os.getpid())
+    gone = _owned(tmp_path, "unicron-job-dead", dead.pid, created)
+    reused = _owned(tmp_path, "unicron-job-reused", os.getpid(), me.create_time() - 100)  # pid reused since
+    mine = _owned(tmp_path, "unicron-job-mine", os.getpid(), me.create_time())
+    foreign = tmp_path / "unicron-unmarked"
+    foreign.mkdir()
+    _remove_orphaned_shm(str(tmp_path))
+    assert not os.path.exists(gone) and not os.path.exists(reused)
+    assert os.path.exists(mine) and foreign.exists()
