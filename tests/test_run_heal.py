@@ -74,34 +74,34 @@ def test_startup_error_is_not_retried(workdir) -> None:
     assert len(starts) == 1
 
 
+def _run_dying(workdir, dying_rank: str) -> tuple[int, str, int]:
+    """Run a job whose rank ``dying_rank`` (a Python expression) exits 3 right after joining,
+    before any step; return the exit code, stderr and the number of attempts."""
+    (workdir / "dies.py").write_text(
+        "import os, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        f"if dist.get_rank() == {dying_rank}:\n    os._exit(3)\n"
+        "dist.barrier()\n")
+    code, _, err = run_unicron(["run", *COMMON[:3], "--max-restarts", "10", "--grace-period", "1",
+                                "--log-dir", str(workdir / "logs"), str(workdir / "dies.py")], workdir, timeout=90)
+    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
+    return code, err, len(starts)
+
+
 def test_crash_loop_guard_stops_a_job_that_never_progresses(workdir) -> None:
     # A different rank dies on each attempt, so no escalation rule about "the same place" can
     # fire first: only the guard (3 restarts in a row without a completed step) stops it.
-    (workdir / "dies.py").write_text(
-        "import os, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "if dist.get_rank() == int(os.environ['TORCHELASTIC_RESTART_COUNT']) % 2:\n    os._exit(3)\n"
-        "dist.barrier()\n")
-    code, out, err = run_unicron(["run", *COMMON[:3], "--max-restarts", "10", "--grace-period", "1",
-                                  "--log-dir", str(workdir / "logs"), str(workdir / "dies.py")], workdir, timeout=90)
+    code, err, attempts = _run_dying(workdir, "int(os.environ['TORCHELASTIC_RESTART_COUNT']) % 2")
     assert code != 0
     assert "crash loop" in err
-    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
-    assert len(starts) == 4  # the first attempt and 3 restarts without progress
+    assert attempts == 4  # the first attempt and 3 restarts without progress
 
 
 def test_same_rank_failing_again_without_progress_stops_a_fixed_size_job(workdir) -> None:
-    (workdir / "dies.py").write_text(
-        "import os, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "if dist.get_rank() == 1:\n    os._exit(3)\n"
-        "dist.barrier()\n")
-    code, out, err = run_unicron(["run", *COMMON[:3], "--max-restarts", "10", "--grace-period", "1",
-                                  "--log-dir", str(workdir / "logs"), str(workdir / "dies.py")], workdir, timeout=90)
+    code, err, attempts = _run_dying(workdir, "1")
     assert code != 0
     assert "failed again after a restart without completing a step" in err
-    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
-    assert len(starts) == 2
+    assert attempts == 2
 
 
 def test_restart_budget_is_job_wide(workdir) -> None:
