@@ -168,7 +168,10 @@ class WatchState:
         if state in ENDED_STATES:
             job = snapshot.get("job") if isinstance(snapshot.get("job"), dict) else {}
             reason = f": {job['reason']}" if isinstance(job, dict) and job.get("reason") else ""
-            self.ended = f"run {_job_id(snapshot)} ended ({state}{reason})"
+            code = job.get("exit_code") if isinstance(job, dict) else None
+            exit_text = f", exit {code}" if isinstance(code, int) and not isinstance(code, bool) else ""
+            # Same words as when the end is read from the event log after the run is gone.
+            self.ended = f"run {_job_id(snapshot)} ended ({state}{exit_text}{reason})"
 
     def on_error(self, error: str, now: float, *, run_gone: bool, job_end: Mapping[str, Any] | None = None) -> None:
         """The coordinator did not answer. ``run_gone``: we know its process is gone;
