@@ -309,16 +309,29 @@ def _wait_gone(
         time.sleep(min(_POLL_SLICE_S, remaining))
 
 
-def _reap_adopted(workers: Sequence[WorkerProcess], pids: Iterable[int]) -> None:
-    """Reap descendants that became our children (when the agent is a child subreaper)."""
+def _reap_adopted(workers: Sequence[WorkerProcess], pids: Iterable[int], timeout_s: float = 2.0) -> None:
+    """Reap descendants that became our children (when the agent is a child subreaper).
+
+    A dying multi-threaded process shows as a zombie before the kernel lets its parent reap it
+    (its other threads are still exiting), so an adopted child that is not reapable yet is
+    retried for up to ``timeout_s`` instead of being left a zombie.
+    """
     leaders = {w.pid for w in workers}
-    for pid in pids:
-        if pid in leaders:
-            continue
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
+    pending = [pid for pid in pids if pid not in leaders]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        waiting = []
+        for pid in pending:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue  # not our child (reaped elsewhere, or never adopted)
+            if done == 0:
+                waiting.append(pid)
+        pending = waiting
+        if not pending or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
 
 
 def terminate_all(
