@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import urllib.request
@@ -39,16 +41,18 @@ def test_status_json_and_metrics_follow_a_healing_job(workdir, launch) -> None:
     env = clean_env(UNICRON_RUNS_DIR=str(workdir / "runs"))
     mport = _free_port()
     job = launch(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--metrics-port", str(mport),
-                  "--log-dir", str(workdir / "logs"), "--inject", "kill@1:8", str(workdir / "train_state.py"),
+                  "--log-dir", str(workdir / "logs"), str(workdir / "train_state.py"),
                   "--steps", "400", "--sleep", "0.05"], workdir, env)
-    # Before the fault: the JSON snapshot names every rank with its step.
+    # Before the fault: the JSON snapshot names every rank with its step and pid. The test kills a rank itself
+    # once it has seen that snapshot (an injected fault at a fixed step can come before a slow `status`).
     snap = wait_for(lambda: (s := _status(workdir, env)) and any(
         w.get("step", 0) >= 2 for n in s["nodes"] for w in n["workers"]) and s, 90, "a status with steps")
-    ranks = sorted(w["rank"] for n in snap["nodes"] for w in n["workers"])
-    assert ranks == [0, 1]
-    assert all(isinstance(w["step"], int) for n in snap["nodes"] for w in n["workers"])
-    assert snap["job"]["state"] == "running"
-    # After the injected kill: one restart, visible in status and in metrics.
+    workers = {w["rank"]: w for n in snap["nodes"] for w in n["workers"]}
+    assert sorted(workers) == [0, 1]
+    assert all(isinstance(w["step"], int) for w in workers.values())
+    assert snap["job"]["state"] == "running" and snap["job"]["restarts"] == 0
+    os.kill(workers[1]["pid"], signal.SIGKILL)
+    # After the kill: one restart, visible in status and in metrics.
     snap = wait_for(lambda: (s := _status(workdir, env)) and s["job"]["restarts"] == 1
                     and s["job"]["state"] == "running" and s, 90, "the restart in status")
     assert snap["restarts"][0]["severity"] == "SEV2"
