@@ -1,10 +1,10 @@
-"""What warm restarts save: spawn -> first line of user code, and -> first gloo all_reduce, cold vs warm.
+"""What warm starts save: spawn -> first line of user code, and -> first gloo all_reduce, cold vs warm.
 
 A restart starts every local rank at once. Cold: ``start_worker`` (a new interpreter per rank
-that imports torch when the script does). Warm: ``WarmPool.take`` hands the same command,
-environment and log files to zygotes that finished importing torch beforehand (the restart
-case: the pool was refilled while the job ran). Per repeat, the pool is refilled and every
-zygote is ready before anything is timed, then the cold attempt and the warm attempt run one
+that imports torch when the script does). Warm: ``WarmPool.take`` sends the same command,
+environment and log files to the zygote, which imported torch once and forks each rank (this
+process is made a child subreaper, as the agent is). The zygote is ready before anything is
+timed (as in a job: it imports while the job forms), then the cold attempt and the warm attempt run one
 after the other on a quiet machine, each a real ``nproc``-rank gloo job whose ranks rendezvous
 through a TCPStore hosted here (a fresh store per attempt, as torchelastic's agent does).
 
@@ -33,6 +33,7 @@ if str(REPO) not in sys.path:
 
 from unicron.agent.logs import RankLogs  # noqa: E402
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all  # noqa: E402
+from unicron.agent.signals import set_child_subreaper  # noqa: E402
 from unicron.agent.warm import WarmPool  # noqa: E402
 
 RANK_SCRIPT = """
@@ -122,12 +123,13 @@ def table(results: dict[str, list[dict[str, float]]]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per attempt (and zygotes in the pool)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per attempt")
     args = parser.parse_args()
     if args.repeats < 1 or args.nproc < 1:
         parser.error("--repeats and --nproc must be >= 1")
 
     results: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+    set_child_subreaper(True)  # forked ranks are re-parented to us, as to the agent
     with tempfile.TemporaryDirectory(prefix="bench_warm_") as tmp, \
             WarmPool(args.nproc, python=sys.executable, base_env=worker_env(0, 0, args.nproc, 0)) as pool:
         workdir = Path(tmp)
@@ -137,7 +139,7 @@ def main() -> int:
         for repeat in range(args.repeats):
             pool.refill()
             if not pool.wait_ready(TIMEOUT_S):
-                raise SystemExit(f"bench_warm: zygotes not ready: {pool.disabled or 'timeout'}")
+                raise SystemExit(f"bench_warm: zygote not ready: {pool.disabled or 'timeout'}")
             for mode in ("cold", "warm"):
                 result = run_attempt(pool if mode == "warm" else None, script=script, workdir=workdir,
                                      nproc=args.nproc, attempt=attempt)
@@ -151,7 +153,7 @@ def main() -> int:
     print(f"nproc={args.nproc}, repeats={args.repeats}, python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs")
     print(table(results))
-    print(f"\nwarm restarts reach the first all_reduce {cold / warm:.1f}x sooner ({cold - warm:.2f}s saved per restart)")
+    print(f"\nwarm starts reach the first all_reduce {cold / warm:.1f}x sooner ({cold - warm:.2f}s saved per restart)")
     return 0
 
 

@@ -20,11 +20,19 @@ def _ours(marker: str) -> list[psutil.Process]:
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
                 continue
-            if any(marker in part for part in proc.info["cmdline"] or ()):
+            # Forked (warm) workers show their zygote's command line: their directory names them.
+            if any(marker in part for part in proc.info["cmdline"] or ()) or _cwd(proc).startswith(marker):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def _cwd(proc: psutil.Process) -> str:
+    try:
+        return proc.cwd()
+    except (psutil.Error, OSError):
+        return ""
 
 
 @pytest.fixture

@@ -342,3 +342,11 @@ def test_severity_and_action_orders() -> None:
     assert [s.order for s in order] == sorted(s.order for s in order)
     assert [DEFAULT_ACTION[s] for s in order] == [Action.NONE, Action.REATTEMPT, Action.RESTART,
                                                     Action.RECONFIGURE, Action.STOP]
+
+
+def test_a_node_that_left_is_described_by_its_reason_not_as_silent() -> None:
+    lost = classify(F("node_lost", rank=None, node="n1", message="no heartbeat for 3.2 s"), [])
+    left = classify(F("node_lost", rank=None, node="n1", message="left: interrupted by SIGTERM"), [])
+    assert lost.rule == left.rule == "node-lost"
+    assert lost.reason == "node n1 stopped answering heartbeats"
+    assert left.reason == "node n1 left: interrupted by SIGTERM"

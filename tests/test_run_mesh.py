@@ -116,9 +116,9 @@ def test_workers_die_with_a_sigkilled_agent(workdir, launch) -> None:
                    "--sleep", "0.05"], workdir)
     wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"], 60, "workers")
     agent = psutil.Process(item.proc.pid)
-    workers = wait_for(lambda: [c for c in agent.children(recursive=True) if "train_state.py" in " ".join(c.cmdline())]
+    workers = wait_for(lambda: len(found := [c for c in agent.children(recursive=True)
+                                             if "train_state.py" in " ".join(c.cmdline())]) == 2 and found
                        if agent.is_running() else None, 30, "the worker processes")
-    assert len(workers) == 2
     _wait_for_output(workdir, "starts at step", 2)  # both workers run the script: their hooks are in
     item.proc.send_signal(signal.SIGKILL)
     item.proc.wait(10)

@@ -1,4 +1,4 @@
-"""Warm restarts: zygotes with torch imported become workers indistinguishable from cold ones."""
+"""Warm starts: a zygote with torch imported forks workers indistinguishable from cold ones."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from helpers_worker import BOOT, Rendezvous, agent_socket, base_env, wait_until,
 
 from unicron.agent.logs import ConsoleTee, RankLogs
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
+from unicron.agent.signals import set_child_subreaper
 from unicron.agent.warm import WarmPool, boot_argv, import_env_mismatch, is_import_time, should_refill
 from unicron.worker.zygote import SpecError, parse_spec
 
@@ -137,17 +138,29 @@ def test_spec_is_checked() -> None:
 # ---- real processes ---------------------------------------------------------------------
 
 
+@pytest.fixture
+def subreaper() -> Iterator[None]:
+    """This test process is a child subreaper for the test, as the agent always is."""
+    assert set_child_subreaper(True)
+    try:
+        yield
+    finally:
+        set_child_subreaper(False)
+
+
 @pytest.mark.parametrize("mode", ["raise", "3"])
-def test_warm_worker_is_indistinguishable_from_cold(tmp_path: Path, mode: str,
+def test_warm_worker_is_indistinguishable_from_cold(tmp_path: Path, mode: str, subreaper: None,
                                                     started: list[WorkerProcess]) -> None:
     script = write_script(tmp_path, "probe.py", PROBE)
     cmd = [*BOOT, str(script), mode]
     with agent_socket() as agent, WarmPool(1, python=PY, base_env=base_env(), inherit_env=False) as pool:
         assert pool.refill() == 1
         assert pool.wait_ready(IMPORT_S)
+        assert pool.threads == 1  # forks from a single-threaded process
         zygote = psutil.Process(pool.pids()[0])
         idle_cpu = sum(zygote.cpu_times()[:2])
-        env = base_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", UNICRON_AGENT_ADDR=agent.addr)
+        env = base_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", UNICRON_AGENT_ADDR=agent.addr,
+                       UNICRON_AGENT_PID=str(os.getpid()))
         logs = rank_logs(tmp_path / "logs" / "1", rank=1)
         cold = start_worker(cmd, env, logs, cwd=str(tmp_path), inherit_env=False)
         started.append(cold)
@@ -160,9 +173,11 @@ def test_warm_worker_is_indistinguishable_from_cold(tmp_path: Path, mode: str,
         warm = pool.take(cmd, env, logs, cwd=str(tmp_path), inherit_env=False)
         assert warm is not None, pool.last_miss
         started.append(warm)
-        assert warm.pid == zygote.pid and os.getpgid(warm.pid) == warm.pid
+        # A fresh fork, re-parented to us, leading its own session; the zygote stays for the next one.
+        assert warm.pid != zygote.pid and os.getpgid(warm.pid) == warm.pid
         warm_seen = outcome(warm, logs)
         warm_msgs = [(m["t"], m["rank"], m.get("pid")) for m in agent.drain(1.0)]
+        assert pool.idle() == 1 and pool.pids() == [zygote.pid] and pool.taken == 1
 
     for key in ("report", "stdout", "stderr", "error", "code"):
         if isinstance(cold_seen[key], dict):
@@ -175,6 +190,7 @@ def test_warm_worker_is_indistinguishable_from_cold(tmp_path: Path, mode: str,
     assert report["argv"] == [str(script), mode] and report["name"] == "__main__"
     assert report["orig_argv"] == ["-u", "-m", "unicron.worker.boot", str(script), mode]
     assert report["env"]["TORCHELASTIC_ERROR_FILE"] == logs.error_file and report["threads"] == 1
+    assert report["ppid"] == os.getpid() and report["session_leader"]  # the warm one's too (compared above)
     assert cold_seen["stdout"].startswith("first line of user code\n")
     assert cold_seen["stderr"].startswith("a line on stderr\n")
     if mode == "raise":
@@ -187,16 +203,41 @@ def test_warm_worker_is_indistinguishable_from_cold(tmp_path: Path, mode: str,
     assert idle_cpu < 0.05, f"an idle zygote used {idle_cpu:.3f}s of CPU"
 
 
-def test_warm_gloo_job_and_console_output(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+SEEDS = """
+    import random, sys
+    import numpy, torch
+    print(torch.initial_seed(), numpy.random.randint(2**62), random.getrandbits(64))
+"""
+
+
+def test_forked_workers_draw_their_own_default_seeds(tmp_path: Path, subreaper: None,
+                                                     started: list[WorkerProcess]) -> None:
+    script = write_script(tmp_path, "seeds.py", SEEDS)
+    with WarmPool(1, python=PY, base_env=base_env()) as pool:
+        pool.refill()
+        assert pool.wait_ready(IMPORT_S)
+        plans = [rank_logs(tmp_path / "logs" / str(rank), rank) for rank in range(3)]
+        workers = [pool.take([*BOOT, str(script)], base_env(RANK=str(rank)), plan, cwd=str(tmp_path))
+                   for rank, plan in enumerate(plans)]
+        assert all(workers), pool.last_miss
+        started.extend(w for w in workers if w is not None)
+        assert [finish(w) for w in workers if w is not None] == [0, 0, 0]
+    seeds = [Path(plan.stdout_path or "").read_text().split() for plan in plans]
+    for column in zip(*seeds, strict=True):  # torch, numpy, random: no two workers alike
+        assert len(set(column)) == 3, seeds
+
+
+def test_warm_gloo_job_and_console_output(tmp_path: Path, capfd: pytest.CaptureFixture[str], subreaper: None,
                                           started: list[WorkerProcess]) -> None:
     script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
     rdzv = Rendezvous(2)
     console = io.BytesIO()
     tee = ConsoleTee(stdout=console)
     with WarmPool(2, python=PY, base_env=base_env()) as pool:
-        pool.refill()  # taken at once: the specs wait in the pipes while torch imports
+        pool.refill()
         teed = replace(rank_logs(tmp_path / "logs" / "0", 0), tee_stdout=True, prefix="[r0]:")
         logs = [teed, RankLogs(1, 1, None, None, None, False, False, None, "")]
+        assert pool.wait_ready(IMPORT_S)
         workers = []
         for rank, plan in enumerate(logs):
             worker = pool.take([*BOOT, str(script)], base_env(**rdzv.rank_env(rank)), plan, tee=tee,
@@ -204,7 +245,7 @@ def test_warm_gloo_job_and_console_output(tmp_path: Path, capfd: pytest.CaptureF
             assert worker is not None, pool.last_miss
             started.append(worker)
             workers.append(worker)
-        assert pool.idle() == 0 and pool.taken == 2
+        assert pool.idle() == 1 and pool.taken >= 2
         assert [finish(w) for w in workers] == [0, 0]
     tee.close()
     assert Path(logs[0].stdout_path or "").read_text() == "rank 0 of 2 sum 3\n"
@@ -212,32 +253,44 @@ def test_warm_gloo_job_and_console_output(tmp_path: Path, capfd: pytest.CaptureF
     assert capfd.readouterr().out == "rank 1 of 2 sum 3\n"  # stdout None: the console the agent had
 
 
-def test_close_leaves_no_process_behind(tmp_path: Path) -> None:
+def test_take_while_importing_is_a_miss_and_close_leaves_no_process(tmp_path: Path, subreaper: None,
+                                                                   started: list[WorkerProcess]) -> None:
+    script = write_script(tmp_path, "wait.py", "import time\ntime.sleep(600)\n")
     pool = WarmPool(2, python=PY, base_env=base_env())
     try:
-        pool.refill()
-        assert pool.wait_ready(IMPORT_S)
-        ready_pids = pool.pids()
-        assert pool.refill() == 0  # full already
-        pool.size = 3
-        pool.refill()  # one more, still importing when the pool closes
-        pids = pool.pids()
-        assert len(pids) == 3 and set(ready_pids) < set(pids)
+        assert pool.refill() == 1
+        assert pool.take([*BOOT, str(script)], base_env(), rank_logs(tmp_path / "a")) is None
+        assert pool.last_miss == "zygote still importing" and not pool.settled()
+        assert pool.wait_ready(IMPORT_S) and pool.settled()
+        assert pool.refill() == 0  # running already
+        (zygote,) = pool.pids()
+        worker = pool.take([*BOOT, str(script)], base_env(), rank_logs(tmp_path / "b"), cwd=str(tmp_path))
+        assert worker is not None, pool.last_miss
+        started.append(worker)
     finally:
         pool.close()
-    for pid in pids:
-        assert gone(pid), f"zygote {pid} survived close()"
+    assert gone(zygote), "the zygote survived close()"
+    assert worker.poll() is None  # what it forked is ours, and lives on
     assert pool.refill() == 0 and pool.idle() == 0
     assert pool.take([*BOOT, "t.py"], base_env(), rank_logs(tmp_path)) is None and pool.last_miss == "pool closed"
+    terminate_all([worker], 0.0, sig=signal.SIGKILL)
+    assert worker.returncode == -signal.SIGKILL and gone(worker.pid)
 
 
-def test_zygote_killed_while_idle_is_noticed(tmp_path: Path) -> None:
+def test_not_a_subreaper_means_cold_starts(tmp_path: Path) -> None:
+    with WarmPool(1, python=PY, base_env=base_env()) as pool:
+        assert pool.refill() == 0 and pool.pids() == []
+        assert pool.disabled is not None and "subreaper" in pool.disabled and pool.settled()
+        assert pool.take([*BOOT, "t.py"], base_env(), rank_logs(tmp_path)) is None
+
+
+def test_zygote_killed_while_idle_is_noticed(tmp_path: Path, subreaper: None) -> None:
     with WarmPool(1, python=PY, base_env=base_env()) as pool:
         pool.refill()
         assert pool.wait_ready(IMPORT_S)
         (pid,) = pool.pids()
         os.kill(pid, signal.SIGKILL)
-        # Dead means waitable: a zombie leader whose other threads (torch starts some) are gone.
+        # Dead means waitable: a zombie leader whose other threads are gone.
         wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
                    and len(os.listdir(f"/proc/{pid}/task")) <= 1, 10, "the zygote to die")
         logs = rank_logs(tmp_path)
@@ -247,7 +300,7 @@ def test_zygote_killed_while_idle_is_noticed(tmp_path: Path) -> None:
         assert pool.refill() == 1 and pool.pids() != [pid]  # a replacement
 
 
-def test_zygote_that_cannot_import_disables_the_pool(tmp_path: Path) -> None:
+def test_zygote_that_cannot_import_disables_the_pool(tmp_path: Path, subreaper: None) -> None:
     broken = tmp_path / "shadow"
     broken.mkdir()
     (broken / "torch.py").write_text("raise RuntimeError('this torch is broken')\n")
@@ -261,7 +314,7 @@ def test_zygote_that_cannot_import_disables_the_pool(tmp_path: Path) -> None:
         assert pool.refill() == 0  # no more zygotes that die at once
 
 
-def test_take_refuses_what_would_not_be_a_cold_start(tmp_path: Path) -> None:
+def test_take_refuses_what_would_not_be_a_cold_start(tmp_path: Path, subreaper: None) -> None:
     with WarmPool(1, python=PY, base_env=base_env()) as pool:
         pool.refill()
         logs = rank_logs(tmp_path)

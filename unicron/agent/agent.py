@@ -21,7 +21,7 @@ import zmq
 
 from unicron.agent.logs import ConsoleTee, RunLogDir
 from unicron.agent.settings import AgentSettings
-from unicron.agent.warm import WarmPool, boot_argv, should_refill
+from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
 from unicron.agent.workers import GroupSpec, WorkerGroup
 from unicron.detect.hang import HangDetector
 from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
@@ -62,9 +62,16 @@ class Agent:
         self.dropped_local = 0
         self.evidence: list[dict[str, Any]] = []
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
-        # Zygotes with torch imported, so a restart skips interpreter start and imports.
-        self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env={})
+        # A zygote with torch imported forks every worker, so no start (first or restart) pays
+        # for interpreter start and imports. It imports while the job forms; attempts assigned
+        # meanwhile wait for it (``pending_assign``). Started with the workers' OMP_NUM_THREADS
+        # (torchrun's rule), so numpy's BLAS starts no threads in it before it forks.
+        omp = os.environ.get("OMP_NUM_THREADS") or ("1" if s.nproc > 1 else "")
+        self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env={"OMP_NUM_THREADS": omp} if omp else {})
                      if s.warm and boot_argv(list(s.cmd), s.cmd[0]) is not None else None)
+        if self.pool is not None:
+            self.pool.refill()
+        self.pending_assign: dict[str, Any] | None = None
 
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -103,6 +110,7 @@ class Agent:
                         welcomed = True
                     else:
                         self._drain_workers(pull)
+                self._start_pending()
                 self._watch_workers()
                 self._refill_pool()
                 self._heartbeat()
@@ -168,6 +176,23 @@ class Agent:
     def _start_attempt(self, body: dict[str, Any]) -> None:
         self._stop_group(reason="new attempt")
         self.epoch = body["epoch"]
+        pool = self.pool
+        if pool is not None and not pool.settled():
+            self.pending_assign = body  # the zygote is importing: its workers come sooner than cold ones
+            return
+        self._launch(body)
+
+    def _start_pending(self) -> None:
+        """Start a deferred attempt once the zygote is ready, died, or took too long."""
+        body, pool = self.pending_assign, self.pool
+        if body is None or pool is None:
+            return
+        waited = time.monotonic() - (pool.started_at or 0.0)
+        if pool.settled() or waited > READY_WAIT_S:
+            self.pending_assign = None
+            self._launch(body)
+
+    def _launch(self, body: dict[str, Any]) -> None:
         inject = self.s.inject if body["inject"] else ""
         spec = GroupSpec(attempt=body["attempt"], restart_count=body["restart_count"],
                          rank_offset=body["rank_offset"], world_size=body["world_size"],
@@ -212,6 +237,8 @@ class Agent:
         return env_for
 
     def _on_stop(self, body: dict[str, Any]) -> None:
+        if self.pending_assign is not None and self.pending_assign["attempt"] == body["attempt"]:
+            self.pending_assign = None
         group = self.group
         stacks: dict[str, str] = {}
         if group is not None and group.spec.attempt == body["attempt"]:
@@ -266,7 +293,7 @@ class Agent:
                 self._report(hang)
 
     def _refill_pool(self) -> None:
-        """Refill the warm pool once the attempt trains (not while its workers still start)."""
+        """Restart a zygote that died, once the attempt trains (not while its workers still start)."""
         group = self.group
         if self.pool is None or group is None:
             return
@@ -289,6 +316,7 @@ class Agent:
                              "fault": fault})
 
     def _stop_group(self, reason: str, sig: int = signal.SIGTERM) -> None:
+        self.pending_assign = None
         group = self.group
         if group is None:
             return

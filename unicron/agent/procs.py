@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 
@@ -40,12 +41,23 @@ def _open_pidfd(pid: int) -> int | None:
         return None
 
 
+class ChildHandle(Protocol):
+    """What a worker is to us: a ``subprocess.Popen``, or a zygote's fork re-parented to us."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class WorkerProcess:
     """One spawned worker (the leader of its own process group)."""
 
     def __init__(
         self,
-        popen: subprocess.Popen[bytes],
+        popen: ChildHandle,
         *,
         local_rank: int,
         rank: int,

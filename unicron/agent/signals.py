@@ -16,6 +16,7 @@ from unicron.agent.procs import TerminationReport, WorkerProcess, terminate_all
 from unicron.errors import Interrupted
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 def set_child_subreaper(enabled: bool = True) -> bool:
     """Make orphaned descendants re-parent to this process (Linux), so they can be found and reaped.
@@ -27,6 +28,20 @@ def set_child_subreaper(enabled: bool = True) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, int(enabled), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_child_subreaper() -> bool:
+    """Whether orphaned descendants of this process come back to it (``set_child_subreaper``)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        flag = ctypes.c_int(0)
+        if int(libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)) != 0:
+            return False
+        return flag.value != 0
     except (OSError, AttributeError):
         return False
 

@@ -1,22 +1,25 @@
-"""Warm restarts: a pool of zygote interpreters, torch already imported, ready to become workers.
+"""Warm starts: a zygote with torch imported forks workers, so no worker pays for interpreter start and imports.
 
 A cold worker pays interpreter start plus ``import torch`` (seconds) before the first line of
-training code; after a restart every rank pays it again, all at once. ``WarmPool`` keeps
-``size`` zygotes (``unicron.worker.zygote``) started ahead of time, each in its own session
-and blocked reading one spec line from a pipe (idle zygotes use no CPU; each holds the memory
-of an interpreter with torch imported, a few hundred MB). ``take`` hands a worker's command,
-environment and log files to one of them and returns a ``WorkerProcess`` that behaves exactly
-like ``start_worker``'s; it returns None whenever a warm start cannot be exactly a cold one,
-and the caller then starts the worker cold:
+training code; after a restart every rank pays it again, all at once. ``WarmPool`` starts one
+zygote (``unicron.worker.zygote``) when the agent starts, in its own session; it imports once,
+says ready, and then sleeps in ``read`` (no CPU) until it is asked for a worker. ``take`` sends
+a worker's command, environment and log files and gets back the pid of a fresh fork that the
+kernel has re-parented to us (the agent is a child subreaper); it returns a ``WorkerProcess``
+that behaves exactly like ``start_worker``'s. The first attempt waits for the zygote (the agent
+defers it while the zygote imports, up to ``READY_WAIT_S``), so every attempt, the first one
+included, starts warm and no interpreter imports torch while the job trains. ``take`` returns
+None whenever a warm start cannot be exactly a cold one, and the caller starts the worker cold:
 
 - the command is not ``[python, "-u", "-m", "unicron.worker.boot", ...]`` for the pool's python;
-- no live zygote is idle (one still importing torch is used: the spec waits in its pipe);
+- the zygote is not ready (still importing, or dead);
 - a variable read at import time differs between the zygote and the worker (see
   ``import_env_mismatch``), the working directory is gone, or a log file cannot be created.
 
-A zygote notices end of input on its pipe and exits, so zygotes do not outlive an agent that
-was killed. ``close`` kills and reaps the idle ones. Zygotes that fail to import (exit before
-saying ready) disable the pool: restarts are then cold, and ``disabled`` says why.
+The zygote notices end of input on its pipe and exits, and dies with the agent (PDEATHSIG).
+``close`` kills and reaps it; the workers it forked are the agent's children and live on. A
+zygote that fails to import (exits before saying ready) disables the pool: workers then start
+cold, and ``disabled`` says why. One that dies later is restarted by ``refill``.
 """
 
 from __future__ import annotations
@@ -31,15 +34,17 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 from unicron.agent.logs import ConsoleTee, RankLogs
 from unicron.agent.procs import ERROR_FILE_ENV, WorkerProcess
+from unicron.agent.signals import is_child_subreaper
 
 BOOT_MODULE = "unicron.worker.boot"
 ZYGOTE_MODULE = "unicron.worker.zygote"
 SPEC_PIPE_BYTES = 1 << 20  # room for the largest environment, so writing a spec never blocks
 REAP_TIMEOUT_S = 5.0
+TITLE_ROOM = 4000  # bytes of argument area each forked worker can rewrite to show its own command line
 
 # Read while python starts or torch/numpy/OpenMP load: a zygote imported under its own values.
 _IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "TORCH", "PYTORCH_", "OMP_", "KMP_", "GOMP_",
@@ -71,50 +76,62 @@ def boot_argv(cmd: Sequence[str], python: str) -> list[str] | None:
     return list(cmd[len(head):])
 
 
-REFILL_DELAY_S = 30.0  # refill anyway this long after an attempt started, steps reported or not
+REFILL_DELAY_S = 30.0  # restart a zygote that died anyway this long after an attempt started
+READY_WAIT_S = 300.0  # an attempt waits this long for a zygote still importing, then starts cold
+FORK_REPLY_S = 10.0  # a ready zygote answers a spec within milliseconds; silence means it is stuck
 
 
 def should_refill(now: float, attempt_started_at: float, steps_completed: int, *,
                   delay_s: float = REFILL_DELAY_S) -> bool:
-    """When to start replacement zygotes: once the attempt completed a step, or ``delay_s`` after it began.
+    """When to restart a zygote that died: once the attempt completed a step, or ``delay_s`` after it began.
 
-    Not at once: new zygotes importing torch would compete for CPU with the workers that are
-    starting (a cold first attempt imports torch itself). Calling ``refill`` on a full pool is cheap.
+    Not at once: a new zygote importing torch would compete for CPU with the workers that are
+    starting. Calling ``refill`` while the zygote lives is cheap.
     """
     return steps_completed > 0 or now - attempt_started_at >= delay_s
 
 
 def spec_line(argv: Sequence[str], env: Mapping[str, str], cwd: str, logs: RankLogs) -> bytes:
-    """The one line a zygote reads to become a worker."""
+    """The one line a zygote reads to fork a worker."""
     spec = {"argv": list(argv), "env": dict(env), "cwd": cwd, "stdout": logs.stdout_path,
             "stderr": logs.stderr_path}
     return json.dumps(spec, separators=(",", ":")).encode() + b"\n"
 
 
-@dataclass
-class _Zygote:
-    popen: subprocess.Popen[bytes]
-    spec_fd: int  # write end of the zygote's stdin
-    ready_fd: int  # read end of the pipe it writes one byte to once imports are done
-    ready: bool = False
+class AdoptedChild:
+    """A worker the zygote forked and the kernel re-parented to us: ``Popen``'s ``pid``/``poll``/``wait``."""
 
-    def check_ready(self) -> bool:
-        if not self.ready and self.ready_fd >= 0:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
             try:
-                self.ready = os.read(self.ready_fd, 1) == b"r"
-            except BlockingIOError:
-                pass
-        return self.ready
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not ours after all (the subreaper setting was lost)
+                self.returncode = 255
+                return self.returncode
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
-    def close_fds(self) -> None:
-        for fd in (self.spec_fd, self.ready_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.spec_fd = self.ready_fd = -1
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
 
 
 class WarmPool:
-    """``size`` zygotes for ``python``, started under ``os.environ`` + ``base_env``."""
+    """A zygote for ``python``, started under ``os.environ`` + ``base_env``, that forks warm workers.
+
+    ``size`` 0 turns warm starts off. Warm starts need this process to be a child subreaper
+    (the agent is): without it ``disabled`` says so and every worker starts cold.
+    """
 
     def __init__(self, size: int, *, python: str, base_env: Mapping[str, str], inherit_env: bool = True) -> None:
         if size < 0:
@@ -122,12 +139,18 @@ class WarmPool:
         self.size = size
         self.python = python
         self.zygote_env = {**(os.environ if inherit_env else {}), **base_env}
-        self.disabled: str | None = None  # why zygotes are no longer started
+        self.disabled: str | None = None  # why no zygote is started any more
         self.closed = False
         self.taken = 0
         self.misses: Counter[str] = Counter()  # why take() returned None, by reason
         self.last_miss: str | None = None
-        self._idle: list[_Zygote] = []
+        self.threads: int | None = None  # the zygote's thread count when it said ready
+        self.started_at: float | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._spec_fd = -1
+        self._reply_fd = -1
+        self._replies = b""
+        self._ready = False
 
     def __enter__(self) -> WarmPool:
         return self
@@ -135,57 +158,58 @@ class WarmPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- pool upkeep -----------------------------------------------------------------
+    # ---- upkeep ----------------------------------------------------------------------
     def refill(self) -> int:
-        """Start zygotes until ``size`` are idle; returns how many were started. Does not wait."""
+        """Start the zygote unless it runs (or the pool is off); returns how many were started. Does not wait."""
         self._prune()
-        started = 0
-        while not self.closed and self.disabled is None and len(self._idle) < self.size:
-            zygote = self._start_one()
-            if zygote is None:
-                break
-            self._idle.append(zygote)
-            started += 1
-        return started
+        if self.closed or self.disabled is not None or self.size == 0 or self._popen is not None:
+            return 0
+        if not is_child_subreaper():
+            self.disabled = "this process is not a child subreaper: forked workers would not be its children"
+            return 0
+        return 1 if self._start() else 0
 
     def idle(self) -> int:
+        """1 while a zygote lives (ready or importing), else 0."""
         self._prune()
-        return len(self._idle)
+        return int(self._popen is not None)
 
     def ready(self) -> int:
         self._prune()
-        return sum(z.check_ready() for z in self._idle)
+        self._read_replies(0)
+        return int(self._ready and self._popen is not None)
+
+    def settled(self) -> bool:
+        """Whether an attempt need not wait: the zygote is ready, or there will be none."""
+        return bool(self.ready()) or self._popen is None
 
     def pids(self) -> list[int]:
-        return [z.popen.pid for z in self._idle]
+        self._prune()
+        return [self._popen.pid] if self._popen is not None else []
 
     def wait_ready(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> bool:
-        """Wait until every idle zygote has finished importing (tests, benchmarks)."""
+        """Wait until the zygote has finished importing; False if it died or the time ran out."""
         deadline = clock() + timeout_s
-        while True:
-            self._prune()
-            waiting = [z for z in self._idle if not z.check_ready()]
-            if not waiting:
-                return bool(self._idle) or self.size == 0
+        while not self.ready():
             remaining = deadline - clock()
-            if remaining <= 0:
+            if self._popen is None or remaining <= 0:
                 return False
-            poller = select.poll()
-            for z in waiting:
-                poller.register(z.ready_fd, select.POLLIN)
-            poller.poll(max(1, int(remaining * 1000)))
+            self._read_replies(min(remaining, 0.1))
+        return True
 
     def close(self) -> None:
-        """Kill and reap every idle zygote (they hold no state worth a graceful exit)."""
+        """Kill and reap the zygote (it holds no state worth a graceful exit); workers it forked live on."""
         self.closed = True
-        zygotes, self._idle = self._idle, []
-        for z in zygotes:
-            self._kill(z)
-        for z in zygotes:
+        popen, self._popen = self._popen, None
+        self._close_fds()
+        if popen is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if popen.poll() is None:
+                    os.killpg(popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                z.popen.wait(REAP_TIMEOUT_S)
+                popen.wait(REAP_TIMEOUT_S)
 
-    # ---- becoming a worker -----------------------------------------------------------
+    # ---- forking a worker ------------------------------------------------------------
     def take(
         self,
         cmd: Sequence[str],
@@ -196,24 +220,21 @@ class WarmPool:
         cwd: str | None = None,
         inherit_env: bool = True,
     ) -> WorkerProcess | None:
-        """Start this rank in a zygote, exactly as ``start_worker(cmd, env, logs, ...)`` would; None: start it cold."""
+        """Start this rank from the zygote, exactly as ``start_worker(cmd, env, logs, ...)`` would; None: start it cold."""
         full_env = {**(os.environ if inherit_env else {}), **env}
         full_env[ERROR_FILE_ENV] = logs.error_file or ""  # as start_worker
         argv = boot_argv(cmd, self.python)
         workdir = _workdir(cwd)
         reason = self._why_cold(argv, full_env, workdir, logs)
-        zygote = self._pick() if reason is None else None
-        if zygote is None or argv is None or workdir is None:
+        if reason is None and not self.ready():
+            reason = "zygote still importing" if self._popen is not None else "no live zygote"
+        if reason is not None or argv is None or workdir is None:
             self._miss(reason or "no live zygote")
             return None
-        self._idle.remove(zygote)
-        if not self._send(zygote, spec_line(argv, full_env, workdir, logs)):
-            self._kill(zygote)
-            zygote.popen.wait(REAP_TIMEOUT_S)
-            self._miss("zygote died")
+        pid = self._fork(spec_line(argv, full_env, workdir, logs))
+        if pid is None:
             return None
-        zygote.close_fds()  # end of input after the spec: the zygote reads no further
-        worker = WorkerProcess(zygote.popen, local_rank=logs.local_rank, rank=logs.rank, cmd=cmd, logs=logs)
+        worker = WorkerProcess(AdoptedChild(pid), local_rank=logs.local_rank, rank=logs.rank, cmd=cmd, logs=logs)
         if tee is not None:
             worker.add_exit_callback(tee.follow_rank(logs))
         self.taken += 1
@@ -224,6 +245,8 @@ class WarmPool:
         """Why this worker cannot start warm exactly as it would cold (None: it can)."""
         if self.closed or self.size == 0:
             return "pool closed" if self.closed else "pool empty"
+        if self.disabled is not None:
+            return "pool disabled"
         if argv is None:
             return "not a boot command of the pool's python"
         mismatch = import_env_mismatch(self.zygote_env, full_env)
@@ -240,60 +263,117 @@ class WarmPool:
         return None
 
     # ---- internals -------------------------------------------------------------------
-    def _start_one(self) -> _Zygote | None:
+    def _start(self) -> bool:
         spec_r, spec_w = os.pipe()
-        ready_r, ready_w = os.pipe()
+        reply_r, reply_w = os.pipe()
         with contextlib.suppress(OSError):
             fcntl.fcntl(spec_w, fcntl.F_SETPIPE_SZ, SPEC_PIPE_BYTES)
         try:
-            popen = subprocess.Popen(
-                [self.python, "-u", "-m", ZYGOTE_MODULE, "--ready-fd", str(ready_w)],
-                stdin=spec_r, env=self.zygote_env, pass_fds=(ready_w,), start_new_session=True,
+            self._popen = subprocess.Popen(
+                [self.python, "-u", "-m", ZYGOTE_MODULE, "--reply-fd", str(reply_w), " " * TITLE_ROOM],
+                stdin=spec_r, env=self.zygote_env, pass_fds=(reply_w,), start_new_session=True,
             )
         except OSError as err:
             os.close(spec_w)
-            os.close(ready_r)
+            os.close(reply_r)
             self.disabled = f"cannot start {self.python}: {err.strerror}"
-            return None
+            return False
         finally:
             os.close(spec_r)
-            os.close(ready_w)
-        os.set_blocking(spec_w, False)
-        os.set_blocking(ready_r, False)
-        return _Zygote(popen, spec_w, ready_r)
+            os.close(reply_w)
+        self._spec_fd, self._reply_fd = spec_w, reply_r
+        os.set_blocking(reply_r, False)
+        self._replies, self._ready, self.started_at = b"", False, time.monotonic()
+        return True
+
+    def _fork(self, line: bytes) -> int | None:
+        """Send one spec and wait for the pid (milliseconds: the zygote is ready); None if it failed."""
+        try:
+            os.write(self._spec_fd, line)
+        except OSError:  # BrokenPipeError: it died
+            self._lost("zygote died")
+            return None
+        reply = self._next_reply(FORK_REPLY_S)
+        if reply is None:
+            self._lost("zygote did not answer")
+            return None
+        pid = reply.get("pid")
+        if not isinstance(pid, int) or pid <= 0:
+            self._miss(f"zygote: {reply.get('error', 'no pid')}")
+            return None
+        return pid
+
+    def _next_reply(self, timeout_s: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._replies:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._read_once(remaining):
+                return None
+        line, _, self._replies = self._replies.partition(b"\n")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            return {"error": "unreadable reply"}
+        return reply if isinstance(reply, dict) else {"error": "unreadable reply"}
+
+    def _read_once(self, timeout_s: float) -> bool:
+        """Read what the zygote wrote, waiting up to ``timeout_s``; False at end of input."""
+        if self._reply_fd < 0:
+            return False
+        if not select.select([self._reply_fd], [], [], max(timeout_s, 0.0))[0]:
+            return True
+        try:
+            data = os.read(self._reply_fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        self._replies += data
+        return True
+
+    def _read_replies(self, timeout_s: float) -> None:
+        """Take the ready line if it came."""
+        if self._ready or self._popen is None:
+            return
+        reply = self._next_reply(timeout_s) if b"\n" in self._replies or self._read_once(timeout_s) else None
+        if reply is None and b"\n" in self._replies:
+            reply = self._next_reply(0)
+        if reply is not None and reply.get("ready") is True:
+            self._ready = True
+            threads = reply.get("threads")
+            self.threads = threads if isinstance(threads, int) else None
 
     def _prune(self) -> None:
-        """Forget zygotes that died while idle; one that died before it was ready disables the pool."""
-        for z in list(self._idle):
-            if z.popen.poll() is None:
-                continue
-            was_ready = z.check_ready()
-            self._idle.remove(z)
-            z.close_fds()
-            code = z.popen.returncode
-            if not was_ready and code is not None and code > 0 and not self.closed:
-                self.disabled = f"a zygote exited with code {code} while importing; restarts are cold"
+        """Forget a zygote that died; one that died before it was ready disables the pool."""
+        popen = self._popen
+        if popen is None or popen.poll() is None:
+            return
+        self._read_replies(0)
+        was_ready = self._ready
+        self._popen = None
+        self._close_fds()
+        code = popen.returncode
+        if not was_ready and code is not None and code > 0 and not self.closed:
+            self.disabled = f"the zygote exited with code {code} while importing; workers start cold"
 
-    def _pick(self) -> _Zygote | None:
-        """The first ready zygote, else the oldest one still importing."""
-        self._prune()
-        ready = [z for z in self._idle if z.check_ready()]
-        candidates = ready or self._idle
-        return candidates[0] if candidates else None
-
-    @staticmethod
-    def _send(z: _Zygote, line: bytes) -> bool:
-        try:
-            return os.write(z.spec_fd, line) == len(line)
-        except OSError:  # BrokenPipeError (it died) or BlockingIOError (pipe smaller than the spec)
-            return False
-
-    @staticmethod
-    def _kill(z: _Zygote) -> None:
-        z.close_fds()
-        if z.popen.returncode is None:  # not reaped: the pid (= its group) is still ours
+    def _lost(self, reason: str) -> None:
+        """The zygote failed us while ready: kill it (a later ``refill`` starts another)."""
+        popen, self._popen = self._popen, None
+        self._close_fds()
+        if popen is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(z.popen.pid, signal.SIGKILL)
+                if popen.poll() is None:
+                    os.killpg(popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(REAP_TIMEOUT_S)
+        self._miss(reason)
+
+    def _close_fds(self) -> None:
+        for fd in (self._spec_fd, self._reply_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._spec_fd = self._reply_fd = -1
+        self._ready = False
 
     def _miss(self, reason: str) -> None:
         self.misses[reason.split(":")[0]] += 1

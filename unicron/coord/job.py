@@ -231,12 +231,13 @@ class JobCore:
         attempt = self.attempt
         if attempt is None or node_id not in attempt.nodes:
             return []
+        message = why if how == "lost" else f"{how}: {why}"  # a node that said why it left, says so
         if self.phase is Phase.RUNNING:
-            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": why,
+            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                    "ts": now, "reported_at": now, "attempt": attempt.number})
             return self._stop_attempt(f"node {host} {how}: {why}", now, want_stacks=False)
         if self.phase is Phase.STOPPING:
-            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": why,
+            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                    "ts": now, "reported_at": now, "attempt": attempt.number})
             if self._all_stopped():
                 return self._after_stop(now)

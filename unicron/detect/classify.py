@@ -202,7 +202,8 @@ RULES: tuple[Rule, ...] = (
     Rule("startup-failed", Severity.FATAL, lambda f, _ev: f.kind == "startup",
          lambda f, _ev: f"{f.where()} could not be started: {_short(f.message) or 'no detail'}"),
     Rule("node-lost", Severity.SEV1, lambda f, _ev: f.kind == "node_lost",
-         lambda f, _ev: f"node {f.node or f.host} stopped answering heartbeats"),
+         lambda f, _ev: f"node {f.node or f.host} " + (f.message if f.message.startswith("left: ")
+                                                        else "stopped answering heartbeats")),
     Rule("health-xid-hardware", Severity.SEV1, _hardware_xid,
          lambda f, _ev: f"{f.where()} reported a hardware Xid ({_short(f.message)}): the GPU is faulty"),
     Rule("health-ecc-uncorrectable", Severity.SEV1, _health("ecc_uncorrectable"),

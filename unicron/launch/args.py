@@ -159,7 +159,7 @@ OPTIONS: tuple[Option, ...] = (
     _u("coordinator", "Join a standalone `unicron coordinator` at HOST:PORT instead of embedding one.",
        to_hostport, None, metavar="HOST:PORT"),
     _u("weight", "Weight of this job for the planner.", float_above(0.0), "1.0", metavar="W"),
-    _u("no-warm", "Disable warm restarts (always restart workers from scratch)."),
+    _u("no-warm", "Disable warm starts (start every worker as a new interpreter, as torchrun does)."),
     _u("metrics-port", "Serve Prometheus metrics on this port (0: any free port).", to_port, None,
        metavar="PORT"),
     _u("status-line", "Live status line on the console: auto, always, never.",

@@ -150,7 +150,7 @@ def _is_clean_exit(code: object) -> bool:
 
 def die_with_agent(agent_pid: str | None = None) -> None:
     """Ask the kernel to SIGKILL this process if its agent (its parent) dies, even by SIGKILL,
-    so a lost agent never leaves workers or idle zygotes behind. Linux only; else a no-op."""
+    so a lost agent never leaves workers or its zygote behind. Linux only; else a no-op."""
     agent = os.environ.get("UNICRON_AGENT_PID", "") if agent_pid is None else agent_pid
     if not agent.isdigit() or not sys.platform.startswith("linux"):
         return

@@ -95,31 +95,54 @@ class Layout:
         self.records_json = json.dumps(self.records, separators=(",", ":"))
 
 
+Path = Any  # str at the root, else (parent path, how, key): formatted only for an error message
+
+
+def path_text(path: Path) -> str:
+    """``model['layers.0.weight']``, ``extra['log'][3]``, ``rng{}``... from a lazy path."""
+    if isinstance(path, str):
+        return path
+    parent, how, key = path
+    head = path_text(parent)
+    if how == "item":
+        return f"{head}[{key!r}]"
+    if how == "index":
+        return f"{head}[{key}]"
+    if how == "set":
+        return f"{head}{{}}"
+    if how == "key":
+        return f"{head} key {key!r}"
+    return f"{head}.{key}"
+
+
 class Encoder:
-    """Encodes one commit's tree; ``tensors[i]`` is the tensor of record ``__tensor__: i``."""
+    """Encodes one commit's tree; ``tensors[i]`` is the tensor of record ``__tensor__: i``.
+
+    Runs on every commit, so paths are tuples built per node and formatted only when
+    something is refused (an f-string per node cost more than the rest of the walk)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.specs: list[tuple[torch.dtype, torch.Size, tuple[int, ...] | None]] = []
 
-    def encode(self, x: Any, path: str) -> Any:
+    def encode(self, x: Any, path: Path) -> Any:
         kind = type(x)
         if kind in _SCALARS:
             return x
         if kind is float:
             return x if math.isfinite(x) else {"__float__": repr(x)}
-        if isinstance(x, torch.Tensor):
+        if kind is torch.Tensor or kind is torch.nn.Parameter or isinstance(x, torch.Tensor):
             return self._tensor(x, path)
         if kind is list or kind is tuple:
             if all(type(v) in _SCALARS for v in x):  # fast path, e.g. a list of step counters
                 items = list(x)
             else:
-                items = [self.encode(v, f"{path}[{i}]") for i, v in enumerate(x)]
+                items = [self.encode(v, (path, "index", i)) for i, v in enumerate(x)]
             return items if kind is list else {"__tuple__": items}
         if kind in _MAP_NAMES:
             return self._map(x, path)
         if kind is set:
-            return {"__set__": [self.encode(v, f"{path}{{}}") for v in x]}
+            return {"__set__": [self.encode(v, (path, "set", None)) for v in x]}
         if kind is complex:
             return {"__complex__": [self.encode(x.real, path), self.encode(x.imag, path)]}
         if kind is bytes or kind is bytearray:
@@ -132,29 +155,29 @@ class Encoder:
             return {"__size__": list(x)}
         raise _refuse(path, x)
 
-    def _map(self, x: dict[Any, Any], path: str) -> Any:
+    def _map(self, x: dict[Any, Any], path: Path) -> Any:
         metadata = getattr(x, "_metadata", None)
         if type(x) is dict and all(type(k) is str and not k.startswith("__") for k in x):
-            return {k: self.encode(v, f"{path}[{k!r}]") for k, v in x.items()}
+            return {k: self.encode(v, (path, "item", k)) for k, v in x.items()}
         out: dict[str, Any] = {
             "__map__": _MAP_NAMES[type(x)],
-            "items": [[self._key(k, path), self.encode(v, f"{path}[{k!r}]")] for k, v in x.items()],
+            "items": [[self._key(k, path), self.encode(v, (path, "item", k))] for k, v in x.items()],
         }
         if metadata is not None:  # module state_dicts carry versions load_state_dict reads
-            out["meta"] = self.encode(metadata, f"{path}._metadata")
+            out["meta"] = self.encode(metadata, (path, "attr", "_metadata"))
         return out
 
-    def _key(self, k: Any, path: str) -> Any:
+    def _key(self, k: Any, path: Path) -> Any:
         if type(k) is tuple:
             return {"__tuple__": [self._key(v, path) for v in k]}
         if type(k) not in _KEY_TYPES:
-            raise _refuse(f"{path} key {k!r}", k)
+            raise _refuse((path, "key", k), k)
         return self.encode(k, path)
 
-    def _tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+    def _tensor(self, t: torch.Tensor, path: Path) -> dict[str, Any]:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided \
                 or t.dtype in _QUANTIZED or t.is_meta or t.is_nested:
-            raise TypeError(f"unicron.State cannot snapshot {path}: {type(t).__qualname__} with layout "
+            raise TypeError(f"unicron.State cannot snapshot {path_text(path)}: {type(t).__qualname__} with layout "
                             f"{t.layout}, dtype {t.dtype} on {t.device}; use plain dense tensors")
         stride = t.stride() if not t.is_contiguous() and _dense_permuted(t) else None
         self.specs.append((t.dtype, t.shape, stride))
@@ -162,9 +185,9 @@ class Encoder:
         return {"__tensor__": len(self.tensors) - 1}
 
 
-def _refuse(path: str, x: object) -> TypeError:
+def _refuse(path: Path, x: object) -> TypeError:
     return TypeError(
-        f"unicron.State cannot snapshot {path} of type {type(x).__qualname__}: use tensors, "
+        f"unicron.State cannot snapshot {path_text(path)} of type {type(x).__qualname__}: use tensors, "
         "python scalars/strings, and lists/tuples/dicts of them"
     )
 

@@ -121,8 +121,11 @@ class SlotStore:
             data = self._map(slot, layout.nbytes)
             views = [tensor_view(data, r) for r in layout.records]
             self._views[slot] = (layout, views)
-        devices: set[torch.device] = set()
         with torch.no_grad():  # a source that requires grad must not make the slot part of a graph
+            if not any(src.is_cuda for src in tensors):
+                torch._foreach_copy_(views, tensors)  # one call: no per-tensor Python overhead
+                return
+            devices: set[torch.device] = set()
             for view, src in zip(views, tensors, strict=True):
                 if src.is_cuda:
                     devices.add(src.device)

@@ -1,50 +1,58 @@
-"""A warm interpreter waiting to become a worker: ``python -u -m unicron.worker.zygote --ready-fd N``.
+"""A fork server for warm workers: ``python -u -m unicron.worker.zygote --reply-fd N``.
 
-The agent's ``WarmPool`` (``unicron.agent.warm``) starts zygotes ahead of time. A zygote imports
-unicron's worker code, numpy, torch and torch.distributed (the seconds a cold worker spends
-before its first line of training code), writes one byte to ``--ready-fd``, then blocks in
-``read(0)`` (no CPU) for one JSON line::
+The agent's ``WarmPool`` (``unicron.agent.warm``) starts one zygote when the agent starts. It
+imports unicron's worker code, numpy, torch and torch.distributed once (the seconds every cold
+worker spends before its first line of training code), writes ``{"ready": true}`` on
+``--reply-fd``, then blocks reading its stdin (no CPU) for JSON lines, one per worker::
 
     {"argv": [(--module) SCRIPT ARGS...], "env": {...}, "cwd": "...", "stdout": path|null, "stderr": path|null}
 
-and turns into exactly what ``python -u -m unicron.worker.boot ARGV`` started with that
-environment, directory and log files would be: same pid/session (the pool started it with
-``start_new_session``), ``os.environ`` replaced wholesale, ``sys.argv``/``sys.orig_argv`` of the
-cold command, stdin on /dev/null, fds 1/2 on the log files (or the console the agent had), and
-``unicron.worker.boot.main`` run with the same exit codes, tracebacks, error file and hooks.
-End of input before a spec (the pool closed, or the agent died) exits 0 quietly.
+For each it forks twice (``fork_worker``): the worker is re-parented to the agent, which is a
+child subreaper, and it answers ``{"pid": N}``. The worker is then what ``python -u -m
+unicron.worker.boot ARGV`` spawned by the agent with that environment, directory and log files
+would be: the agent's child (``waitpid``, PDEATHSIG and ``getppid`` behave as for a cold
+worker), the leader of its own session, ``os.environ`` replaced wholesale, ``sys.argv`` /
+``sys.orig_argv`` of the cold command, stdin on /dev/null, fds 1/2 on the log files (or the
+console the agent had), and ``unicron.worker.boot.main`` run with the same exit codes,
+tracebacks, error file and hooks. The zygote itself never runs training code, so it forks from
+the same clean state every time: a restart costs a fork, not an interpreter and its imports.
+End of input (the pool closed, or the agent died) makes it exit 0 quietly.
+
+Why forking a process with torch imported is safe here: torch initialises CUDA lazily and the
+zygote never touches a GPU (one whose imports did initialise CUDA exits before it says ready);
+the zygote is started with the workers' OMP_NUM_THREADS, so numpy's BLAS starts no thread
+pool and the zygote forks with one thread (it reports its thread count when ready); torch
+creates its CPU thread pools on first use, in the worker.
 
 What a warm worker cannot redo, and how it is handled:
 
 - Variables read while importing (PYTHON*, LD_*, MALLOC_*, TORCH_*, OMP_*/MKL_*, locale, HOME,
   TMPDIR...): the pool refuses a worker whose values differ from the zygote's (cold start
-  instead), see ``unicron.agent.warm.import_env_mismatch``. ``OMP_NUM_THREADS`` is the one that
-  always differs (torchrun sets it per job): torch reads it at import, so it is applied with
-  ``torch.set_num_threads``.
-- CUDA: torch initialises it lazily; a zygote never touches a GPU, so CUDA_VISIBLE_DEVICES and
-  friends set later take effect. A zygote whose imports did initialise CUDA exits before it
-  says ready (the pool then starts workers cold).
+  instead), see ``unicron.agent.warm.import_env_mismatch``. ``OMP_NUM_THREADS`` is applied
+  with ``torch.set_num_threads``.
 - Output printed while importing (e.g. a numpy/torch warning) is captured and written first into
-  the worker's stdout/stderr, where a cold worker would have printed it.
-- ``tempfile.tempdir`` is reset (it caches TMPDIR). Signal handlers and faulthandler are left
-  at python's defaults until ``hooks.install`` (as in a cold worker). ``random``, numpy and
-  torch draw their default seeds per process when imported: every zygote is a fresh
-  interpreter (never a fork), so no two workers share a seed, as with cold starts.
-- Differences that remain: ``/proc/PID/cmdline`` shows the zygote command (``ps`` and tools
-  that match processes by command line do not see the script), stdin is /dev/null rather than
-  the agent's stdin, and ``sys.modules`` already holds torch/numpy before the script runs
-  (a script that sets warning filters *before* ``import torch`` still sees torch's
-  import-time warnings, replayed from the capture).
+  each worker's stdout/stderr, where a cold worker would have printed it.
+- Default seeds: ``random`` reseeds itself after a fork; numpy's and torch's global generators
+  are reseeded from the OS (``_reseed``), so no two workers share a seed, as with cold starts.
+  ``tempfile.tempdir`` is reset (it caches TMPDIR). Signal handlers and faulthandler are at
+  python's defaults until ``hooks.install`` (as in a cold worker).
+- The command line: a worker rewrites its argument area to show the cold command
+  (``show_command``), so ``ps``, ``pgrep -f``/``pkill -f`` and psutil find the script; only
+  ``/proc/PID/environ`` still shows the zygote's starting environment (``os.environ`` is right).
+- Differences that remain: stdin is /dev/null rather than
+  the agent's stdin, all workers share the zygote's string-hash seed (PYTHONHASHSEED), and
+  ``sys.modules`` already holds torch/numpy before the script runs (a script that sets warning
+  filters *before* ``import torch`` still sees torch's import-time warnings, replayed).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import select
 import sys
 import tempfile
-import threading
+import time
 from typing import IO, Any
 
 # Imported before torch, as in a cold worker: hooks remember the default excepthooks.
@@ -54,6 +62,7 @@ from unicron.worker import boot
 # makes a warm worker's first step as fast as its later ones.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel", "zmq")
 EXIT_PRELOAD_FAILED = 3  # before ready: the pool stops using zygotes
+REPARENT_TIMEOUT_S = 5.0
 BOOT_MODULE = "unicron.worker.boot"
 
 
@@ -82,59 +91,32 @@ def parse_spec(line: bytes) -> dict[str, Any]:
     return spec
 
 
-def read_spec_line(fd: int) -> bytes | None:
-    """Everything up to the first newline on ``fd``; None at end of input before any byte."""
-    chunks: list[bytes] = []
-    while True:
-        data = os.read(fd, 1 << 16)
-        if not data:
-            break
-        chunks.append(data)
-        if b"\n" in data:
-            break
-    line = b"".join(chunks)
-    return line.split(b"\n", 1)[0] if line else None
+class LineReader:
+    """Lines from a pipe, read with ``os.read`` (no buffered object a forked worker could inherit)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+
+    def next_line(self) -> bytes | None:
+        """The next line without its newline; None at end of input (a last unterminated line counts)."""
+        while b"\n" not in self.buffer:
+            data = os.read(self.fd, 1 << 16)
+            if not data:
+                line, self.buffer = self.buffer, b""
+                return line or None
+            self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
 
 
-class _Background:
-    """Import at SCHED_IDLE: a zygote fills the pool while the job trains, and must take only
-    CPU time training leaves unused. Normal scheduling returns once the imports are done, or at
-    once if the zygote is handed its job while still importing (a helper thread watches stdin).
-    Best effort: where the policy cannot be changed, the zygote imports at normal priority."""
-
-    def __init__(self) -> None:
-        self.tid = threading.get_native_id()
-        self.idle = False
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread: threading.Thread | None = None
-        try:
-            os.sched_setscheduler(self.tid, os.SCHED_IDLE, os.sched_param(0))
-            self.idle = True
-        except (AttributeError, OSError):
-            return
-        self._thread = threading.Thread(target=self._watch, name="unicron-zygote-wake", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        select.select([0, self._wake_r], [], [])
-        self._normal()
-
-    def _normal(self) -> None:
-        if self.idle:
-            try:
-                os.sched_setscheduler(self.tid, os.SCHED_OTHER, os.sched_param(0))
-            except OSError:
-                pass
-            self.idle = False
-
-    def end(self) -> None:
-        """Back to normal scheduling; no thread or descriptor of ours is left for the worker."""
-        self._normal()
-        os.write(self._wake_w, b"x")  # let the watcher thread finish
-        if self._thread is not None:
-            self._thread.join(5.0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+def _reply(fd: int, message: dict[str, Any]) -> bool:
+    """One JSON line to the pool; False when nobody reads any more."""
+    try:
+        os.write(fd, json.dumps(message).encode() + b"\n")
+        return True
+    except OSError:
+        return False
 
 
 def _preload() -> None:
@@ -149,34 +131,37 @@ def _preload() -> None:
 
 
 class _Capture:
-    """Points fds 1 and 2 at anonymous files while importing, keeping the console aside."""
+    """Points fds 1 and 2 at anonymous files while importing; ``end`` puts the console back and
+    keeps what was printed, which every worker then writes first into its own stdout/stderr."""
 
     def __init__(self) -> None:
         self.console = (os.dup(1), os.dup(2))
         self.files: tuple[IO[bytes], IO[bytes]] = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
         for fd, capture in zip((1, 2), self.files, strict=True):
             os.dup2(capture.fileno(), fd)
+        self.captured: tuple[bytes, bytes] = (b"", b"")
 
-    def release(self, stdout: str | None, stderr: str | None) -> None:
-        """fds 1/2 onto the worker's log files (or the console), captured output copied first."""
+    def end(self) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        for fd, path, console, capture in zip((1, 2), (stdout, stderr), self.console, self.files, strict=True):
-            if path is None:
-                os.dup2(console, fd)
-            else:
+        captured = []
+        for fd, console, capture in zip((1, 2), self.console, self.files, strict=True):
+            os.dup2(console, fd)
+            os.close(console)
+            capture.seek(0)
+            captured.append(capture.read())
+            capture.close()
+        self.captured = (captured[0], captured[1])
+
+    def replay(self, stdout: str | None, stderr: str | None) -> None:
+        """In a worker: fds 1/2 onto its log files (or left on the console), captured output first."""
+        for fd, path, captured in zip((1, 2), (stdout, stderr), self.captured, strict=True):
+            if path is not None:
                 target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
                 os.dup2(target, fd)
                 os.close(target)
-            capture.seek(0)
-            captured = capture.read()
             if captured:
                 os.write(fd, captured)
-            capture.close()
-            os.close(console)
-
-    def restore_console(self) -> None:
-        self.release(None, None)
 
 
 def _stdin_from_devnull() -> None:
@@ -200,9 +185,9 @@ def _apply_thread_count(env: dict[str, str]) -> None:
 
 
 def become_worker(spec: dict[str, Any], capture: _Capture) -> int:
-    """Turn this interpreter into the worker ``spec`` describes and run it; returns boot's exit code."""
-    capture.release(spec.get("stdout"), spec.get("stderr"))
-    _stdin_from_devnull()
+    """Turn this (forked) interpreter into the worker ``spec`` describes and run it; returns boot's exit code."""
+    _reseed()
+    capture.replay(spec.get("stdout"), spec.get("stderr"))
     os.environ.clear()  # wholesale: nothing of the zygote's environment may leak
     os.environ.update(spec["env"])
     tempfile.tempdir = None
@@ -217,39 +202,111 @@ def become_worker(spec: dict[str, Any], capture: _Capture) -> int:
     # from orig_argv must start a worker, not a zygote that waits for a spec.
     sys.argv = [boot.__file__, *argv]
     sys.orig_argv = [sys.executable, "-u", "-m", BOOT_MODULE, *argv]
+    show_command(sys.orig_argv)
     return boot.main(argv)
 
 
+def show_command(args: list[str]) -> bool:
+    """Make ``ps``, ``pgrep -f`` and psutil show the cold command line instead of the zygote's.
+
+    Rewrites this process's argument area in place (as setproctitle(3) does): the arguments
+    joined by spaces, a NUL, and a non-NUL last byte, which tells the kernel the area holds one
+    title. The pool gives the zygote an argument of ``TITLE_ROOM`` spaces so there is room;
+    a longer command is cut. Linux only; False where it could not be done.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2:].split()  # fields[0] is field 3 of proc(5)
+        arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49
+    except (OSError, ValueError, IndexError):
+        return False
+    room = arg_end - arg_start
+    if room < 2:
+        return False
+    title = " ".join(args).encode(errors="replace")[: room - 2]
+    area = title + b"\0" * (room - len(title) - 1) + b" "
+    ctypes.memmove(arg_start, area, room)
+    return True
+
+
+def _reseed() -> None:
+    """Fresh default seeds, as a new interpreter draws them (``random`` reseeds itself after a fork)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+
+
+def fork_worker(reply_fd: int, spec_fd: int) -> int | None:
+    """Fork twice so the worker is re-parented to the agent (a child subreaper) as if spawned by it.
+
+    Returns the worker's pid in the zygote and None in the worker, which by then leads its own
+    session and is the agent's child (so PDEATHSIG, ``getppid`` and ``waitpid`` are a cold worker's).
+    """
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the intermediate: fork the worker and vanish without cleanup
+        try:
+            os.close(r)
+            pid = os.fork()
+        except BaseException:
+            os._exit(1)
+        if pid == 0:
+            for fd in (reply_fd, spec_fd):
+                os.close(fd)
+            os.setsid()  # before the agent learns our pid, so killpg(pid) reaches us from the start
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            middle_pid, deadline = os.getppid(), time.monotonic() + REPARENT_TIMEOUT_S
+            while os.getppid() == middle_pid and time.monotonic() < deadline:
+                time.sleep(0.0005)  # the intermediate exits right after the fork
+            return None
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 64):  # end of input: the worker wrote its pid, the intermediate is gone
+        data += chunk
+    os.close(r)
+    os.waitpid(middle, 0)  # reaped: the worker is re-parented by the time the agent hears its pid
+    return int(data) if data.isdigit() else -1
+
+
 def main(argv: list[str]) -> int:
-    boot.die_with_agent(str(os.getppid()))  # an idle zygote must not outlive its agent either
-    ready_fd: int | None = None
-    if len(argv) == 2 and argv[0] == "--ready-fd":
-        ready_fd = int(argv[1])
+    boot.die_with_agent(str(os.getppid()))  # the zygote must not outlive its agent
+    room_ok = len(argv) == 2 or (len(argv) == 3 and not argv[2].strip())  # the spaces are title room
+    if not room_ok or argv[0] != "--reply-fd" or not argv[1].isdigit():
+        print("usage: python -m unicron.worker.zygote --reply-fd N [SPACES]", file=sys.stderr)
+        return 2
+    reply_fd = int(argv[1])
     capture = _Capture()
-    background = _Background()
     try:
         _preload()
-    except BaseException as err:  # any import failure: this zygote must never become a worker
-        capture.restore_console()
+    except BaseException as err:  # any import failure: this zygote must never fork a worker
+        capture.end()
         print(f"unicron zygote: preloading failed: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_PRELOAD_FAILED
-    background.end()
-    if ready_fd is not None:
+    capture.end()
+    spec_fd = os.dup(0)  # specs come on our stdin; workers get /dev/null there, as cold ones from us
+    _stdin_from_devnull()
+    if not _reply(reply_fd, {"ready": True, "threads": len(os.listdir("/proc/self/task"))}):
+        return 0
+    specs = LineReader(spec_fd)
+    while (line := specs.next_line()) is not None:
         try:
-            os.write(ready_fd, b"r")
-        except OSError:
-            pass  # nobody listens: a spec was sent before we were ready (or the pool is gone: EOF below)
-        os.close(ready_fd)
-    line = read_spec_line(0)
-    if line is None:
-        return 0  # the pool is gone: nothing to become
-    try:
-        spec = parse_spec(line)
-    except SpecError as err:
-        capture.restore_console()
-        print(f"unicron zygote: {err}", file=sys.stderr)
-        return 2
-    return become_worker(spec, capture)
+            spec = parse_spec(line)
+        except SpecError as err:
+            if not _reply(reply_fd, {"error": str(err)}):
+                return 0
+            continue
+        pid = fork_worker(reply_fd, spec_fd)
+        if pid is None:
+            return become_worker(spec, capture)
+        if not _reply(reply_fd, {"pid": pid} if pid > 0 else {"error": "fork failed"}):
+            return 0
+    return 0  # end of input: the pool is closed, or the agent is gone
 
 
 if __name__ == "__main__":
