@@ -8,7 +8,7 @@ import sys
 
 import psutil
 
-from unicron.agent.agent import OWNER_FILE, _remove_orphaned_shm
+from unicron.agent.shm import OWNER_FILE, remove_orphaned_shm
 
 
 def _owned(base, name: str, pid: int, created: float) -> str:
@@ -29,6 +29,6 @@ def test_only_dead_owners_lose_their_directory(tmp_path) -> None:
     mine = _owned(tmp_path, "unicron-job-mine", os.getpid(), me.create_time())
     foreign = tmp_path / "unicron-unmarked"
     foreign.mkdir()
-    _remove_orphaned_shm(str(tmp_path))
+    remove_orphaned_shm(str(tmp_path))
     assert not os.path.exists(gone) and not os.path.exists(reused)
     assert os.path.exists(mine) and foreign.exists()

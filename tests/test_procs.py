@@ -18,7 +18,6 @@ import psutil
 import pytest
 
 from unicron.agent.logs import (
-    ConsoleTee,
     LogSpec,
     RunLogDir,
     Std,
@@ -35,6 +34,7 @@ from unicron.agent.procs import (
     wait_any,
 )
 from unicron.agent.signals import LauncherSignals, set_child_subreaper
+from unicron.agent.tee import ConsoleTee
 from unicron.errors import FatalUserError, UsageError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,10 @@ import psutil
 import pytest
 from helpers_worker import BOOT, Rendezvous, agent_socket, base_env, wait_until, write_script
 
-from unicron.agent.logs import ConsoleTee, RankLogs
+from unicron.agent.logs import RankLogs
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
 from unicron.agent.signals import set_child_subreaper
+from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import WarmPool, boot_argv, import_env_mismatch, is_import_time, should_refill
 from unicron.worker.zygote import SpecError, parse_spec
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from unicron.agent.agent import _scan_snapshots
+from unicron.agent.shm import scan_snapshots
 from unicron.worker import snapcodec, snapshot, snapslots
 from unicron.worker.state import State
 
@@ -255,7 +255,7 @@ def test_agent_reports_data_bytes_of_each_step(tmp_path: Path) -> None:
         for step in (1, 2):
             encoder = snapcodec.Encoder()
             store.write(step, encoder.encode({"a": torch.zeros(n)}, "t"), encoder)
-    found, sizes = _scan_snapshots(str(tmp_path))
+    found, sizes = scan_snapshots(str(tmp_path))
     markers = {s: sum(os.path.getsize(tmp_path / f"rank{r}" / snapshot.snapshot_name(s)) for r in (0, 1))
                for s in (1, 2)}
     assert found == {"0": [1, 2], "1": [1, 2]}

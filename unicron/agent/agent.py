@@ -19,8 +19,10 @@ from typing import Any
 
 import zmq
 
-from unicron.agent.logs import ConsoleTee, RunLogDir
+from unicron.agent.logs import RunLogDir
 from unicron.agent.settings import AgentSettings
+from unicron.agent.shm import make_shm_dir, scan_snapshots
+from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
 from unicron.agent.workers import GroupSpec, WorkerGroup
 from unicron.detect.hang import HangDetector
@@ -49,7 +51,7 @@ class Agent:
         self.codec = Codec(s.secret, self.node_id, job=s.run_id)
         self.ctx: zmq.Context = zmq.Context.instance()
         self.work_dir = tempfile.mkdtemp(prefix="unicron-agent-")  # short: ipc paths are limited to ~100 bytes
-        self.shm_dir = _shm_dir(s.run_id)
+        self.shm_dir = make_shm_dir(s.run_id)
         self.stack_dir = os.path.join(self.work_dir, "stacks")
         os.makedirs(self.stack_dir, exist_ok=True)
         self.tee = ConsoleTee()
@@ -250,7 +252,7 @@ class Agent:
                 stacks = group.dump_stacks()
             self._stop_group(reason=body["reason"])
         self.ui.warn(f"stopping attempt {body['attempt']}: {body['reason']}")
-        snapshots, sizes = _scan_snapshots(self.shm_dir)
+        snapshots, sizes = scan_snapshots(self.shm_dir)
         self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],
                                "snapshots": snapshots, "stacks": stacks, "snapshot_bytes": sizes})
 
@@ -393,78 +395,6 @@ def _fault_line(fault: dict[str, Any]) -> str:
     if fault.get("error_type") and not fault.get("summary"):
         what = f"{fault['error_type']}: {what}"
     return f"{fault.get('kind')} on {who} at step {fault.get('steps_completed', '?')}: {what}"
-
-
-def _scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Steps with a complete snapshot, per global rank (markers exist only once complete),
-    and the bytes held per step over all local ranks (marker plus the data slot it names)."""
-    found: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return found, sizes
-    for entry in entries:
-        if not entry.startswith("rank") or not entry[4:].isdigit():
-            continue
-        steps = []
-        for name in os.listdir(os.path.join(root, entry)):
-            if name.startswith("step") and name.endswith(".pt") and name[4:-3].isdigit():
-                step = int(name[4:-3])
-                steps.append(step)
-                path = os.path.join(root, entry, name)
-                try:  # the marker is JSON naming the bytes of its data slot (unicron.worker.snapslots)
-                    with open(path, encoding="utf-8") as f:
-                        data = json.load(f).get("nbytes", 0)
-                    size = os.path.getsize(path) + (data if isinstance(data, int) else 0)
-                except (OSError, ValueError, AttributeError):
-                    continue
-                sizes[str(step)] = sizes.get(str(step), 0) + size
-        found[entry[4:]] = sorted(steps)
-    return found, sizes
-
-
-OWNER_FILE = "agent.owner"
-
-
-def _shm_dir(run_id: str) -> str:
-    """The agent's snapshot directory in shared memory, marked with its owner (pid and start
-    time), after removing those whose agent died without cleaning up (SIGKILL, lost node)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    _remove_orphaned_shm(base)
-    path = tempfile.mkdtemp(prefix=f"unicron-{_safe(run_id)[:40]}-", dir=base)
-    with open(os.path.join(path, OWNER_FILE), "w") as fh:
-        fh.write(f"{os.getpid()} {_start_time(os.getpid())}")
-    return path
-
-
-def _start_time(pid: int) -> float:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return -1.0
-
-
-def _remove_orphaned_shm(base: str) -> None:
-    try:
-        entries = [e for e in os.listdir(base) if e.startswith("unicron-")]
-    except OSError:
-        return
-    for entry in entries:
-        try:
-            with open(os.path.join(base, entry, OWNER_FILE)) as fh:
-                pid_text, started = fh.read().split()
-            pid, created = int(pid_text), float(started)
-        except (OSError, ValueError):
-            continue  # not ours to judge (no owner mark)
-        if _start_time(pid) != created:  # that agent is gone (or its pid was reused)
-            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
-
-
-def _safe(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)
 
 
 def _read_health() -> dict[str, Any]:

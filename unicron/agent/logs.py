@@ -1,4 +1,4 @@
-"""Per-rank worker logs in torchrun's ``--log-dir`` layout, and the console tee.
+"""Per-rank worker logs in torchrun's ``--log-dir`` layout (the console tee is ``unicron.agent.tee``).
 
 Layout (as torch.distributed.elastic's ``DefaultLogsSpecs``)::
 
@@ -11,31 +11,31 @@ does the same *and* echoes every line to the agent's console with a prefix (torc
 ``[<role><local_rank>]:``, or ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``). With
 ``--local-ranks-filter`` only the listed ranks reach the console; the others still write their
 files. Without ``--log-dir`` a temporary directory is used, as torchrun does; ``--log-dir
-/dev/null`` writes nothing and sets no error file.
+/dev/null`` writes nothing and sets no error file. ``--duplicate-stdout-filters`` (and
+``-stderr-``) also copy the teed lines that contain any filter string, prefixed, into one
+``attempt_<n>/filtered_stdout.log`` (``filtered_stderr.log``) shared by the attempt's ranks.
 
 The tee reads the files the worker writes (it never sits between the worker and its output), so
 a slow console cannot block a worker, and a worker that dies has already put every byte it wrote
-into the file: :meth:`ConsoleTee.finish` drains it to the end before it stops following.
+into the file: :meth:`unicron.agent.tee.ConsoleTee.follow`'s finish drains it to the end before it stops following.
 """
 
 from __future__ import annotations
 
 import enum
-import io
 import os
 import re
 import shutil
-import sys
 import tempfile
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from string import Template
-from typing import IO, Any, Protocol
 
 from unicron.errors import UsageError
 
 PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+FILTERED_STDOUT = "filtered_stdout.log"
+FILTERED_STDERR = "filtered_stderr.log"
 
 
 class Std(enum.IntFlag):
@@ -101,6 +101,28 @@ def line_prefix(template: str | None, *, role: str, rank: int, local_rank: int) 
     return f"[{role}{local_rank}]:"
 
 
+def copied_lines(line: bytes, needles: tuple[str, ...], *, terminated: bool = True) -> list[str]:
+    """The parts of one console line (no ``\\n``) that a duplicate filter copies.
+
+    torchrun reads the log in text mode, so ``\\r`` ends a line too, and a line matches when its
+    decoded text, line end included, contains any needle (an empty needle matches every line).
+    """
+    pieces = line.decode("utf-8", errors="replace").split("\r")
+    if len(pieces) > 1 and not pieces[-1]:
+        pieces.pop()  # "\r\n" (or a trailing "\r") ends the line before it, not an extra one
+    last = len(pieces) - 1
+    return [piece for i, piece in enumerate(pieces)
+            if any(needle in (piece + "\n" if terminated or i < last else piece) for needle in needles)]
+
+
+@dataclass(frozen=True)
+class LineCopy:
+    """Where a teed stream's matching lines are copied: one file per attempt, for all its ranks."""
+
+    path: str
+    needles: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class LogSpec:
     """What the user asked for with --log-dir, -r, -t and --local-ranks-filter."""
@@ -110,6 +132,8 @@ class LogSpec:
     tee: StdSpec = Std.NONE
     local_ranks_filter: frozenset[int] | None = None
     prefix_template: str | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
     @property
     def discards_everything(self) -> bool:
@@ -122,7 +146,8 @@ class RankLogs:
     """Where one worker's streams go for one attempt.
 
     ``stdout_path``/``stderr_path`` None means the worker inherits the agent's console.
-    ``tee_*`` means the file is also echoed to the console with ``prefix``.
+    ``tee_*`` means the file is also echoed to the console with ``prefix``; ``copy_*`` (teed
+    streams only, as in torchrun) says where its lines that match a duplicate filter go too.
     """
 
     local_rank: int
@@ -134,6 +159,8 @@ class RankLogs:
     tee_stderr: bool
     error_file: str | None
     prefix: str
+    copy_stdout: LineCopy | None = None
+    copy_stderr: LineCopy | None = None
 
 
 def plan_rank_logs(
@@ -161,6 +188,7 @@ def plan_rank_logs(
         tee_out = tee_err = False
         stdout_path = stdout_path or os.devnull
         stderr_path = stderr_path or os.devnull
+    out_filters, err_filters = spec.duplicate_stdout_filters, spec.duplicate_stderr_filters
     return RankLogs(
         local_rank=local_rank,
         rank=rank,
@@ -171,6 +199,10 @@ def plan_rank_logs(
         tee_stderr=tee_err,
         error_file=os.path.join(directory, "error.json"),
         prefix=prefix,
+        copy_stdout=LineCopy(os.path.join(attempt_dir, FILTERED_STDOUT), out_filters)
+        if tee_out and out_filters else None,
+        copy_stderr=LineCopy(os.path.join(attempt_dir, FILTERED_STDERR), err_filters)
+        if tee_err and err_filters else None,
     )
 
 
@@ -206,11 +238,18 @@ class RunLogDir:
     def prepare_attempt(
         self, attempt: int, ranks: Iterable[tuple[int, int]], *, role: str = "default"
     ) -> list[RankLogs]:
-        """Create ``attempt_<n>/<local_rank>/`` (emptied first, as torchrun does) for (local_rank, rank) pairs."""
+        """Create ``attempt_<n>/<local_rank>/`` (emptied first, as torchrun does) for (local_rank, rank) pairs.
+
+        The filtered copies exist (empty) whenever their filters are set, even if no rank is teed, as in torchrun.
+        """
         attempt_dir = self.attempt_dir(attempt)
         if attempt_dir is not None:
             shutil.rmtree(attempt_dir, ignore_errors=True)
             os.makedirs(attempt_dir)
+            for name, filters in ((FILTERED_STDOUT, self.spec.duplicate_stdout_filters),
+                                  (FILTERED_STDERR, self.spec.duplicate_stderr_filters)):
+                if filters:
+                    open(os.path.join(attempt_dir, name), "wb").close()
         plans = []
         for local_rank, rank in ranks:
             plan = plan_rank_logs(self.spec, attempt_dir, local_rank=local_rank, rank=rank, role=role)
@@ -223,181 +262,6 @@ class RunLogDir:
         """Remove the directory if it is a temporary one unicron made (a user's --log-dir is kept)."""
         if self.is_temporary and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
-
-
-class Console(Protocol):
-    """Where teed lines go: a text stream (sys.stdout) or a binary one."""
-
-    def write(self, data: Any, /) -> Any: ...
-
-    def flush(self) -> Any: ...
-
-
-def write_to_console(stream: Console, data: bytes) -> None:
-    """Write bytes to a text or binary stream, keeping order with what was written as text."""
-    if isinstance(stream, (io.RawIOBase, io.BufferedIOBase)):
-        stream.write(data)
-        stream.flush()
-        return
-    raw = getattr(stream, "buffer", None)
-    if raw is not None:
-        stream.flush()
-        raw.write(data)
-        raw.flush()
-    else:
-        stream.write(data.decode("utf-8", errors="replace"))
-        stream.flush()
-
-
-class _Follow:
-    """One file being echoed: where it is read up to, and the unfinished last line."""
-
-    def __init__(self, path: str, prefix: bytes, sink: Console) -> None:
-        self.path = path
-        self.prefix = prefix
-        self.sink = sink
-        self.handle: IO[bytes] | None = None
-        self.partial = b""
-        self.finished = False
-
-
-class ConsoleTee:
-    """Echoes log files to the console, each line prefixed, from one background thread.
-
-    ``follow`` starts echoing a file; ``finish`` says its writer has exited, so the rest of the
-    file is echoed (an unterminated last line gets a newline) and following stops. ``close``
-    finishes everything and waits for the thread.
-    """
-
-    def __init__(
-        self,
-        stdout: Console | None = None,
-        stderr: Console | None = None,
-        *,
-        interval_s: float = 0.05,
-        max_line_bytes: int = 64 * 1024,
-    ) -> None:
-        self._stdout = stdout
-        self._stderr = stderr
-        self.interval_s = interval_s
-        self.max_line_bytes = max_line_bytes
-        self._follows: list[_Follow] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closing = False
-        self._thread: threading.Thread | None = None
-
-    def follow(self, path: str, prefix: str, *, stream: str = "stdout") -> Callable[[], None]:
-        """Echo ``path`` to the console's ``stream`` ("stdout"/"stderr"); returns its ``finish``."""
-        sink = (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
-        entry = _Follow(path, prefix.encode(), sink)
-        with self._lock:
-            if self._closing:
-                raise RuntimeError("ConsoleTee is closed")
-            self._follows.append(entry)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="unicron-tee", daemon=True)
-                self._thread.start()
-        self._wake.set()
-
-        def finish() -> None:
-            entry.finished = True
-            self._wake.set()
-
-        return finish
-
-    def follow_rank(self, logs: RankLogs) -> Callable[[], None]:
-        """Follow whatever of this rank is teed; the returned callable finishes all of it."""
-        finishers = []
-        if logs.tee_stdout and logs.stdout_path:
-            finishers.append(self.follow(logs.stdout_path, logs.prefix, stream="stdout"))
-        if logs.tee_stderr and logs.stderr_path:
-            finishers.append(self.follow(logs.stderr_path, logs.prefix, stream="stderr"))
-
-        def finish_all() -> None:
-            for finish in finishers:
-                finish()
-
-        return finish_all
-
-    def pending(self) -> int:
-        """Files still being followed."""
-        with self._lock:
-            return len(self._follows)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Echo what is left of every file and stop. A console that blocks longer than timeout is left behind."""
-        with self._lock:
-            self._closing = True
-            for entry in self._follows:
-                entry.finished = True
-            thread = self._thread
-        self._wake.set()
-        if thread is not None:
-            thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            self._wake.clear()  # before the scan, so a wake during the scan is not lost
-            with self._lock:
-                follows = list(self._follows)
-                closing = self._closing
-            if not follows and closing:
-                return
-            progressed = False
-            for entry in follows:
-                # Read "finished" before reading the file: a finish that lands after the read
-                # is seen next round, so no byte written before finish is ever skipped.
-                finished = entry.finished
-                progressed |= self._pump(entry)
-                if finished:
-                    while self._pump(entry):
-                        pass
-                    self._flush_partial(entry)
-                    self._drop(entry)
-            if not progressed:
-                self._wake.wait(self.interval_s)
-
-    def _pump(self, entry: _Follow) -> bool:
-        """Echo the complete lines now in the file; True if anything was read."""
-        if entry.handle is None:
-            try:
-                entry.handle = open(entry.path, "rb")
-            except OSError:
-                return False
-        data = entry.handle.read(1 << 16)
-        if not data:
-            return False
-        buffered = entry.partial + data
-        lines = buffered.split(b"\n")
-        entry.partial = lines.pop()
-        if len(entry.partial) > self.max_line_bytes:
-            # A line with no newline in sight (a progress bar with \r) is shown in pieces.
-            lines.append(entry.partial)
-            entry.partial = b""
-        if lines:
-            out = b"".join(entry.prefix + line + b"\n" for line in lines)
-            self._emit(entry, out)
-        return True
-
-    def _flush_partial(self, entry: _Follow) -> None:
-        if entry.partial:
-            self._emit(entry, entry.prefix + entry.partial + b"\n")
-            entry.partial = b""
-
-    def _emit(self, entry: _Follow, data: bytes) -> None:
-        try:
-            write_to_console(entry.sink, data)
-        except (OSError, ValueError):
-            # A closed console (``unicron run | head``) must not stop the agent; the file keeps it all.
-            pass
-
-    def _drop(self, entry: _Follow) -> None:
-        if entry.handle is not None:
-            entry.handle.close()
-        with self._lock:
-            if entry in self._follows:
-                self._follows.remove(entry)
 
 
 def prefix_template_from_env(environ: Mapping[str, str]) -> str | None:

@@ -23,7 +23,8 @@ from typing import Protocol
 
 import psutil
 
-from unicron.agent.logs import ConsoleTee, RankLogs
+from unicron.agent.logs import RankLogs
+from unicron.agent.tee import ConsoleTee
 from unicron.errors import FatalUserError
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"

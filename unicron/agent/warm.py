@@ -36,9 +36,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from unicron.agent.logs import ConsoleTee, RankLogs
+from unicron.agent.logs import RankLogs
 from unicron.agent.procs import ERROR_FILE_ENV, WorkerProcess
 from unicron.agent.signals import is_child_subreaper
+from unicron.agent.tee import ConsoleTee
 
 BOOT_MODULE = "unicron.worker.boot"
 ZYGOTE_MODULE = "unicron.worker.zygote"

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unicron.agent.logs import ConsoleTee, RankLogs, RunLogDir
+from unicron.agent.logs import RankLogs, RunLogDir
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
+from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import WarmPool
 from unicron.detect.hang import HangDetector
 

@@ -383,11 +383,16 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         raise UsageError(f"{label['log_dir']}: {log_dir} is a file, not a directory")
     for dest, why in (("logs_specs", "unicron writes torchrun's default log layout"),
                       ("numa_binding", "unicron does not bind workers to NUMA nodes"),
-                      ("event_log_handler", "unicron writes its own event log"),
-                      ("duplicate_stdout_filters", "filtered copies of log lines are not implemented yet"),
-                      ("duplicate_stderr_filters", "filtered copies of log lines are not implemented yet")):
+                      ("event_log_handler", "unicron writes its own event log")):
         if r.ranks[dest] != _DEFAULT:
             warnings.append(f"{label[dest]} is ignored: {why}")
+    for dest, bit in (("duplicate_stdout_filters", 1), ("duplicate_stderr_filters", 2)):
+        # As in torchrun, only teed lines are copied: say so rather than leave an empty file.
+        tee = v["tee"]
+        teed = any(s & bit for _, s in tee.per_rank) if tee.per_rank else tee.default & bit
+        if v[dest] and (log_dir == os.devnull or not teed):
+            why = f"with {label['log_dir']} {os.devnull}" if teed else f"without --tee {bit} or 3 (it copies only teed lines)"
+            warnings.append(f"{label[dest]} copies nothing {why}")
 
     # The job secret: flag > UNICRON_SECRET > UNICRON_SECRET_FILE / config file > random (one node).
     secret_file, env_secret = v["secret_file"], environ.get("UNICRON_SECRET", "").strip()

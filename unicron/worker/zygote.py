@@ -249,6 +249,7 @@ def fork_worker(reply_fd: int, spec_fd: int) -> int | None:
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:  # the intermediate: fork the worker and vanish without cleanup
+        middle_pid = os.getpid()  # known before the fork: the worker may start after we are gone
         try:
             os.close(r)
             pid = os.fork()
@@ -260,8 +261,11 @@ def fork_worker(reply_fd: int, spec_fd: int) -> int | None:
             os.setsid()  # before the agent learns our pid, so killpg(pid) reaches us from the start
             os.write(w, str(os.getpid()).encode())
             os.close(w)
-            middle_pid, deadline = os.getppid(), time.monotonic() + REPARENT_TIMEOUT_S
-            while os.getppid() == middle_pid and time.monotonic() < deadline:
+            deadline = time.monotonic() + REPARENT_TIMEOUT_S
+            while os.getppid() == middle_pid:
+                if time.monotonic() > deadline:  # boot's PDEATHSIG check then ends this worker
+                    print(f"unicron worker: not re-parented within {REPARENT_TIMEOUT_S:g} s", file=sys.stderr)
+                    break
                 time.sleep(0.0005)  # the intermediate exits right after the fork
             return None
         os._exit(0)

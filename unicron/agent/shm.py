@@ -1,0 +1,86 @@
+"""The agent's snapshot directory in shared memory: creating it, finding what it holds, and
+removing those of agents that died without cleaning up.
+
+Workers that use ``unicron.State`` write one subdirectory per global rank (``rank<N>/``) with
+data slots and JSON markers (``unicron.worker.snapslots``); the agent owns the directory, so
+snapshots outlive the workers, and removes it when it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+
+def scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Steps with a complete snapshot, per global rank (markers exist only once complete),
+    and the bytes held per step over all local ranks (marker plus the data slot it names)."""
+    found: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return found, sizes
+    for entry in entries:
+        if not entry.startswith("rank") or not entry[4:].isdigit():
+            continue
+        steps = []
+        for name in os.listdir(os.path.join(root, entry)):
+            if name.startswith("step") and name.endswith(".pt") and name[4:-3].isdigit():
+                step = int(name[4:-3])
+                steps.append(step)
+                path = os.path.join(root, entry, name)
+                try:  # the marker is JSON naming the bytes of its data slot (unicron.worker.snapslots)
+                    with open(path, encoding="utf-8") as f:
+                        data = json.load(f).get("nbytes", 0)
+                    size = os.path.getsize(path) + (data if isinstance(data, int) else 0)
+                except (OSError, ValueError, AttributeError):
+                    continue
+                sizes[str(step)] = sizes.get(str(step), 0) + size
+        found[entry[4:]] = sorted(steps)
+    return found, sizes
+
+
+OWNER_FILE = "agent.owner"
+
+
+def make_shm_dir(run_id: str) -> str:
+    """The agent's snapshot directory in shared memory, marked with its owner (pid and start
+    time), after removing those whose agent died without cleaning up (SIGKILL, lost node)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    remove_orphaned_shm(base)
+    path = tempfile.mkdtemp(prefix=f"unicron-{_safe(run_id)[:40]}-", dir=base)
+    with open(os.path.join(path, OWNER_FILE), "w") as fh:
+        fh.write(f"{os.getpid()} {_start_time(os.getpid())}")
+    return path
+
+
+def _start_time(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return -1.0
+
+
+def remove_orphaned_shm(base: str) -> None:
+    try:
+        entries = [e for e in os.listdir(base) if e.startswith("unicron-")]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, OWNER_FILE)) as fh:
+                pid_text, started = fh.read().split()
+            pid, created = int(pid_text), float(started)
+        except (OSError, ValueError):
+            continue  # not ours to judge (no owner mark)
+        if _start_time(pid) != created:  # that agent is gone (or its pid was reused)
+            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)

@@ -1,0 +1,225 @@
+"""The console tee: echoes the files workers write to the agent's console, from one thread.
+
+It reads the files the worker writes (it never sits between the worker and its output), so a
+slow console cannot block a worker, and a worker that dies has already put every byte it wrote
+into the file: a follow's ``finish`` drains it to the end before following stops. Lines that
+match ``--duplicate-stdout-filters`` (``-stderr-``) are also copied, prefixed, into the
+attempt's shared ``filtered_stdout.log`` (``filtered_stderr.log``); see ``unicron.agent.logs``.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO, Any, Protocol
+
+from unicron.agent.logs import LineCopy, RankLogs, copied_lines
+
+
+class Console(Protocol):
+    """Where teed lines go: a text stream (sys.stdout) or a binary one."""
+
+    def write(self, data: Any, /) -> Any: ...
+
+    def flush(self) -> Any: ...
+
+
+def write_to_console(stream: Console, data: bytes) -> None:
+    """Write bytes to a text or binary stream, keeping order with what was written as text."""
+    if isinstance(stream, (io.RawIOBase, io.BufferedIOBase)):
+        stream.write(data)
+        stream.flush()
+        return
+    raw = getattr(stream, "buffer", None)
+    if raw is not None:
+        stream.flush()
+        raw.write(data)
+        raw.flush()
+    else:
+        stream.write(data.decode("utf-8", errors="replace"))
+        stream.flush()
+
+
+class _Follow:
+    """One file being echoed: where it is read up to, and the unfinished last line."""
+
+    def __init__(self, path: str, prefix: bytes, sink: Console, copy: LineCopy | None = None) -> None:
+        self.path = path
+        self.prefix = prefix
+        self.sink = sink
+        self.copy = copy
+        self.handle: IO[bytes] | None = None
+        self.partial = b""
+        self.finished = False
+
+
+class ConsoleTee:
+    """Echoes log files to the console, each line prefixed, from one background thread.
+
+    ``follow`` starts echoing a file; ``finish`` says its writer has exited, so the rest of the
+    file is echoed (an unterminated last line gets a newline) and following stops. ``close``
+    finishes everything and waits for the thread. A follow with a ``LineCopy`` also appends its
+    matching lines to that file, which stays open while any follow still copies into it.
+    """
+
+    def __init__(
+        self,
+        stdout: Console | None = None,
+        stderr: Console | None = None,
+        *,
+        interval_s: float = 0.05,
+        max_line_bytes: int = 64 * 1024,
+    ) -> None:
+        self._stdout = stdout
+        self._stderr = stderr
+        self.interval_s = interval_s
+        self.max_line_bytes = max_line_bytes
+        self._follows: list[_Follow] = []
+        self._copies: dict[str, IO[bytes]] = {}  # LineCopy.path -> open file; used by the thread only
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def follow(
+        self, path: str, prefix: str, *, stream: str = "stdout", copy: LineCopy | None = None
+    ) -> Callable[[], None]:
+        """Echo ``path`` to the console's ``stream`` ("stdout"/"stderr"); returns its ``finish``."""
+        sink = (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
+        entry = _Follow(path, prefix.encode(), sink, copy)
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("ConsoleTee is closed")
+            self._follows.append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="unicron-tee", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+        def finish() -> None:
+            entry.finished = True
+            self._wake.set()
+
+        return finish
+
+    def follow_rank(self, logs: RankLogs) -> Callable[[], None]:
+        """Follow whatever of this rank is teed; the returned callable finishes all of it."""
+        finishers = []
+        if logs.tee_stdout and logs.stdout_path:
+            finishers.append(self.follow(logs.stdout_path, logs.prefix, stream="stdout", copy=logs.copy_stdout))
+        if logs.tee_stderr and logs.stderr_path:
+            finishers.append(self.follow(logs.stderr_path, logs.prefix, stream="stderr", copy=logs.copy_stderr))
+
+        def finish_all() -> None:
+            for finish in finishers:
+                finish()
+
+        return finish_all
+
+    def pending(self) -> int:
+        """Files still being followed."""
+        with self._lock:
+            return len(self._follows)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Echo what is left of every file and stop. A console that blocks longer than timeout is left behind."""
+        with self._lock:
+            self._closing = True
+            for entry in self._follows:
+                entry.finished = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()  # before the scan, so a wake during the scan is not lost
+            with self._lock:
+                follows = list(self._follows)
+                closing = self._closing
+            if not follows and closing:
+                return
+            progressed = False
+            for entry in follows:
+                # Read "finished" before reading the file: a finish that lands after the read
+                # is seen next round, so no byte written before finish is ever skipped.
+                finished = entry.finished
+                progressed |= self._pump(entry)
+                if finished:
+                    while self._pump(entry):
+                        pass
+                    self._flush_partial(entry)
+                    self._drop(entry)
+            if not progressed:
+                self._wake.wait(self.interval_s)
+
+    def _pump(self, entry: _Follow) -> bool:
+        """Echo the complete lines now in the file; True if anything was read."""
+        if entry.handle is None:
+            try:
+                entry.handle = open(entry.path, "rb")
+            except OSError:
+                return False
+        data = entry.handle.read(1 << 16)
+        if not data:
+            return False
+        buffered = entry.partial + data
+        lines = buffered.split(b"\n")
+        entry.partial = lines.pop()
+        cut = b""
+        if len(entry.partial) > self.max_line_bytes:
+            # A line with no newline in sight (a progress bar with \r) is shown in pieces.
+            cut, entry.partial = entry.partial, b""
+        shown = lines + [cut] if cut else lines
+        if shown:
+            self._emit(entry, b"".join(entry.prefix + line + b"\n" for line in shown))
+            self._copy(entry, lines)
+            self._copy(entry, [cut] if cut else [], terminated=False)
+        return True
+
+    def _flush_partial(self, entry: _Follow) -> None:
+        if entry.partial:
+            self._emit(entry, entry.prefix + entry.partial + b"\n")
+            self._copy(entry, [entry.partial], terminated=False)
+            entry.partial = b""
+
+    def _copy(self, entry: _Follow, lines: list[bytes], *, terminated: bool = True) -> None:
+        copy = entry.copy
+        if copy is None or not lines:
+            return
+        data = b"".join(entry.prefix + piece.encode() + b"\n"
+                        for line in lines for piece in copied_lines(line, copy.needles, terminated=terminated))
+        if not data:
+            return
+        try:
+            handle = self._copies.get(copy.path)
+            if handle is None:
+                # Append: a copy closed while no rank followed it may be reopened by a later rank.
+                handle = self._copies[copy.path] = open(copy.path, "ab")
+            handle.write(data)
+            handle.flush()
+        except OSError:
+            pass  # a full disk or removed directory must not stop the agent; the rank's own file has it all
+
+    def _emit(self, entry: _Follow, data: bytes) -> None:
+        try:
+            write_to_console(entry.sink, data)
+        except (OSError, ValueError):
+            # A closed console (``unicron run | head``) must not stop the agent; the file keeps it all.
+            pass
+
+    def _drop(self, entry: _Follow) -> None:
+        if entry.handle is not None:
+            entry.handle.close()
+        with self._lock:
+            if entry in self._follows:
+                self._follows.remove(entry)
+            path = entry.copy.path if entry.copy is not None else None
+            if path is not None and any(f.copy is not None and f.copy.path == path for f in self._follows):
+                path = None  # another rank still copies into the same file
+        handle = self._copies.pop(path, None) if path is not None else None
+        if handle is not None:
+            handle.close()
