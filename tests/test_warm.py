@@ -20,8 +20,15 @@ from unicron.agent.logs import RankLogs
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
 from unicron.agent.signals import set_child_subreaper
 from unicron.agent.tee import ConsoleTee
-from unicron.agent.warm import WarmPool, boot_argv, import_env_mismatch, is_import_time, should_refill
-from unicron.worker.zygote import SpecError, parse_spec
+from unicron.agent.warm import (
+    WarmPool,
+    boot_argv,
+    import_env_mismatch,
+    is_import_time,
+    shadowed_preloads,
+    should_refill,
+)
+from unicron.worker.zygote import SpecError, cuda_driver_loaded, parse_spec
 
 PY = sys.executable
 IMPORT_S = 90.0  # importing torch on two shared, busy cores
@@ -326,3 +333,38 @@ def test_take_refuses_what_would_not_be_a_cold_start(tmp_path: Path, subreaper: 
         assert pool.take([*BOOT, "t.py"], base_env(), logs, cwd=str(tmp_path / "missing")) is None
         assert pool.last_miss == "working directory is gone"
         assert pool.idle() == 1 and pool.taken == 0  # the zygote is still there for the next worker
+
+
+def test_a_script_directory_that_shadows_a_preloaded_package_starts_cold(tmp_path: Path) -> None:
+    # A cold worker puts the script's directory first on sys.path: its numpy.py would be imported
+    # instead of the numpy a zygote already holds.
+    (tmp_path / "numpy.py").write_text("")
+    (tmp_path / "torch").mkdir()
+    other = tmp_path / "clean"
+    other.mkdir()
+    assert shadowed_preloads([str(tmp_path / "train.py"), "--x"], "/") == ["numpy", "torch"]
+    assert shadowed_preloads(["train.py"], str(tmp_path)) == ["numpy", "torch"]  # relative to the cwd
+    assert shadowed_preloads(["--module", "pkg.train"], str(tmp_path)) == ["numpy", "torch"]  # -m: the cwd
+    assert shadowed_preloads([str(other / "train.py")], str(tmp_path)) == []
+    assert shadowed_preloads(["--module", "pkg.train"], str(other)) == []
+
+
+def test_take_refuses_a_shadowing_script_directory(tmp_path: Path, subreaper: None) -> None:
+    (tmp_path / "numpy.py").write_text("")
+    with WarmPool(1, python=PY, base_env=base_env()) as pool:
+        pool.refill()
+        assert pool.take([*BOOT, str(tmp_path / "t.py")], base_env(), rank_logs(tmp_path / "logs")) is None
+        assert pool.last_miss == "the script's directory shadows preloaded numpy"
+
+
+def test_a_zygote_that_loaded_the_cuda_driver_refuses_to_fork(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert not cuda_driver_loaded(str(maps))
+    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n")
+    assert cuda_driver_loaded(str(maps))
+    assert not cuda_driver_loaded(str(tmp_path / "missing"))
+    import torch
+
+    assert torch.ones(1).sum().item() == 1.0
+    assert not cuda_driver_loaded()  # this CPU-only test process, torch imported and used

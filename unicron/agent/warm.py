@@ -69,6 +69,30 @@ def import_env_mismatch(zygote_env: Mapping[str, str], worker_env: Mapping[str, 
     return sorted(n for n in names if zygote_env.get(n) != worker_env.get(n))
 
 
+# Top-level packages the zygote imports before any worker exists (unicron.worker.zygote.PRELOAD).
+PRELOADED_ROOTS = ("numpy", "torch", "zmq")
+
+
+def shadowed_preloads(argv: Sequence[str], cwd: str) -> list[str]:
+    """Preloaded packages that a cold worker would import from the script's own directory instead.
+
+    A cold ``python -m unicron.worker.boot SCRIPT`` puts the script's directory (``-m``: the
+    working directory) first on ``sys.path``; a ``torch/`` or ``numpy.py`` there would win over
+    the installed one, which a fork of the zygote has already imported. Pure, except for the
+    file system lookups."""
+    if argv and argv[0] in ("--module", "-m"):
+        first = cwd
+    else:
+        script = argv[1] if argv and argv[0] == "--" and len(argv) > 1 else (argv[0] if argv else "")
+        first = os.path.dirname(os.path.realpath(os.path.join(cwd, script)))
+    found = []
+    for root in PRELOADED_ROOTS:
+        base = os.path.join(first, root)
+        if os.path.isdir(base) or any(os.path.exists(base + ext) for ext in (".py", ".pyc", ".so")):
+            found.append(root)
+    return found
+
+
 def boot_argv(cmd: Sequence[str], python: str) -> list[str] | None:
     """``[(--module) SCRIPT ARGS]`` of a boot command run by ``python``, else None."""
     head = [python, "-u", "-m", BOOT_MODULE]
@@ -255,6 +279,9 @@ class WarmPool:
             return f"import-time environment differs: {', '.join(mismatch)}"
         if workdir is None:
             return "working directory is gone"
+        shadow = shadowed_preloads(argv, workdir)
+        if shadow:
+            return f"the script's directory shadows preloaded {', '.join(shadow)}"
         try:  # what the cold spawn does before it forks (and fails on)
             for path in (logs.stdout_path, logs.stderr_path):
                 if path:

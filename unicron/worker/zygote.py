@@ -19,7 +19,8 @@ the same clean state every time: a restart costs a fork, not an interpreter and 
 End of input (the pool closed, or the agent died) makes it exit 0 quietly.
 
 Why forking a process with torch imported is safe here: torch initialises CUDA lazily and the
-zygote never touches a GPU (one whose imports did initialise CUDA exits before it says ready);
+zygote never touches a GPU (one whose imports initialised CUDA, or merely loaded the CUDA
+driver, exits before it says ready, and the agent then starts workers cold);
 the zygote is started with the workers' OMP_NUM_THREADS, so numpy's BLAS starts no thread
 pool and the zygote forks with one thread (it reports its thread count when ready); torch
 creates its CPU thread pools on first use, in the worker.
@@ -30,6 +31,9 @@ What a warm worker cannot redo, and how it is handled:
   TMPDIR...): the pool refuses a worker whose values differ from the zygote's (cold start
   instead), see ``unicron.agent.warm.import_env_mismatch``. ``OMP_NUM_THREADS`` is applied
   with ``torch.set_num_threads``.
+- A ``numpy.py``, ``torch/`` or ``zmq`` in the script's directory (``-m``: the working
+  directory) would shadow the installed package in a cold worker, which puts that directory
+  first on ``sys.path``: such a worker starts cold (``unicron.agent.warm.shadowed_preloads``).
 - Output printed while importing (e.g. a numpy/torch warning) is captured and written first into
   each worker's stdout/stderr, where a cold worker would have printed it.
 - Default seeds: ``random`` reseeds itself after a fork; numpy's and torch's global generators
@@ -128,6 +132,19 @@ def _preload() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         raise RuntimeError("importing torch initialised CUDA; a zygote must not hold a GPU context")
+    if cuda_driver_loaded():
+        # The CUDA driver does not survive fork once loaded (even by a device count, without a
+        # context): forks of this process would fail on their first CUDA call.
+        raise RuntimeError("importing loaded the CUDA driver (libcuda); workers cannot be forked from it")
+
+
+def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
+    """Whether libcuda is mapped into this process (False where that cannot be read)."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            return any("/libcuda.so" in line for line in f)
+    except OSError:
+        return False
 
 
 class _Capture:
