@@ -225,14 +225,7 @@ class WarmPool:
     def close(self) -> None:
         """Kill and reap the zygote (it holds no state worth a graceful exit); workers it forked live on."""
         self.closed = True
-        popen, self._popen = self._popen, None
-        self._close_fds()
-        if popen is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if popen.poll() is None:
-                    os.killpg(popen.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                popen.wait(REAP_TIMEOUT_S)
+        self._kill_zygote()
 
     # ---- forking a worker ------------------------------------------------------------
     def take(
@@ -386,15 +379,20 @@ class WarmPool:
 
     def _lost(self, reason: str) -> None:
         """The zygote failed us while ready: kill it (a later ``refill`` starts another)."""
+        self._kill_zygote()
+        self._miss(reason)
+
+    def _kill_zygote(self) -> None:
+        """SIGKILL its group and reap it; the workers it forked lead sessions of their own and live on."""
         popen, self._popen = self._popen, None
         self._close_fds()
-        if popen is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if popen.poll() is None:
-                    os.killpg(popen.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                popen.wait(REAP_TIMEOUT_S)
-        self._miss(reason)
+        if popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if popen.poll() is None:
+                os.killpg(popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(REAP_TIMEOUT_S)
 
     def _close_fds(self) -> None:
         for fd in (self._spec_fd, self._reply_fd):
