@@ -1,0 +1,510 @@
+"""unicron on a real GPU: the checks a CPU machine cannot do, in one prepared run of 2-3 minutes.
+
+    .venv/bin/python scripts/gpu_checks.py --out $OUT/gpu_checks.json [--only hang,crash] [--timeout-per-check 90]
+
+Each check is one JSON record (``name, ok, seconds, summary, details`` or ``error``) and one printed line:
+
+- ``pynvml``: ``GpuHealthReader`` (unicron.detect.health) on the real driver, read twice: ECC
+  counters, throttle reasons, Xid events; whether its Xid event set opened and NVML supports Xid events.
+- ``warm``: a ``WarmPool`` zygote (this process a child subreaper) forks a worker that runs
+  ``torch.cuda.init()`` and a matmul on cuda:0; and whether importing the zygote's PRELOAD in a
+  fresh python loads libcuda (``cuda_driver_loaded``: if so, warm starts are off on GPU).
+- ``nccl``: a clean ``unicron run`` over NCCL, one rank per GPU (1 on a one-GPU machine).
+- ``hang``: 2 ranks, ``--inject hang@1:5 --hang-factor 3 --hang-floor 2 --max-restarts 0``, steps
+  ending in ``dist.barrier()``: fault-to-detection time, decision, culprit rank 1 named, exit code.
+  ``hang-item``: the same with steps ending in ``loss.item()``, as real loops sync (NCCL only).
+- ``cuda-assert``: rank 1 hits a real device-side assert at step 3 of the first attempt,
+  ``--max-restarts 1``: the decision (severity, rule, reason) and whether the restart recovered.
+- ``crash``: ``--inject kill@1:5 --max-restarts 1`` with ``unicron.State``: detection time,
+  decision, recovery (exit 0), ``restore_step``.
+
+The 2-rank jobs use NCCL with a GPU per rank; on one GPU both ranks share cuda:0 over gloo on
+CUDA tensors (NCCL refuses two ranks on one GPU) and the JSON says so. Without CUDA the script
+prints one line saying so, writes ``{"cuda": false, ...}`` and exits 0 (``--cpu`` runs the checks
+on CPU over gloo instead, to test this script). Each check has a timeout, none starts when less
+than 30 s of ``--budget`` (420 s) is left, and the JSON is rewritten after every check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CHECKS = ("pynvml", "warm", "nccl", "hang", "hang-item", "cuda-assert", "crash")
+FAULT_STEP = 5
+ASSERT_STEP = 3
+STEPS = 120
+NPROC = 2
+STOP_MARGIN_S = 20.0  # after a check's timeout: time for it to stop its processes and return
+
+# The job of checks 3-6: a small MLP, gradients averaged with all_reduce, unicron.State. It writes
+# "pre STEP TIME ATTEMPT" just before each optimizer step; the injected fault fires in that step's
+# hook, so rank 1's last "pre" line is when the fault happened.
+TRAIN = """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    import unicron
+
+    steps, sync, assert_step, log_dir = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    cuda = os.environ["GPU_CHECK_DEVICE"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group(os.environ["GPU_CHECK_BACKEND"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = unicron.State(model=model, optimizer=opt)
+    start = state.restore()
+    log = open(os.path.join(log_dir, f"rank{rank}.txt"), "a", buffering=1)
+    print(f"rank {rank} on {device} over {dist.get_backend()}, attempt {attempt} from step {start}", flush=True)
+    for step in range(start, steps):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1000 * step + rank)).to(device)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        log.write(f"pre {step + 1} {time.time():.6f} {attempt}\\n")
+        if rank == 1 and attempt == 0 and step + 1 == assert_step:
+            # Index 5 of 2: on CUDA the bounds check of the index kernel is a device-side assert.
+            # (No error words on the failing line: the classifier reads a traceback's source lines.)
+            print(torch.zeros(2, device=device)[torch.tensor([5], device=device)])
+            torch.cuda.synchronize() if cuda else None
+        opt.step()
+        state.commit(step + 1)
+        dist.barrier() if sync == "barrier" else loss.item()
+        time.sleep(0.02)
+    dist.barrier()
+    print(f"rank {rank} done at step {steps}", flush=True)
+    dist.destroy_process_group()
+"""
+
+WARM_PROBE = """
+    import time, torch
+    t0 = time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    a = torch.arange(16.0, device="cuda:0" if torch.cuda.is_available() else "cpu").reshape(4, 4)
+    print(f"WARM_RESULT device={a.device} matmul_sum={(a @ a).sum().item():g} s={time.perf_counter() - t0:.3f}")
+"""
+WARM_EXPECTED_SUM = 3920  # sum of (A @ A) for A = arange(16).reshape(4, 4)
+
+DRIVER_PROBE = """
+import contextlib, importlib, json, torch
+from unicron.worker import zygote
+for name in zygote.PRELOAD:
+    with contextlib.suppress(ImportError):
+        importlib.import_module(name)
+out = {"after_preload": zygote.cuda_driver_loaded(), "cuda_initialized": torch.cuda.is_initialized()}
+out.update(device_count=torch.cuda.device_count(), after_device_count=zygote.cuda_driver_loaded())
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Context:
+    device: str  # "cuda" or "cpu"
+    backend: str
+    device_count: int
+    work: Path
+    env: dict[str, str]
+    deadline: float = 0.0  # monotonic: the running check must be done by then
+
+    def left(self) -> float:
+        return max(1.0, self.deadline - time.monotonic())
+
+
+Result = tuple[bool, str, dict[str, Any]]  # ok, one-line summary, details
+
+
+# ---- pure helpers ------------------------------------------------------------------------------
+
+
+def parse_only(text: str | None) -> list[str]:
+    """The checks to run, in CHECKS order; ValueError naming an unknown one."""
+    wanted = [n.strip() for n in (text or ",".join(CHECKS)).split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in CHECKS]
+    if unknown or not wanted:
+        raise ValueError(f"unknown check(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(CHECKS)}")
+    return [n for n in CHECKS if n in wanted]
+
+
+def choose_backend(device: str, device_count: int, nproc: int) -> tuple[str, str]:
+    """Backend for an ``nproc``-rank job on one node, and why (NCCL needs a GPU per rank)."""
+    if device != "cuda":
+        return "gloo", "no GPU: gloo on CPU tensors"
+    if device_count >= nproc:
+        return "nccl", f"{device_count} GPUs for {nproc} ranks"
+    return "gloo", f"{device_count} GPU(s) for {nproc} ranks: NCCL refuses two ranks on one GPU; gloo on CUDA tensors"
+
+
+def fault_time(step_log: str, step: int, attempt: int = 0) -> float | None:
+    """When a rank was about to complete ``step`` of ``attempt`` (its last "pre" line), from its step log."""
+    found = None
+    for parts in (line.split() for line in step_log.splitlines()):
+        if len(parts) == 4 and parts[0] == "pre" and parts[1] == str(step) and parts[3] == str(attempt):
+            found = float(parts[2])
+    return found
+
+
+def summarize_job(events: list[dict[str, Any]], fault_ts: float | None, rank: int | None) -> dict[str, Any]:
+    """What one ``unicron run`` did, from its events: the first fault (of ``rank``, or a hang), decisions, restarts."""
+    events = sorted(events, key=lambda e: e.get("ts", 0.0))
+    faults = [e for e in events if e.get("kind") == "fault" and "node_id" not in e]  # the agent's, not the copies
+    mine = [e for e in faults if e.get("rank") == rank or e.get("fault_kind") == "hang"] or faults
+    first = mine[0] if mine else None
+    decisions = [{k: e.get(k) for k in ("attempt", "action", "severity", "rule", "reason", "culprits")}
+                 for e in events if e.get("kind") == "decision"]
+    restores = [e.get("restore_step") for e in events if e.get("kind") == "attempt_start" and e.get("attempt")]
+    end = next((e for e in events if e.get("kind") == "job_end"), None)
+    keys = ("fault_kind", "rank", "exitcode", "signal", "error_type", "message", "latency_s", "steps_completed")
+    return {
+        "first_fault": None if first is None else {k: first[k] for k in keys if first.get(k) is not None},
+        "detection_s": round(first["ts"] - fault_ts, 3) if first and fault_ts is not None and "ts" in first else None,
+        "decisions": decisions,
+        "culprit_named": None if rank is None else any(rank in (d.get("culprits") or []) for d in decisions),
+        "attempts": sum(1 for e in events if e.get("kind") == "attempt_start"),
+        "restore_step": restores[0] if restores else None,
+        "warm": [e.get("warm") for e in events if e.get("kind") == "workers_started"],
+        "job_end": None if end is None else {"exit_code": end.get("exit_code"), "reason": end.get("reason")},
+    }
+
+
+def describe_decision(summary: dict[str, Any]) -> str:
+    d = summary["decisions"][0] if summary["decisions"] else None
+    return "no decision" if d is None else f"{d['severity']} {d['action']} ({d['rule']}), culprits {d['culprits']}"
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+
+def read_events(log_dir: Path) -> list[dict[str, Any]]:
+    events = []
+    for path in sorted(log_dir.rglob("events.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    return events
+
+
+def kill_leftovers(marker: str) -> list[int]:
+    """SIGKILL and wait for processes whose command line or directory holds ``marker``, a directory
+    only this run created (forked workers may show their zygote's command line, not their own)."""
+    import psutil
+
+    procs = []
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != os.getpid() and marker in " ".join([*(proc.info["cmdline"] or []), proc.info["cwd"] or ""]):
+                proc.kill()
+                procs.append(proc)
+    psutil.wait_procs(procs, timeout=5)
+    return [proc.pid for proc in procs]
+
+
+def run_command(cmd: list[str], env: dict[str, str], timeout_s: float, cwd: Path) -> tuple[int | None, str, str]:
+    """Run ``cmd`` in its own session and reap it; on timeout SIGTERM its group (unicron stops its
+    workers), SIGKILL 15 s later. Returns (exit code, None on timeout; stdout; stderr)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                out, err = proc.communicate(timeout=wait_s)
+                break
+        return None, out, err + f"\n[gpu_checks] timed out after {timeout_s:.0f}s"
+
+
+def run_job(ctx: Context, name: str, *, inject: str | None, max_restarts: int, sync: str = "barrier",
+            assert_step: int = 0, nproc: int = NPROC, backend: str | None = None) -> dict[str, Any]:
+    """``unicron run`` of TRAIN (2 ranks): the summary of its events, exit code, output tails."""
+    work = ctx.work / name
+    log_dir, step_logs, script = work / "logs", work / "steps", work / "train_check.py"
+    step_logs.mkdir(parents=True)
+    script.write_text(textwrap.dedent(TRAIN))
+    cmd = [sys.executable, "-m", "unicron", "run", "--standalone", "--nproc-per-node", str(nproc),
+           "--hang-factor", "3", "--hang-floor", "2", "--grace-period", "3", "--max-restarts", str(max_restarts),
+           "--log-dir", str(log_dir), *(["--inject", inject] if inject else []),
+           str(script), str(STEPS), sync, str(assert_step), str(step_logs)]
+    t0 = time.monotonic()
+    try:
+        env = {**ctx.env, "GPU_CHECK_BACKEND": backend or ctx.backend}
+        code, out, err = run_command(cmd, env, ctx.left(), work)
+    finally:
+        leftovers = kill_leftovers(str(work))
+    rank1 = step_logs / "rank1.txt"
+    step = FAULT_STEP if inject else assert_step
+    events = read_events(log_dir)
+    summary = summarize_job(events, fault_time(rank1.read_text(), step) if rank1.exists() else None, 1)
+    summary.update(exit_code=code, wall_s=round(time.monotonic() - t0, 2), backend=env["GPU_CHECK_BACKEND"],
+                   command=" ".join(cmd[2:]), stdout_tail=out[-1500:], stderr_tail=err[-3000:],
+                   leftover_pids_killed=leftovers, events=events[-80:])
+    return summary
+
+
+# ---- the checks ----------------------------------------------------------------------------------
+
+
+def check_pynvml(ctx: Context) -> Result:
+    from unicron.detect.health import GpuHealthReader, health_faults, read_health
+
+    reader = GpuHealthReader()
+    try:
+        first = reader.read()
+        event_set_open = reader._events is not None  # a diagnostic may look inside
+        time.sleep(1.0)  # the second reading reports the Xid events since the first
+        host = read_health(reader)
+        xid_support: Any = []
+        with contextlib.suppress(Exception):  # what NVML says the reader may register, per GPU
+            nvml = reader._nvml
+            for index in range(nvml.nvmlDeviceGetCount()):
+                types = nvml.nvmlDeviceGetSupportedEventTypes(nvml.nvmlDeviceGetHandleByIndex(index))
+                xid_support.append(bool(types & nvml.nvmlEventTypeXidCriticalError))
+    finally:
+        reader.close()
+    gpus = host["gpus"]
+    details = {"first": first, "host": host, "event_set_open": event_set_open, "xid_supported": xid_support,
+               "unavailable_reason": reader.unavailable_reason,
+               "health_faults": [f.to_dict() for f in health_faults(None, host)]}
+    ok = bool(gpus) and all(g.get("name") for g in gpus) and event_set_open
+    line = (f"{[g.get('name') for g in gpus]}: ecc (uncorrected, corrected) "
+            f"{[(g.get('ecc_uncorrected'), g.get('ecc_corrected')) for g in gpus]}, throttle "
+            f"{[g.get('throttle') for g in gpus]}, xid {[g.get('xid') for g in gpus]}, Xid event set open "
+            f"{event_set_open}, Xid supported {xid_support}"
+            if gpus else f"no GPU reading: {reader.unavailable_reason or 'NVML lists no GPU'}")
+    return ok, line, details
+
+
+def check_warm(ctx: Context) -> Result:
+    from unicron.agent.logs import RankLogs
+    from unicron.agent.signals import set_child_subreaper
+    from unicron.agent.warm import WarmPool
+
+    code, out, err = run_command([sys.executable, "-c", DRIVER_PROBE], ctx.env, min(ctx.left(), 120), ctx.work)
+    try:
+        probe = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        probe = {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
+    work = ctx.work / "warm"
+    work.mkdir()
+    (work / "warm_probe.py").write_text(textwrap.dedent(WARM_PROBE))
+    logs = RankLogs(local_rank=0, rank=0, directory=str(work), stdout_path=str(work / "stdout.log"),
+                    stderr_path=str(work / "stderr.log"), tee_stdout=False, tee_stderr=False,
+                    error_file=str(work / "error.json"), prefix="")
+    d: dict[str, Any] = {"driver_probe": probe, "subreaper": set_child_subreaper(True)}
+    worker = None
+    try:
+        with WarmPool(1, python=sys.executable, base_env=ctx.env) as pool:
+            t0 = time.monotonic()
+            pool.refill()
+            d["ready"] = pool.wait_ready(min(ctx.left(), 120))
+            d.update(ready_s=round(time.monotonic() - t0, 2), disabled=pool.disabled, threads=pool.threads)
+            t0 = time.monotonic()
+            worker = pool.take([sys.executable, "-u", "-m", "unicron.worker.boot", str(work / "warm_probe.py")],
+                               {**ctx.env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}, logs, cwd=str(work))
+            d.update(started_warm=worker is not None, miss=pool.last_miss)
+            if worker is not None:
+                d["exit_code"] = worker.popen.wait(min(ctx.left(), 120))
+                d["worker_s"] = round(time.monotonic() - t0, 2)
+    finally:
+        if worker is not None and worker.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGKILL)
+            worker.popen.wait()
+        set_child_subreaper(False)
+    for stream in ("stdout", "stderr"):
+        path = work / f"{stream}.log"
+        d[stream] = path.read_text()[-3000:] if worker is not None and path.exists() else ""
+    result = next((x for x in d["stdout"].splitlines() if x.startswith("WARM_RESULT")), "")
+    ok = bool(d.get("started_warm")) and d.get("exit_code") == 0 and f"matmul_sum={WARM_EXPECTED_SUM} " in result
+    line = (f"zygote ready {d.get('ready')} in {d.get('ready_s')}s, threads {d.get('threads')}, disabled "
+            f"{d.get('disabled')!r}; forked worker exit {d.get('exit_code')}: {result or d.get('miss')}; libcuda "
+            f"loaded by PRELOAD {probe.get('after_preload')}, by device_count {probe.get('after_device_count')}")
+    return ok, line, d
+
+
+def check_nccl(ctx: Context) -> Result:
+    if ctx.device != "cuda":
+        return True, "skipped: no GPU, no NCCL", {"skip": True}
+    nproc = min(NPROC, ctx.device_count)  # one rank per GPU
+    s = run_job(ctx, "nccl", inject=None, max_restarts=0, nproc=nproc, backend="nccl")
+    ok = s["exit_code"] == 0 and not s["decisions"]
+    return ok, f"{nproc} rank(s) trained over NCCL, exit {s['exit_code']}, warm-started ranks {s['warm']}", s
+
+
+def check_hang(ctx: Context, sync: str = "barrier") -> Result:
+    s = run_job(ctx, f"hang-{sync}", inject=f"hang@1:{FAULT_STEP}", max_restarts=0, sync=sync)
+    hang_seen = (s["first_fault"] or {}).get("fault_kind") == "hang"
+    rule = s["decisions"][0]["rule"] if s["decisions"] else None
+    # Steps that end in a barrier leave rank 0 waiting inside a collective: the culprit must be named.
+    ok = hang_seen and rule == "hang" and s["exit_code"] not in (0, None) and (sync != "barrier" or s["culprit_named"])
+    line = (f"{ctx.backend}, steps end in {sync}: hang detected {hang_seen}, {s['detection_s']}s after the fault; "
+            f"{describe_decision(s)}; exit {s['exit_code']}")
+    return bool(ok), line, s
+
+
+def check_hang_item(ctx: Context) -> Result:
+    if ctx.backend != "nccl":
+        return True, f"skipped: {ctx.backend}'s all_reduce blocks, so this is the hang check again", {"skip": True}
+    return check_hang(ctx, sync="item")
+
+
+def check_cuda_assert(ctx: Context) -> Result:
+    s = run_job(ctx, "cuda-assert", inject=None, max_restarts=1, assert_step=ASSERT_STEP)
+    rule = s["decisions"][0]["rule"] if s["decisions"] else None
+    ok = rule == ("cuda-error" if ctx.device == "cuda" else "uncaught-exception") and s["exit_code"] == 0
+    reason = s["decisions"][0]["reason"] if s["decisions"] else ""
+    line = (f"{ctx.backend}: {describe_decision(s)}: {reason[:120]!r}; restore_step {s['restore_step']}, "
+            f"exit {s['exit_code']}")
+    return ok, line, s
+
+
+def check_crash(ctx: Context) -> Result:
+    s = run_job(ctx, "crash", inject=f"kill@1:{FAULT_STEP}", max_restarts=1)
+    first = s["first_fault"] or {}
+    ok = first.get("rank") == 1 and s["exit_code"] == 0 and s["restore_step"] is not None
+    line = (f"{ctx.backend}: rank {first.get('rank')} {first.get('signal') or first.get('fault_kind')} seen "
+            f"{s['detection_s']}s after the fault; {describe_decision(s)}; restore_step {s['restore_step']}, "
+            f"exit {s['exit_code']}")
+    return ok, line, s
+
+
+CHECK_FUNCS: dict[str, Callable[[Context], Result]] = {
+    "pynvml": check_pynvml, "warm": check_warm, "nccl": check_nccl, "hang": check_hang, "hang-item": check_hang_item,
+    "cuda-assert": check_cuda_assert, "crash": check_crash,
+}
+
+
+def run_check(name: str, ctx: Context, timeout_s: float) -> dict[str, Any]:
+    """One check in a daemon thread (a driver call that never returns cannot stop the run); never raises."""
+    ctx.deadline = time.monotonic() + timeout_s
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["ok"], box["summary"], box["details"] = CHECK_FUNCS[name](ctx)
+        except BaseException as exc:  # a failed check is a result, not the end of the run
+            box["error"] = "".join(traceback.format_exception(exc))[-4000:]
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=target, name=f"check-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s + STOP_MARGIN_S)
+    record: dict[str, Any] = {"name": name, "seconds": round(time.monotonic() - t0, 2)}
+    if thread.is_alive():
+        record.update(ok=False, error=f"did not finish in {timeout_s + STOP_MARGIN_S:.0f}s (left running)")
+    elif "error" in box:
+        record.update(ok=False, error=box["error"])
+    else:
+        skipped = box["details"].get("skip", False)  # ok None: nothing was checked
+        record.update(ok=None if skipped else bool(box["ok"]), summary=box["summary"], details=box["details"])
+    return record
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def probe_torch() -> dict[str, Any]:
+    """What torch sees; ``cuda`` False (with ``reason``) when it cannot be imported or sees no GPU."""
+    try:
+        import torch
+
+        info: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                                "cuda": bool(torch.cuda.is_available())}
+        if info["cuda"]:
+            info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception as exc:  # no torch, or a broken CUDA setup: still a result
+        return {"cuda": False, "reason": f"torch cannot tell: {type(exc).__name__}: {exc}"}
+    if not info["cuda"]:
+        build = torch.version.cuda or "none, a CPU-only build"
+        info["reason"] = f"torch {torch.__version__} (CUDA {build}): torch.cuda.is_available() is False"
+        return info
+    with contextlib.suppress(Exception):
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="unicron's checks on a GPU machine (see the module docstring)")
+    p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after every check)")
+    p.add_argument("--only", help=f"comma-separated checks, of {', '.join(CHECKS)} [all]")
+    p.add_argument("--timeout-per-check", type=float, default=90.0, help="seconds for each check [90]")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run [420]")
+    p.add_argument("--cpu", action="store_true", help="without CUDA, run the checks on CPU over gloo")
+    args = p.parse_args(argv)
+    try:
+        names = parse_only(args.only)
+        if not args.timeout_per_check > 0 or not args.budget > 0:
+            raise ValueError("--timeout-per-check and --budget must be positive")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    except (ValueError, OSError) as err:
+        print(f"gpu_checks: {err}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    result: dict[str, Any] = {"started": time.time(), "finished": False, **probe_torch(), "checks": []}
+    if not result["cuda"] and not args.cpu:
+        print(f"gpu_checks: no CUDA, no check run: {result['reason']}", flush=True)
+        result["finished"] = True
+        write_json(args.out, result)
+        return 0
+    device = "cuda" if result["cuda"] else "cpu"
+    backend, why = choose_backend(device, len(result.get("devices", [])), NPROC)
+    result.update(device=device, backend=backend, backend_reason=why)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "UNICRON_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", GPU_CHECK_DEVICE=device, GPU_CHECK_BACKEND=backend)
+    print(f"gpu_checks: {device} {result.get('devices', [])}, torch {result.get('torch')}, {backend} ({why})",
+          flush=True)
+    write_json(args.out, result)  # what the machine has, even if the first check never returns
+    with tempfile.TemporaryDirectory(prefix="unicron-gpu-checks-", ignore_cleanup_errors=True) as tmp:
+        ctx = Context(device=device, backend=backend, device_count=len(result.get("devices", [])), work=Path(tmp),
+                      env=env)
+        for name in names:
+            left = args.budget - (time.monotonic() - started)
+            if left < 30:
+                record: dict[str, Any] = {"name": name, "ok": False, "seconds": 0.0,
+                                          "error": f"not run: {left:.0f}s of the --budget left"}
+            else:
+                record = run_check(name, ctx, min(args.timeout_per_check, left - STOP_MARGIN_S))
+            result["checks"].append(record)
+            write_json(args.out, result)
+            text = record.get("summary") or (str(record.get("error", "")).strip().splitlines() or [""])[-1]
+            status = {True: "ok", False: "FAIL", None: "skip"}[record["ok"]]
+            print(f"[{status}] {name} {record['seconds']:.1f}s: {text}", flush=True)
+    result.update(finished=True, seconds=round(time.monotonic() - started, 2))
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
