@@ -28,6 +28,7 @@ from unicron.agent.workers import GroupSpec, WorkerGroup
 from unicron.detect.hang import HangDetector
 from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
 from unicron.events import EventLog
+from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class Agent:
         # for interpreter start and imports. It imports while the job forms; attempts assigned
         # meanwhile wait for it (``pending_assign``). Started with the workers' OMP_NUM_THREADS
         # (torchrun's rule), so numpy's BLAS starts no threads in it before it forks.
-        omp = os.environ.get("OMP_NUM_THREADS") or ("1" if s.nproc > 1 else "")
+        omp = default_omp_threads(os.environ, s.nproc)
         self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env={"OMP_NUM_THREADS": omp} if omp else {})
                      if s.warm and boot_argv(list(s.cmd), s.cmd[0]) is not None else None)
         if self.pool is not None:

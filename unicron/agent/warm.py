@@ -325,10 +325,12 @@ class WarmPool:
         return pid
 
     def _next_reply(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next line the zygote wrote, reading at least once (so 0 polls); None if none came in time."""
         deadline = time.monotonic() + timeout_s
         while b"\n" not in self._replies:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._read_once(remaining):
+            if not self._read_once(deadline - time.monotonic()):
+                return None
+            if b"\n" not in self._replies and time.monotonic() >= deadline:
                 return None
         line, _, self._replies = self._replies.partition(b"\n")
         try:
@@ -356,9 +358,7 @@ class WarmPool:
         """Take the ready line if it came."""
         if self._ready or self._popen is None:
             return
-        reply = self._next_reply(timeout_s) if b"\n" in self._replies or self._read_once(timeout_s) else None
-        if reply is None and b"\n" in self._replies:
-            reply = self._next_reply(0)
+        reply = self._next_reply(timeout_s)
         if reply is not None and reply.get("ready") is True:
             self._ready = True
             threads = reply.get("threads")

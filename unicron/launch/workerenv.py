@@ -40,6 +40,14 @@ TORCHRUN_WORKER_VARS = (
 )
 
 
+def default_omp_threads(base_env: Mapping[str, str], nproc_per_node: int) -> str | None:
+    """OMP_NUM_THREADS that torchrun sets for workers: one thread each when a node runs several,
+    unless the user chose; None: leave it as inherited."""
+    if "OMP_NUM_THREADS" not in base_env and nproc_per_node > 1:
+        return "1"
+    return None
+
+
 def worker_env(
     base_env: Mapping[str, str],
     *,
@@ -64,9 +72,9 @@ def worker_env(
     if not (0 <= local_rank < local_world_size and 0 <= rank < world_size):
         raise ValueError(f"bad worker placement: local rank {local_rank}/{local_world_size}, rank {rank}/{world_size}")
     env = {k: v for k, v in base_env.items() if k not in AGENT_OWNED_VARS}
-    # torchrun: one OpenMP thread per worker unless the user chose, when a node runs several.
-    if "OMP_NUM_THREADS" not in base_env and cfg.nproc_per_node > 1:
-        env["OMP_NUM_THREADS"] = "1"
+    omp = default_omp_threads(base_env, cfg.nproc_per_node)
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(cfg.signals_to_handle)
     env.update({
         "RANK": str(rank),
