@@ -322,15 +322,19 @@ def _wait_gone(
         time.sleep(min(_POLL_SLICE_S, remaining))
 
 
-def _reap_adopted(workers: Sequence[WorkerProcess], pids: Iterable[int], timeout_s: float = 2.0) -> None:
+def _reap_adopted(
+    workers: Sequence[WorkerProcess], seen: Mapping[int, psutil.Process], timeout_s: float = 2.0
+) -> None:
     """Reap descendants that became our children (when the agent is a child subreaper).
 
     A dying multi-threaded process shows as a zombie before the kernel lets its parent reap it
-    (its other threads are still exiting), so an adopted child that is not reapable yet is
-    retried for up to ``timeout_s`` instead of being left a zombie.
+    (its other threads are still exiting), and its own children, zombies included, are handed
+    to us only when its last thread is gone. So a descendant that is not reapable yet, or is
+    still the child of another dying descendant, is retried for up to ``timeout_s`` instead of
+    being left a zombie.
     """
     leaders = {w.pid for w in workers}
-    pending = [pid for pid in pids if pid not in leaders]
+    pending = [pid for pid in seen if pid not in leaders]
     deadline = time.monotonic() + timeout_s
     while pending:
         waiting = []
@@ -338,13 +342,23 @@ def _reap_adopted(workers: Sequence[WorkerProcess], pids: Iterable[int], timeout
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
-                continue  # not our child (reaped elsewhere, or never adopted)
+                if _parent_in(seen[pid], seen):
+                    waiting.append(pid)  # not handed to us yet: its parent is still exiting
+                continue
             if done == 0:
                 waiting.append(pid)
         pending = waiting
         if not pending or time.monotonic() > deadline:
             return
         time.sleep(0.01)
+
+
+def _parent_in(proc: psutil.Process, seen: Mapping[int, psutil.Process]) -> bool:
+    """Whether ``proc`` still exists and its parent is one of the processes being stopped."""
+    try:
+        return proc.is_running() and proc.ppid() in seen
+    except psutil.Error:
+        return False
 
 
 def terminate_all(
