@@ -205,11 +205,43 @@ def test_node_busy_stopping_its_workers_is_judged_by_the_stop_timeout() -> None:
     core.on_join("b", join("b", mn=1, mx=2), 0)
     started(core, 1)
     core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 2}}, 2)
+    # Both agents answer the stop at once, then are silent for 7 s while they stop hung workers
+    # (heartbeat timeout is 3 s).
     core.on_heartbeat("a", {"workers": [], "health": {}}, 2)
     core.on_heartbeat("b", {"workers": [], "health": {}}, 2)
-    # Both nodes are silent for 7 s while they stop hung workers (heartbeat timeout is 3 s).
     assert not [o for o in core.tick(9) if isinstance(o, Emit) and o.kind == "node_lost"]
     core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 9.5)
     outs = core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 9.6)
     assert any(isinstance(o, OpenStore) for o in outs)
     assert len(core.members.active()) == 2
+
+
+def test_node_frozen_before_the_stop_is_lost_at_the_heartbeat_timeout() -> None:
+    # b freezes at 1.5; a's idle rank is called hung at 3; b never answers the stop.
+    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    core.on_heartbeat("b", {"workers": [], "health": {}}, 1.5)
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 3}}, 3)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 3)
+    assert not [o for o in core.tick(4.4) if isinstance(o, Emit) and o.kind == "node_lost"]
+    lost = [o for o in core.tick(4.6) if isinstance(o, Emit) and o.kind == "node_lost"]
+    assert [o.fields["node_id"] for o in lost] == ["b"], "judged by the heartbeat timeout, not the stop timeout"
+
+
+def test_busy_node_is_announced_to_every_agent_at_once() -> None:
+    core = JobCore(spec(), ScriptedDecider(), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 0)
+    beat = {"workers": [], "health": {}}
+    acks = sends(core.on_heartbeat("a", dict(beat, busy=False), 1), "ack")
+    assert list(acks) == ["a"] and acks["a"]["busy"] is False
+    # b's rank starts an evaluation: a hears it now, not at its next heartbeat.
+    acks = sends(core.on_heartbeat("b", dict(beat, busy=True), 2), "ack")
+    assert set(acks) == {"a", "b"} and all(a["busy"] for a in acks.values())
+    acks = sends(core.on_heartbeat("a", dict(beat, busy=False), 2.5), "ack")
+    assert list(acks) == ["a"] and acks["a"]["busy"] is True, "b is still busy"
+    acks = sends(core.on_heartbeat("b", beat, 3), "ack")  # an older agent sends no busy field
+    assert acks["b"]["busy"] is False and not core.job_busy()

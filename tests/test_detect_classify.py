@@ -153,6 +153,26 @@ def test_user_error_in_user_code_file_not_found_is_not_fatal() -> None:
     assert bare.rule == "uncaught-exception"
 
 
+def test_quoted_source_lines_are_not_evidence() -> None:
+    # The script's own code, quoted under a frame, mentions a CUDA error; the error is not one.
+    tb = textwrap.dedent("""\
+        Traceback (most recent call last):
+          File "/home/u/train.py", line 30, in <module>
+            check(batch)  # a bad label here used to be a device-side assert on GPU
+            ^^^^^^^^^^^^
+          File "/home/u/train.py", line 12, in check
+            raise ValueError("labels out of range (would be CUDA error: device-side assert)")
+        ValueError: labels out of range
+        """)
+    for fault in (F(exitcode=1, stderr_tail=tb), F("exception", error_type="ValueError",
+                                                  message="labels out of range", traceback=tb)):
+        assert classify(fault).rule == "uncaught-exception"
+    # The same frames with the real error as the exception line still classify as CUDA.
+    real = tb.replace("ValueError: labels out of range",
+                      "RuntimeError: CUDA error: device-side assert triggered")
+    assert classify(F(exitcode=1, stderr_tail="[rank1]: " + real.replace("\n", "\n[rank1]: "))).rule == "cuda-error"
+
+
 # ---------------------------------------------------------------------------------------------
 # Real processes: the failure happens, the classifier reads what the process really left behind.
 

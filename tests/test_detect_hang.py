@@ -193,3 +193,25 @@ def test_hang_right_after_the_first_steps_uses_the_early_allowance() -> None:
     assert det.check(4.1 + 11.9) is None
     verdict = det.check(4.1 + 12.1)
     assert verdict is not None and verdict.warmup
+
+
+def test_busy_job_gets_the_longer_threshold_never_below_the_idle_one() -> None:
+    det = HangDetector(k=3.0, floor_s=2.0, warmup_steps=1, first_step_timeout_s=60.0, busy_k=5.0, busy_floor_s=10.0)
+    det.start(0.0, [0, 1])
+    now = run_steps(det, [0, 1], 20, dt=0.5, t0=1.0)
+    assert det.threshold_s(busy=False) == (2.0, False)
+    assert det.threshold_s(busy=True) == (10.0, False)
+    # An evaluation on rank 0 keeps the job busy: no hang at the idle threshold.
+    assert det.check(now + 5.0, busy=True) is None
+    idle = det.check(now + 5.0, busy=False)
+    assert idle is not None and not idle.busy and "idle" in idle.message
+    late = det.check(now + 10.5, busy=True)
+    assert late is not None and late.busy and "busy" in late.message
+    # Raising the idle floor above the busy one still buys time while busy.
+    det2 = HangDetector(k=3.0, floor_s=60.0, warmup_steps=1, first_step_timeout_s=300.0, busy_k=5.0, busy_floor_s=10.0)
+    det2.start(0.0, [0])
+    run_steps(det2, [0], 10, dt=0.5, t0=1.0)
+    assert det2.threshold_s(busy=True) == (60.0, False)
+    assert det2.overdue_s(10.0) == pytest.approx(4.0)
+    with pytest.raises(ValueError):
+        HangDetector(busy_k=0.0)

@@ -50,7 +50,8 @@ def test_defaults_match_torchrun_single_node(script: str) -> None:
     assert cfg.redirects == StdSpec(0) and cfg.tee == StdSpec(0) and cfg.log_dir is None
     assert cfg.signals_to_handle == ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     assert cfg.rdzv_conf == RdzvConf() and cfg.rdzv_conf.join_timeout == 600 and cfg.rdzv_conf.last_call_timeout == 30
-    assert cfg.grace_period == 5.0 and cfg.hang_factor == 5.0 and cfg.hang_floor == 10.0
+    assert cfg.grace_period == 5.0 and cfg.hang_factor == 3.0 and cfg.hang_floor == 1.5
+    assert cfg.hang_busy_factor == 5.0 and cfg.hang_busy_floor == 10.0
     assert cfg.hang_warmup_steps == 3 and cfg.first_step_timeout == 300.0
     assert cfg.heartbeat_interval == 0.5 and cfg.heartbeat_timeout == 3.0
     assert cfg.weight == 1.0 and cfg.warm and cfg.status_line == "auto" and cfg.metrics_port is None
@@ -155,12 +156,13 @@ def test_unicron_value_flags(script: str, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("abc\n")
     secret.chmod(0o600)
-    cfg = parse(["--nnodes", "2", "--grace-period", "1.5", "--hang-factor", "3", "--hang-floor", "2",
-                 "--hang-warmup-steps", "0", "--first-step-timeout", "60", "--heartbeat-interval", "0.2",
+    cfg = parse(["--nnodes", "2", "--grace-period", "1.5", "--hang-factor", "4", "--hang-floor", "2.5",
+                 "--hang-busy-factor", "6", "--hang_busy_floor", "30", "--hang-warmup-steps", "0", "--first-step-timeout", "60", "--heartbeat-interval", "0.2",
                  "--heartbeat-timeout", "1", "--secret-file", str(secret), "--coordinator", "coord:7000",
                  "--weight", "2.5", "--no-warm", "--metrics-port", "0", "--status-line", "never", "--no-inject",
                  script], {"UNICRON_SECRET": "ignored-because-the-flag-wins"})
-    assert (cfg.grace_period, cfg.hang_factor, cfg.hang_floor, cfg.hang_warmup_steps) == (1.5, 3.0, 2.0, 0)
+    assert (cfg.grace_period, cfg.hang_factor, cfg.hang_floor, cfg.hang_warmup_steps) == (1.5, 4.0, 2.5, 0)
+    assert (cfg.hang_busy_factor, cfg.hang_busy_floor) == (6.0, 30.0)
     assert (cfg.first_step_timeout, cfg.heartbeat_interval, cfg.heartbeat_timeout) == (60.0, 0.2, 1.0)
     assert cfg.secret == b"abc" and cfg.secret_source == "--secret-file" and cfg.secret_file == str(secret)
     assert cfg.coordinator == "coord:7000" and cfg.weight == 2.5 and not cfg.warm

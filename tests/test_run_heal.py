@@ -8,14 +8,16 @@ from e2e import read_events, run_unicron
 
 pytestmark = pytest.mark.slow
 
+# Hang detection runs with its defaults: an idle job is hung after max(3 x median, 1.5 s).
 COMMON = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--grace-period", "2",
-          "--hang-floor", "2", "--hang-factor", "3", "--first-step-timeout", "60"]
+          "--first-step-timeout", "60"]
 
 
-def _train(workdir, out: str, *extra: str, steps: int = 12, sleep: float = 0.02) -> tuple[int, str, str]:
+def _train(workdir, out: str, *extra: str, steps: int = 12, sleep: float = 0.02,
+           script_args: tuple[str, ...] = ()) -> tuple[int, str, str]:
     args = ["run", *COMMON, "--log-dir", str(workdir / "logs"), *extra,
             str(workdir / "train_state.py"), "--steps", str(steps), "--out", str(workdir / out),
-            "--sleep", str(sleep)]
+            "--sleep", str(sleep), *script_args]
     return run_unicron(args, workdir, timeout=100)
 
 
@@ -61,6 +63,19 @@ def test_hang_is_detected_culprit_named_and_healed(workdir, reference_hash) -> N
     assert hang, [e for e in events if e["kind"] == "fault"]
     decision = next(e for e in events if e["kind"] == "decision")
     assert decision["culprits"] == [1], decision
+    assert "idle" in hang[0]["message"], hang[0]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "io"])
+def test_long_busy_phase_between_steps_is_not_a_hang(workdir, reference_hash, kind) -> None:
+    # 5 s of evaluation on rank 1 (while rank 0 idles in a barrier) is far beyond the idle
+    # threshold (1.5 s) but within the busy one (10 s): it must not be called a hang.
+    code, out, err = _train(workdir, "paused.txt", script_args=("--pause", f"{kind}@1:5:5"))
+    assert code == 0, err
+    assert (workdir / "paused.txt").read_text() == reference_hash
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] == "fault"], [e for e in events if e["kind"] == "fault"]
+    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
 
 
 def test_startup_error_is_not_retried(workdir) -> None:
@@ -108,3 +123,36 @@ def test_restart_budget_is_job_wide(workdir) -> None:
     code, out, err = _train(workdir, "x.txt", "--inject", "kill@1:3", "--max-restarts", "0")
     assert code != 0
     assert "budget" in err
+
+
+ORPHAN = """\
+import os, sys, time
+# A double-forked helper: its parent exits at once, so it is orphaned to the agent (a child
+# subreaper); it exits a moment later. The worker then waits for it to be reaped by the agent
+# while the job runs (a zombie keeps its /proc entry).
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode())
+        time.sleep(0.2)
+        os._exit(0)
+    os._exit(0)
+os.waitpid(child, 0)
+pid = int(os.read(r, 32))
+deadline = time.monotonic() + 20
+while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("orphan", pid, "reaped" if not os.path.exists(f"/proc/{pid}") else "still a zombie", flush=True)
+sys.exit(0 if not os.path.exists(f"/proc/{pid}") else 1)
+"""
+
+
+def test_orphan_that_exits_during_the_run_is_reaped_at_once(workdir) -> None:
+    (workdir / "orphan.py").write_text(ORPHAN)
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
+                                  "--log-dir", str(workdir / "logs"), "--tee", "3",
+                                  str(workdir / "orphan.py")], workdir, timeout=60)
+    assert code == 0, out + err
+    reaped = [e for e in read_events(workdir / "logs") if e["kind"] == "orphans_reaped"]
+    assert reaped, "the agent did not reap the orphan"

@@ -50,6 +50,22 @@ def test_two_agents_on_loopback_form_one_job(workdir, launch) -> None:
     assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
 
 
+def test_busy_rank_on_one_node_keeps_the_other_node_from_calling_a_hang(workdir, launch) -> None:
+    # Rank 1 evaluates for 5 s while rank 0, on the other node, idles in a barrier: rank 0's
+    # agent sees only idle ranks, and must hear from the coordinator that the job is busy
+    # before its idle threshold (1.5 s) runs out.
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    agents = [launch(agent_args(workdir, port, "2", "--first-step-timeout", "60", steps=10, sleep=0.02)
+                     + ["--pause", "cpu@1:4:5"], workdir, env) for _ in range(2)]
+    for item in agents:
+        code, out, err = item.wait(90)
+        assert code == 0, err
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] == "fault"], [e for e in events if e["kind"] == "fault"]
+    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+
+
 def test_elastic_late_joiner_is_admitted_and_lost_node_is_survived(workdir, launch) -> None:
     port = free_port()
     env = clean_env(UNICRON_SECRET=SECRET)

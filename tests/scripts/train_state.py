@@ -20,7 +20,28 @@ parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--out", default="")
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--no-state", action="store_true")
+# A long phase between steps on one rank (an evaluation), while the others wait in a barrier:
+# --pause KIND@RANK:STEP:SECONDS, KIND cpu (computing) or io (writing a file, little CPU).
+parser.add_argument("--pause", default="")
 args = parser.parse_args()
+
+
+def pause(kind: str, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    if kind == "cpu":
+        while time.monotonic() < end:
+            sum(i * i for i in range(10_000))
+        return
+    chunk = os.urandom(1 << 20)
+    with open(f"{args.out or 'pause'}.scratch", "wb") as fh:
+        while time.monotonic() < end:
+            for _ in range(4):
+                fh.write(chunk)
+            fh.flush()
+            fh.seek(0)
+            time.sleep(0.2)  # about 20 MiB/s with a few percent of a core
+
+
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,6 +65,13 @@ for step in range(start, args.steps):
         state.commit(step + 1)
     if args.sleep:
         time.sleep(args.sleep)
+    if args.pause:
+        kind, where = args.pause.split("@")
+        prank, pstep, seconds = where.split(":")
+        if step + 1 == int(pstep):
+            if rank == int(prank):
+                pause(kind, float(seconds))
+            dist.barrier()
 if rank == 0 and args.out:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     with open(args.out, "w") as fh:

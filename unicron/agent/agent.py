@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from unicron.agent.logs import RunLogDir
+from unicron.agent.orphans import REAP_EVERY_S, reap_orphans
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
@@ -60,6 +61,9 @@ class Agent:
         self.epoch = 0
         self.last_from_coordinator = time.monotonic()
         self.last_heartbeat = 0.0
+        self.last_orphan_reap = 0.0
+        self.sent_busy = False
+        self.job_busy = (False, 0.0)  # any rank of the job busy (from the last ack), when heard
         self.health: dict[str, Any] = {}
         self.last_health = 0.0
         self.dropped_local = 0
@@ -116,6 +120,7 @@ class Agent:
                 self._start_pending()
                 self._watch_workers()
                 self._refill_pool()
+                self._reap_orphans()
                 self._heartbeat()
                 if welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
                     raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
@@ -162,6 +167,7 @@ class Agent:
                 self.epoch = body["epoch"]
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
+                self.job_busy = (bool(body.get("busy", False)), time.monotonic())
             elif msg.kind == "assign":
                 self._start_attempt(body)
             elif msg.kind == "stop":
@@ -205,7 +211,8 @@ class Agent:
                          restore_step=body.get("restore_step"), inject=inject)
         hang = HangDetector(k=self.s.hang_factor, floor_s=self.s.hang_floor_s,
                             warmup_steps=self.s.hang_warmup_steps,
-                            first_step_timeout_s=self.s.first_step_timeout_s)
+                            first_step_timeout_s=self.s.first_step_timeout_s,
+                            busy_k=self.s.hang_busy_factor, busy_floor_s=self.s.hang_busy_floor_s)
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=self._env_factory(spec), run_logs=self.run_logs,
                             tee=self.tee, host=self.host, hang=hang, role=self.s.role, stack_dir=self.stack_dir,
                             pool=self.pool, expect_steps=self.steps_seen)
@@ -240,6 +247,10 @@ class Agent:
         return env_for
 
     def _on_stop(self, body: dict[str, Any]) -> None:
+        # Answer at once: the coordinator then knows this node is alive and busy stopping (it
+        # may be silent for the grace period), not frozen.
+        self.last_heartbeat = 0.0
+        self._heartbeat()
         if self.pending_assign is not None and self.pending_assign["attempt"] == body["attempt"]:
             self.pending_assign = None
         group = self.group
@@ -290,7 +301,9 @@ class Agent:
             self._send("finished", {"node_id": self.node_id, "attempt": group.spec.attempt})
             return
         if not group.hang_reported:
-            hang = group.check_hang(now)
+            busy, heard = self.job_busy
+            # Without fresh word from the coordinator, assume some rank elsewhere is busy.
+            hang = group.check_hang(now, busy or time.monotonic() - heard > 2 * self.s.heartbeat_interval_s + 1)
             if hang is not None:
                 group.hang_reported = True
                 self._report(hang)
@@ -303,6 +316,15 @@ class Agent:
         progress = max((r.steps_in_attempt for r in group.ranks.values()), default=0)
         if should_refill(time.time(), group.started_at, progress):
             self.pool.refill()
+
+    def _reap_orphans(self) -> None:
+        now = time.monotonic()
+        if now - self.last_orphan_reap >= REAP_EVERY_S:
+            self.last_orphan_reap = now
+            known = {r.proc.pid for r in self.group.ranks.values()} if self.group is not None else set()
+            reaped = reap_orphans(known | set(self.pool.pids() if self.pool is not None else ()))
+            if reaped:
+                self.events.emit("orphans_reaped", pids=reaped)
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group
@@ -331,17 +353,19 @@ class Agent:
     # ---- heartbeats ----------------------------------------------------------------
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        if now - self.last_heartbeat < self.s.heartbeat_interval_s:
+        group = self.group
+        busy = group is not None and group.busy
+        # A change of activity goes out at once: other agents' hang thresholds depend on it.
+        if now - self.last_heartbeat < self.s.heartbeat_interval_s and busy == self.sent_busy:
             return
-        self.last_heartbeat = now
+        self.last_heartbeat, self.sent_busy = now, busy
         if now - self.last_health >= HEALTH_EVERY_S:
             self.last_health = now
             self._check_health(_read_health())
-        group = self.group
         workers = group.summary() if group is not None else []
         self._send("heartbeat", {"node_id": self.node_id, "epoch": self.epoch,
                                  "attempt": group.spec.attempt if group else -1,
-                                 "workers": workers, "health": self.health})
+                                 "workers": workers, "health": self.health, "busy": busy})
         self.ui.update(workers)
 
     def _check_health(self, reading: dict[str, Any]) -> None:

@@ -31,6 +31,8 @@ class AgentSettings:
     hang_factor: float
     hang_floor_s: float
     hang_warmup_steps: int
+    hang_busy_factor: float
+    hang_busy_floor_s: float
     first_step_timeout_s: float
     heartbeat_interval_s: float
     heartbeat_timeout_s: float

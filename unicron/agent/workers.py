@@ -20,7 +20,9 @@ from unicron.agent.logs import RankLogs, RunLogDir
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.tee import ConsoleTee
+from unicron.agent.usage import tree_usage
 from unicron.agent.warm import WarmPool
+from unicron.detect.activity import ActivityTracker
 from unicron.detect.hang import HangDetector
 
 STACK_WAIT_S = 1.5
@@ -85,6 +87,8 @@ class WorkerGroup:
         self.finished_reported = False
         self.hang_reported = False
         self.saw_hello = False
+        self.activity = ActivityTracker()
+        self.busy = False  # a local rank overdue for a step is using CPU or doing I/O
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -191,10 +195,31 @@ class WorkerGroup:
                 return faults
             time.sleep(0.005)
 
-    def check_hang(self, now: float) -> dict[str, Any] | None:
+    def sample_activity(self, now: float) -> bool:
+        """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns
+        whether a local rank is busy (``self.busy``). Nothing is read while steps flow."""
+        stats = self.hang.stats
+        median = stats.job_median()
+        idle_threshold, _ = self.hang.threshold_s(busy=False)
+        # Late enough that a healthy step never pays for it, early enough that the evidence
+        # (one window) reaches every agent before the idle threshold runs out.
+        start = min(max(0.3, 1.5 * median if median else 0.3), 0.4 * idle_threshold)
+        if not stats.started_all() or self.hang.overdue_s(now) < start:
+            self.activity.reset()
+            self.busy = False
+        elif self.activity.due(now):
+            self.activity.add(now, {r.rank: tree_usage(r.proc.pid, now) if r.exitcode is None else None
+                                    for r in self.ranks.values()})
+            self.busy = bool(self.activity.busy())
+        return self.busy
+
+    def check_hang(self, now: float, elsewhere_busy: bool = False) -> dict[str, Any] | None:
+        """A hang fault once no step came for too long; ``elsewhere_busy``: a rank on another
+        node is busy (from the coordinator), which selects the longer threshold too."""
         if not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values()):
             return None
-        verdict = self.hang.check(now)
+        busy = self.sample_activity(now) or elsewhere_busy
+        verdict = self.hang.check(now, busy=busy)
         if verdict is None:
             return None
         for r in self.ranks.values():

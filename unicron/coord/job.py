@@ -107,9 +107,21 @@ class JobCore:
         return out
 
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        was_busy = self.job_busy()
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             return [Send(node_id, "reject", {"reason": "not a member of the job (fenced)"})]
-        return [Send(node_id, "ack", {"epoch": self.members.epoch, "state": self.phase.value})]
+        self.members.nodes[node_id].busy = bool(body.get("busy", False))
+        busy = self.job_busy()
+        ack = {"epoch": self.members.epoch, "state": self.phase.value, "busy": busy}
+        if busy and not was_busy:
+            # Every agent judges a hang by the whole job's activity: a node whose ranks wait in
+            # a barrier while another node's rank evaluates must hear of it before its short
+            # idle threshold runs out, not at its next heartbeat.
+            return [Send(n.node_id, "ack", ack) for n in self.members.active()]
+        return [Send(node_id, "ack", ack)]
+
+    def job_busy(self) -> bool:
+        return any(n.busy for n in self.members.active())
 
     def on_fault(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         attempt = self.attempt
@@ -160,8 +172,13 @@ class JobCore:
         if self.phase in (Phase.DONE, Phase.FAILED):
             return out
         # A node busy stopping its workers (SIGTERM, then SIGKILL after the grace period) may be
-        # silent meanwhile: the stop timeout, not the heartbeat timeout, judges it.
-        stopping = frozenset(self._unacked()) if self.phase is Phase.STOPPING and self.attempt else frozenset()
+        # silent meanwhile: the stop timeout, not the heartbeat timeout, judges it. Only one heard
+        # from since the stop was sent (agents answer it at once) is busy stopping; one silent
+        # since before (a frozen node, whose idle peers were just called hung) is judged as lost.
+        stopping: frozenset[str] = frozenset()
+        if self.phase is Phase.STOPPING and self.attempt and self.attempt.stop_sent_at is not None:
+            sent = self.attempt.stop_sent_at
+            stopping = frozenset(n for n in self._unacked() if self.members.nodes[n].last_heartbeat >= sent)
         for node in self.members.expire(now, stopping):
             out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
                                           "silent_s": round(now - node.last_heartbeat, 3)}))

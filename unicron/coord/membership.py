@@ -28,6 +28,7 @@ class NodeRecord:
     node_rank: int = -1
     workers: list[dict] = field(default_factory=list)
     health: dict = field(default_factory=dict)
+    busy: bool = False  # some local rank overdue for a step is using CPU or doing I/O
 
 
 @dataclass(frozen=True)

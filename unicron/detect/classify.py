@@ -33,6 +33,7 @@ _EXCEPTION_LINE = re.compile(
 # torch (and torchrun --tee) prefix every line a rank writes with "[rank0]: " / "[default0]:".
 _LINE_PREFIX = re.compile(r"^\[[\w.\-]{1,40}\]:[ ]?", re.MULTILINE)
 _FRAME_FILE = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
+_FRAME_LINE = re.compile(r'^(\s*)File "[^"]*", line \d+')
 _XID_WORD = re.compile(r"\bXid\b[^\n]*")
 # "Xid 79", "Xid: 79" and the kernel's "NVRM: Xid (PCI:0000:3b:00): 79, pid=..."
 _XID_CODE = re.compile(r"\bXid\b(?:\s*\([^)]*\))?\s*:?\s*(\d{1,3})\b")
@@ -82,6 +83,27 @@ def _strip_prefixes(text: str) -> str:
     return _LINE_PREFIX.sub("", text)
 
 
+def _without_source(text: str) -> str:
+    """A traceback without the source lines (and ``^^^`` markers) it quotes under each frame.
+
+    The rules look for error text; a script's own code is not evidence. A comment or a string
+    literal such as ``# avoid a device-side assert`` in a quoted line must not make an
+    ordinary ValueError a CUDA error.
+    """
+    out: list[str] = []
+    frame_indent: int | None = None
+    for line in text.splitlines():
+        found = _FRAME_LINE.match(line)
+        if found:
+            frame_indent = len(found.group(1))
+        elif frame_indent is not None and line.strip() and len(line) - len(line.lstrip()) > frame_indent:
+            continue  # quoted source of the frame above
+        else:
+            frame_indent = None
+        out.append(line)
+    return "\n".join(out)
+
+
 def _final_exception(fault: Fault) -> tuple[str, str]:
     if fault.error_type:
         return fault.error_type.rsplit(".", 1)[-1], fault.message
@@ -95,7 +117,8 @@ def _final_exception(fault: Fault) -> tuple[str, str]:
 
 def _evidence(fault: Fault, health: Sequence[Fault]) -> Evidence:
     exc_type, exc_msg = _final_exception(fault)
-    parts = (fault.error_type, fault.message, fault.traceback, _strip_prefixes(fault.stderr_tail))
+    parts = (fault.error_type, fault.message, _without_source(fault.traceback),
+             _without_source(_strip_prefixes(fault.stderr_tail)))
     text = "\n".join(p for p in parts if p)
     near = tuple(
         h

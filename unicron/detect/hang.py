@@ -1,10 +1,14 @@
 """Online iteration-time statistics and hang detection (pure: the clock is always passed in).
 
 A synchronous job moves at the pace of its slowest rank, so the hang clock runs from the
-moment the *slowest* rank last completed a step. After warm-up, the job is hung when that gap
-exceeds ``max(k * running median iteration time, floor_s)``; during warm-up (the first
-``warmup_steps`` steps of an attempt: imports, data loader start, compilation, autotuning)
-the separate allowance ``first_step_timeout_s`` applies. See docs/failures.md.
+moment the *slowest* rank last completed a step. After warm-up, a job whose ranks sit idle (no
+CPU time, no I/O: waiting in a collective, a lock, a sleep) is hung when that gap exceeds
+``max(k * running median iteration time, floor_s)``; while some rank of the job is busy (an
+evaluation, a checkpoint write, a CUDA spin-wait) the longer ``max(busy_k * median,
+busy_floor_s)`` applies instead, so rare long phases between steps are not called hangs.
+During warm-up (the first ``warmup_steps`` steps of an attempt: imports, data loader start,
+compilation, autotuning) the separate allowance ``first_step_timeout_s`` applies. See
+docs/failures.md.
 """
 
 from __future__ import annotations
@@ -125,6 +129,7 @@ class HangVerdict:
     warmup: bool
     stalled_ranks: tuple[int, ...]
     last_steps: dict[int, int | None]
+    busy: bool = False  # some rank of the job was using CPU or doing I/O (the longer threshold)
 
     @property
     def message(self) -> str:
@@ -133,7 +138,8 @@ class HangVerdict:
             basis = f"warm-up allowance {self.threshold_s:.1f}s"
         else:
             median = f"{self.median_s:.3f}s" if self.median_s is not None else "n/a"
-            basis = f"threshold {self.threshold_s:.2f}s = max(k x median {median}, floor)"
+            which = "busy: max(busy k x median" if self.busy else "idle: max(k x median"
+            basis = f"threshold {self.threshold_s:.2f}s, {which} {median}, floor)"
         return f"no step completed for {self.stalled_s:.2f}s by rank(s) {ranks} ({basis})"
 
 
@@ -158,13 +164,17 @@ class HangDetector:
         warmup_steps: int = 2,
         first_step_timeout_s: float = 300.0,
         window: int = 50,
+        busy_k: float = 5.0,
+        busy_floor_s: float = 10.0,
     ) -> None:
-        if k <= 0 or floor_s < 0 or first_step_timeout_s <= 0:
-            raise ValueError("k and first_step_timeout_s must be > 0 and floor_s >= 0")
+        if k <= 0 or busy_k <= 0 or floor_s < 0 or busy_floor_s < 0 or first_step_timeout_s <= 0:
+            raise ValueError("k, busy_k and first_step_timeout_s must be > 0, floors >= 0")
         if warmup_steps < 0:
             raise ValueError("warmup_steps must be >= 0")
         self.k = k
         self.floor_s = floor_s
+        self.busy_k = busy_k
+        self.busy_floor_s = busy_floor_s
         self.warmup_steps = warmup_steps
         self.first_step_timeout_s = first_step_timeout_s
         self.stats = StepStats(window=window, skip_first=max(warmup_steps, 1))
@@ -186,8 +196,11 @@ class HangDetector:
             or self.stats.job_median() is None
         )
 
-    def threshold_s(self) -> tuple[float, bool]:
+    def threshold_s(self, busy: bool = False) -> tuple[float, bool]:
         """The allowed gap without progress now, and whether it is the warm-up allowance.
+
+        ``busy``: some rank of the job is using CPU or doing I/O. The busy threshold is never
+        below the idle one, so raising ``floor_s`` or ``k`` always buys time.
 
         Before every rank has completed a step: ``first_step_timeout_s`` (imports, data
         loading, compilation). During the rest of warm-up the running median is not known yet,
@@ -198,17 +211,27 @@ class HangDetector:
         median = self.stats.job_median()
         if not self.stats.started_all():
             return self.first_step_timeout_s, True
+        k, floor = (max(self.k, self.busy_k), max(self.floor_s, self.busy_floor_s)) if busy else (self.k, self.floor_s)
         if self.in_warmup() or median is None:
-            early = max(self.k * self.stats.longest_interval(), self.floor_s)
+            early = max(k * self.stats.longest_interval(), floor)
             return min(early, self.first_step_timeout_s), True
-        return max(self.k * median, self.floor_s), False
+        return max(k * median, floor), False
 
-    def check(self, now: float) -> HangVerdict | None:
-        """A verdict while the job is hung (every call, until ``start`` begins a new attempt)."""
+    def overdue_s(self, now: float) -> float:
+        """How long the slowest rank has gone without progress (0 with no ranks)."""
+        last = self.stats.last_progress_all()
+        return max(0.0, now - min(last.values())) if last else 0.0
+
+    def check(self, now: float, busy: bool = False) -> HangVerdict | None:
+        """A verdict while the job is hung (every call, until ``start`` begins a new attempt).
+
+        ``busy``: whether some rank of the job is using CPU or doing I/O now (see
+        ``unicron.detect.activity``); it selects the longer threshold.
+        """
         ranks = self.stats.ranks
         if not ranks:
             return None
-        threshold, warmup = self.threshold_s()
+        threshold, warmup = self.threshold_s(busy)
         last = self.stats.last_progress_all()
         stalled = sorted((r for r in ranks if now - last[r] > threshold), key=lambda r: (last[r], r))
         if not stalled:
@@ -220,6 +243,7 @@ class HangDetector:
             warmup=warmup,
             stalled_ranks=tuple(stalled),
             last_steps={r: self.stats.last_step(r) for r in ranks},
+            busy=busy,
         )
 
     def stragglers(self, factor: float = 2.0, min_samples: int = 5, min_gap_s: float = 0.01) -> list[Straggler]:

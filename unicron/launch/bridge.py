@@ -64,6 +64,8 @@ def settings_from_config(cfg: LaunchConfig) -> AgentSettings:
         hang_factor=cfg.hang_factor,
         hang_floor_s=cfg.hang_floor,
         hang_warmup_steps=cfg.hang_warmup_steps,
+        hang_busy_factor=cfg.hang_busy_factor,
+        hang_busy_floor_s=cfg.hang_busy_floor,
         first_step_timeout_s=cfg.first_step_timeout,
         heartbeat_interval_s=cfg.heartbeat_interval,
         heartbeat_timeout_s=cfg.heartbeat_timeout,

@@ -77,9 +77,11 @@ class LaunchConfig:
     injects: tuple[InjectSpec, ...] = ()
     no_inject: bool = False
     grace_period: float = 5.0
-    hang_factor: float = 5.0
-    hang_floor: float = 10.0
+    hang_factor: float = 3.0
+    hang_floor: float = 1.5
     hang_warmup_steps: int = 3
+    hang_busy_factor: float = 5.0
+    hang_busy_floor: float = 10.0
     first_step_timeout: float = 300.0
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
@@ -423,6 +425,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         event_log_handler=v["event_log_handler"], logs_specs=v["logs_specs"], numa_binding=v["numa_binding"],
         injects=injects, no_inject=v["no_inject"], grace_period=grace, hang_factor=v["hang_factor"],
         hang_floor=v["hang_floor"], hang_warmup_steps=v["hang_warmup_steps"],
+        hang_busy_factor=v["hang_busy_factor"], hang_busy_floor=v["hang_busy_floor"],
         first_step_timeout=v["first_step_timeout"], heartbeat_interval=v["heartbeat_interval"],
         heartbeat_timeout=v["heartbeat_timeout"], secret=secret, secret_source=secret_source,
         secret_file=secret_file, coordinator=v["coordinator"], weight=v["weight"], warm=not v["no_warm"],

@@ -1,0 +1,63 @@
+"""The activity evidence read from real process trees with psutil."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from unicron.agent.usage import tree_usage
+from unicron.detect.activity import ActivityTracker, BusyRule
+
+# A leader that idles while its child computes (a data loader, a helper process), and a leader
+# that idles alone (a rank waiting in a collective).
+BUSY_CHILD = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+              "print('ready', flush=True)\n"
+              "try:\n    time.sleep(3600)\nfinally:\n    child.kill(); child.wait()\n")
+IDLE = "import time\nprint('ready', flush=True)\ntime.sleep(3600)\n"
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+
+    def start(code: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        return proc
+
+    yield start
+    for proc in started:
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            children = []  # already reaped by the test
+        for child in children:
+            child.kill()
+        proc.kill()
+        proc.wait()  # its orphaned child is reaped by init (or the test's subreaper) now
+        psutil.wait_procs(children, timeout=10)
+
+
+def test_a_busy_descendant_makes_its_rank_busy_and_an_idle_tree_is_idle(procs) -> None:
+    busy, idle = procs(BUSY_CHILD), procs(IDLE)
+    tracker = ActivityTracker(BusyRule(window_s=1.0, period_s=0.25))
+    deadline = time.monotonic() + 30
+    verdict = None
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if tracker.due(now):
+            tracker.add(now, {0: tree_usage(busy.pid, now), 1: tree_usage(idle.pid, now)})
+            verdict = tracker.busy_ranks()
+            if verdict == [0]:  # the idle tree's start-up CPU has aged out of the window
+                break
+        time.sleep(0.05)
+    assert verdict == [0]
+    idle.kill()
+    idle.wait()
+    assert tree_usage(idle.pid, time.monotonic()) is None

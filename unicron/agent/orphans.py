@@ -1,0 +1,42 @@
+"""Reap orphaned descendants that exit while the job runs.
+
+The agent is a child subreaper: a worker's descendant whose parent died first (a double-forked
+helper, a daemonised tool, a data loader of a worker that exited) becomes the agent's child.
+``terminate_all`` reaps those when the workers stop, but one that exits on its own during a
+long run would stay a zombie until then, holding a pid and a process-table slot each. The
+agent calls ``reap_orphans`` every few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+
+import psutil
+
+REAP_EVERY_S = 2.0
+
+
+def reap_orphans(known: Collection[int]) -> list[int]:
+    """Reap every exited child of this process whose pid is not in ``known``; return their pids.
+
+    ``known`` must hold every child someone else waits for (``Popen`` objects of workers and the
+    zygote, adopted warm workers): reaping one of those would lose its exit code.
+    """
+    reaped: list[int] = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return reaped
+    for child in children:
+        if child.pid in known:
+            continue
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                continue
+            pid, _ = os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            continue
+        if pid:
+            reaped.append(pid)
+    return reaped
