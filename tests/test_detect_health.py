@@ -127,3 +127,29 @@ def test_health_evidence_upgrades_worker_faults() -> None:
 @pytest.mark.parametrize("gpus", [[{"index": None}], [{"util": 1}]])
 def test_malformed_gpu_entries_are_ignored(gpus: list[dict]) -> None:
     assert health_faults(reading(gpus=gpus), reading(gpus=[])) == []
+
+
+def test_health_watch_reports_hardware_at_once_and_keeps_the_rest_as_evidence() -> None:
+    import time
+
+    from unicron.agent.healthwatch import HEALTH_EVERY_S, HealthWatch
+
+    watch = HealthWatch()
+    assert watch.due(100.0) and not watch.due(100.0 + HEALTH_EVERY_S / 2) and watch.due(100.0 + HEALTH_EVERY_S)
+    now = time.time()
+    report, kept = watch.update(reading(ts=now, oom=0, gpus=[gpu(0)]), node="n0", host="h0", attempt=1, running=True)
+    assert report == [] and kept == []
+    report, kept = watch.update(reading(ts=now + 1, oom=2, gpus=[gpu(0, xid=[79])]), node="n0", host="h0",
+                                attempt=1, running=True)
+    assert [(f["error_type"], f["gpu"]) for f in report] == [("xid", 0)], "a hardware Xid is reported at once"
+    assert kinds(kept) == [("oom_kill", None)] and watch.reading["oom_kills"] == 2
+    # Between attempts nothing is reported: the Xid is kept as evidence too.
+    report, kept = watch.update(reading(ts=now + 2, oom=2, gpus=[gpu(0, xid=[79])]), node="n0", host="h0",
+                                attempt=-1, running=False)
+    assert report == [] and kinds(kept) == [("xid", 0)]
+    assert [f["error_type"] for f in watch.take_evidence()] == ["oom_kill", "xid"]
+    assert watch.take_evidence() == []
+    # Evidence older than a minute is dropped at the next reading.
+    watch.update(reading(ts=now - 600, oom=3), node="n0", host="h0", attempt=1, running=True)
+    watch.update(reading(ts=now, oom=3), node="n0", host="h0", attempt=1, running=True)
+    assert watch.evidence == []

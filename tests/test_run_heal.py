@@ -125,6 +125,16 @@ def test_restart_budget_is_job_wide(workdir) -> None:
     assert "budget" in err
 
 
+def test_a_straggler_is_not_a_hang(workdir, reference_hash) -> None:
+    # Rank 1 computes 1.8 s longer at each of the last three steps: beyond the idle threshold,
+    # but its rank is busy, so the job goes on (a sleeping rank would be an idle stall).
+    code, out, err = _train(workdir, "slow.txt", "--inject", "slow=1.8@1:9")
+    assert code == 0, err
+    assert (workdir / "slow.txt").read_text() == reference_hash
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] == "fault"]
+
+
 ORPHAN = """\
 import os, sys, time
 # A double-forked helper: its parent exits at once, so it is orphaned to the agent (a child

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from unicron.agent.healthwatch import HealthWatch
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import REAP_EVERY_S, reap_orphans
 from unicron.agent.settings import AgentSettings
@@ -35,8 +36,6 @@ from unicron.proto.messages import Codec
 log = logging.getLogger(__name__)
 
 JOIN_RETRY_S = 1.0
-HEALTH_EVERY_S = 2.0
-HEALTH_EVIDENCE_S = 60.0
 
 
 class Agent:
@@ -64,10 +63,8 @@ class Agent:
         self.last_orphan_reap = 0.0
         self.sent_busy = False
         self.job_busy = (False, 0.0)  # any rank of the job busy (from the last ack), when heard
-        self.health: dict[str, Any] = {}
-        self.last_health = 0.0
+        self.health = HealthWatch()
         self.dropped_local = 0
-        self.evidence: list[dict[str, Any]] = []
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
         # A zygote with torch imported forks every worker, so no start (first or restart) pays
         # for interpreter start and imports. It imports while the job forms; attempts assigned
@@ -328,10 +325,9 @@ class Agent:
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group
-        if fault.get("kind") in ("exit", "exception") and self.evidence:
+        if fault.get("kind") in ("exit", "exception") and self.health.evidence:
             # Recent health changes travel with the failure they may explain.
-            evidence, self.evidence = self.evidence, []
-            for item in evidence:
+            for item in self.health.take_evidence():
                 self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
                                      "fault": dict(item, attempt=group.spec.attempt if group else -1)})
         fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
@@ -359,36 +355,22 @@ class Agent:
         if now - self.last_heartbeat < self.s.heartbeat_interval_s and busy == self.sent_busy:
             return
         self.last_heartbeat, self.sent_busy = now, busy
-        if now - self.last_health >= HEALTH_EVERY_S:
-            self.last_health = now
+        if self.health.due(now):
             self._check_health(_read_health())
         workers = group.summary() if group is not None else []
         self._send("heartbeat", {"node_id": self.node_id, "epoch": self.epoch,
                                  "attempt": group.spec.attempt if group else -1,
-                                 "workers": workers, "health": self.health, "busy": busy})
+                                 "workers": workers, "health": self.health.reading, "busy": busy})
         self.ui.update(workers)
 
     def _check_health(self, reading: dict[str, Any]) -> None:
-        """Keep changes in node health as evidence for the classifier (an OOM kill turns a
-        SIGKILL into 'oom-killer'); report hardware faults (SEV1) at once."""
-        from unicron.detect.classify import classify
-        from unicron.detect.faults import Severity
-        from unicron.detect.health import health_faults
-
-        reading.setdefault("ts", time.time())
         group = self.group
-        attempt = group.spec.attempt if group is not None else -1
-        found = health_faults(self.health or None, reading, node=self.node_id, host=self.host, attempt=attempt)
-        self.health = reading
-        cutoff = time.time() - HEALTH_EVIDENCE_S
-        self.evidence = [f for f in self.evidence if f["ts"] >= cutoff]
-        for fault in found:
-            as_dict = fault.to_dict()
-            if classify(fault).severity is Severity.SEV1 and group is not None:
-                self._report(as_dict)
-            else:
-                self.evidence.append(as_dict)
-                self.events.emit("health", error_type=fault.error_type, message=fault.message, gpu=fault.gpu)
+        report, kept = self.health.update(reading, node=self.node_id, host=self.host, running=group is not None,
+                                          attempt=group.spec.attempt if group is not None else -1)
+        for fault in report:
+            self._report(fault)
+        for f in kept:
+            self.events.emit("health", error_type=f.error_type, message=f.message, gpu=f.gpu)
 
     def _join_body(self) -> dict[str, Any]:
         s = self.s

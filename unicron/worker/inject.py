@@ -13,7 +13,7 @@ STEP steps have completed (STEP 0: at worker start, before the script runs):
 - ``hang``       blocks forever in Python (a stack dump shows this module's ``hang_forever``)
 - ``exception``  raises RuntimeError("CUDA error: an illegal memory access was encountered ...")
 - ``exit=CODE``  ``os._exit(CODE)`` (default 1)
-- ``slow=S``     sleeps S seconds (default 1.0) at every boundary from STEP on
+- ``slow=S``     spins on a CPU for S seconds (default 1.0) at every boundary from STEP on (a straggler)
 
 Nothing here is active unless ``UNICRON_INJECT`` is set. Parsing and the decision of what fires
 when (``faults_at``) are pure; ``fire`` is the thin part that does harm.
@@ -118,7 +118,11 @@ def hang_forever() -> None:
 def fire(fault: Fault) -> None:
     """Make the fault happen in this process."""
     if fault.kind == "slow":
-        time.sleep(float(fault.value or DEFAULT_SLOW_S))
+        # A straggler computes for longer, it does not sleep: spin, so the hang detector sees a
+        # busy rank (a sleeping one is an idle stall, and may rightly be called a hang).
+        end = time.monotonic() + float(fault.value or DEFAULT_SLOW_S)
+        while time.monotonic() < end:
+            pass
     elif fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         hang_forever()  # SIGKILL is delivered asynchronously; never run on past the fault
