@@ -10,8 +10,9 @@ Each check is one JSON record (``name, ok, seconds, summary, details`` or ``erro
   ``torch.cuda.init()`` and a matmul on cuda:0; and whether importing the zygote's PRELOAD in a
   fresh python loads libcuda (``cuda_driver_loaded``: if so, warm starts are off on GPU).
 - ``nccl``: a clean ``unicron run`` over NCCL, one rank per GPU (1 on a one-GPU machine).
-- ``hang``: 2 ranks, ``--inject hang@1:5 --hang-factor 3 --hang-floor 2 --max-restarts 0``, steps
-  ending in ``dist.barrier()``: fault-to-detection time, decision, culprit rank 1 named, exit code.
+- ``hang``: 2 ranks, ``--inject hang@1:5 --max-restarts 0`` (default hang thresholds), steps
+  ending in ``dist.barrier()``: fault-to-detection time, decision, culprit rank 1 named, exit code,
+  and whether the job was idle or busy when called hung (a CUDA spin-wait counts as busy).
   ``hang-item``: the same with steps ending in ``loss.item()``, as real loops sync (NCCL only).
 - ``cuda-assert``: rank 1 hits a real device-side assert at step 3 of the first attempt,
   ``--max-restarts 1``: the decision (severity, rule, reason) and whether the restart recovered.
@@ -31,11 +32,11 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import traceback
@@ -55,72 +56,10 @@ STEPS = 120
 NPROC = 2
 STOP_MARGIN_S = 20.0  # after a check's timeout: time for it to stop its processes and return
 
-# The job of checks 3-6: a small MLP, gradients averaged with all_reduce, unicron.State. It writes
-# "pre STEP TIME ATTEMPT" just before each optimizer step; the injected fault fires in that step's
-# hook, so rank 1's last "pre" line is when the fault happened.
-TRAIN = """
-    import os, sys, time
-    import torch, torch.distributed as dist
-    import unicron
+JOBS = Path(__file__).resolve().parent / "gpu_checks_jobs"  # the scripts the checks run
 
-    steps, sync, assert_step, log_dir = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    cuda = os.environ["GPU_CHECK_DEVICE"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dist.init_process_group(os.environ["GPU_CHECK_BACKEND"])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    state = unicron.State(model=model, optimizer=opt)
-    start = state.restore()
-    log = open(os.path.join(log_dir, f"rank{rank}.txt"), "a", buffering=1)
-    print(f"rank {rank} on {device} over {dist.get_backend()}, attempt {attempt} from step {start}", flush=True)
-    for step in range(start, steps):
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1000 * step + rank)).to(device)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
-        log.write(f"pre {step + 1} {time.time():.6f} {attempt}\\n")
-        if rank == 1 and attempt == 0 and step + 1 == assert_step:
-            # Index 5 of 2: on CUDA the bounds check of the index kernel is a device-side assert.
-            # (No error words on the failing line: the classifier reads a traceback's source lines.)
-            print(torch.zeros(2, device=device)[torch.tensor([5], device=device)])
-            torch.cuda.synchronize() if cuda else None
-        opt.step()
-        state.commit(step + 1)
-        dist.barrier() if sync == "barrier" else loss.item()
-        time.sleep(0.02)
-    dist.barrier()
-    print(f"rank {rank} done at step {steps}", flush=True)
-    dist.destroy_process_group()
-"""
-
-WARM_PROBE = """
-    import time, torch
-    t0 = time.perf_counter()
-    if torch.cuda.is_available():
-        torch.cuda.init()
-    a = torch.arange(16.0, device="cuda:0" if torch.cuda.is_available() else "cpu").reshape(4, 4)
-    print(f"WARM_RESULT device={a.device} matmul_sum={(a @ a).sum().item():g} s={time.perf_counter() - t0:.3f}")
-"""
 WARM_EXPECTED_SUM = 3920  # sum of (A @ A) for A = arange(16).reshape(4, 4)
 
-DRIVER_PROBE = """
-import contextlib, importlib, json, torch
-from unicron.worker import zygote
-for name in zygote.PRELOAD:
-    with contextlib.suppress(ImportError):
-        importlib.import_module(name)
-out = {"after_preload": zygote.cuda_driver_loaded(), "cuda_initialized": torch.cuda.is_initialized()}
-out.update(device_count=torch.cuda.device_count(), after_device_count=zygote.cuda_driver_loaded())
-print(json.dumps(out))
-"""
 
 
 @dataclass
@@ -244,13 +183,13 @@ def run_command(cmd: list[str], env: dict[str, str], timeout_s: float, cwd: Path
 
 def run_job(ctx: Context, name: str, *, inject: str | None, max_restarts: int, sync: str = "barrier",
             assert_step: int = 0, nproc: int = NPROC, backend: str | None = None) -> dict[str, Any]:
-    """``unicron run`` of TRAIN (2 ranks): the summary of its events, exit code, output tails."""
+    """``unicron run`` of gpu_checks_jobs/train_check.py (2 ranks): the summary of its events, exit code, output tails."""
     work = ctx.work / name
     log_dir, step_logs, script = work / "logs", work / "steps", work / "train_check.py"
     step_logs.mkdir(parents=True)
-    script.write_text(textwrap.dedent(TRAIN))
+    shutil.copy(JOBS / "train_check.py", script)
     cmd = [sys.executable, "-m", "unicron", "run", "--standalone", "--nproc-per-node", str(nproc),
-           "--hang-factor", "3", "--hang-floor", "2", "--grace-period", "3", "--max-restarts", str(max_restarts),
+           "--grace-period", "3", "--max-restarts", str(max_restarts),
            "--log-dir", str(log_dir), *(["--inject", inject] if inject else []),
            str(script), str(STEPS), sync, str(assert_step), str(step_logs)]
     t0 = time.monotonic()
@@ -307,14 +246,15 @@ def check_warm(ctx: Context) -> Result:
     from unicron.agent.signals import set_child_subreaper
     from unicron.agent.warm import WarmPool
 
-    code, out, err = run_command([sys.executable, "-c", DRIVER_PROBE], ctx.env, min(ctx.left(), 120), ctx.work)
+    code, out, err = run_command([sys.executable, str(JOBS / "driver_probe.py")], ctx.env, min(ctx.left(), 120),
+                                 ctx.work)
     try:
         probe = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         probe = {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
     work = ctx.work / "warm"
     work.mkdir()
-    (work / "warm_probe.py").write_text(textwrap.dedent(WARM_PROBE))
+    shutil.copy(JOBS / "warm_probe.py", work / "warm_probe.py")
     logs = RankLogs(local_rank=0, rank=0, directory=str(work), stdout_path=str(work / "stdout.log"),
                     stderr_path=str(work / "stderr.log"), tee_stdout=False, tee_stderr=False,
                     error_file=str(work / "error.json"), prefix="")
