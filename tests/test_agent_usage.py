@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from unicron.agent.usage import tree_usage
-from unicron.detect.activity import ActivityTracker, BusyRule
+from unicron.detect.activity import Activity, ActivityTracker, BusyRule
 
 # A leader that idles while its child computes (a data loader, a helper process), and a leader
 # that idles alone (a rank waiting in a collective).
@@ -53,11 +53,11 @@ def test_a_busy_descendant_makes_its_rank_busy_and_an_idle_tree_is_idle(procs) -
         now = time.monotonic()
         if tracker.due(now):
             tracker.add(now, {0: tree_usage(busy.pid, now), 1: tree_usage(idle.pid, now)})
-            verdict = tracker.busy_ranks()
-            if verdict == [0]:  # the idle tree's start-up CPU has aged out of the window
+            verdict = tracker.levels(now)
+            if verdict == {0: Activity.BUSY, 1: Activity.IDLE}:  # the idle tree's start-up has aged out
                 break
         time.sleep(0.05)
-    assert verdict == [0]
+    assert verdict == {0: Activity.BUSY, 1: Activity.IDLE}
     idle.kill()
     idle.wait()
     assert tree_usage(idle.pid, time.monotonic()) is None

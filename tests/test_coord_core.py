@@ -11,6 +11,7 @@ from unicron.coord.decide import Decision, DetectDecider
 from unicron.coord.job import JobCore, JobSpec, Phase
 from unicron.coord.membership import Membership
 from unicron.coord.outbox import Emit, Finish, OpenStore, Send
+from unicron.detect.activity import Activity
 
 
 class ScriptedDecider:
@@ -230,18 +231,22 @@ def test_node_frozen_before_the_stop_is_lost_at_the_heartbeat_timeout() -> None:
     assert [o.fields["node_id"] for o in lost] == ["b"], "judged by the heartbeat timeout, not the stop timeout"
 
 
-def test_busy_node_is_announced_to_every_agent_at_once() -> None:
+def test_job_activity_is_announced_to_every_agent_when_it_rises() -> None:
     core = JobCore(spec(), ScriptedDecider(), now=0)
     core.on_join("a", join("a"), 0)
     core.on_join("b", join("b"), 0)
     started(core, 0)
     beat = {"workers": [], "health": {}}
-    acks = sends(core.on_heartbeat("a", dict(beat, busy=False), 1), "ack")
-    assert list(acks) == ["a"] and acks["a"]["busy"] is False
-    # b's rank starts an evaluation: a hears it now, not at its next heartbeat.
-    acks = sends(core.on_heartbeat("b", dict(beat, busy=True), 2), "ack")
-    assert set(acks) == {"a", "b"} and all(a["busy"] for a in acks.values())
-    acks = sends(core.on_heartbeat("a", dict(beat, busy=False), 2.5), "ack")
-    assert list(acks) == ["a"] and acks["a"]["busy"] is True, "b is still busy"
-    acks = sends(core.on_heartbeat("b", beat, 3), "ack")  # an older agent sends no busy field
-    assert acks["b"]["busy"] is False and not core.job_busy()
+    acks = sends(core.on_heartbeat("a", dict(beat, activity="idle"), 1), "ack")
+    assert list(acks) == ["a"] and acks["a"]["activity"] == "idle"
+    # b's rank spins on a CPU: a hears it now, not at its next heartbeat.
+    acks = sends(core.on_heartbeat("b", dict(beat, activity="busy"), 2), "ack")
+    assert set(acks) == {"a", "b"} and all(a["activity"] == "busy" for a in acks.values())
+    # ... then evaluates (working): higher again, announced again.
+    acks = sends(core.on_heartbeat("b", dict(beat, activity="working"), 2.2), "ack")
+    assert set(acks) == {"a", "b"} and all(a["activity"] == "working" for a in acks.values())
+    acks = sends(core.on_heartbeat("a", dict(beat, activity="idle"), 2.5), "ack")
+    assert list(acks) == ["a"] and acks["a"]["activity"] == "working", "b is still working"
+    acks = sends(core.on_heartbeat("b", beat, 3), "ack")  # an agent that sends no activity: idle
+    assert list(acks) == ["b"] and acks["b"]["activity"] == "idle"
+    assert core.job_activity() is Activity.IDLE

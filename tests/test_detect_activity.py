@@ -1,45 +1,61 @@
-"""The activity evidence (is any rank using CPU or doing I/O?), driven by fake counters."""
+"""The activity evidence (idle, busy or working?), driven by fake counters and reports."""
 
 from __future__ import annotations
 
 import pytest
 
-from unicron.detect.activity import ActivityTracker, BusyRule, Usage, busy_between
+from unicron.detect.activity import Activity, ActivityTracker, BusyRule, Usage, level_between
 
 
-def test_busy_between_by_cpu_or_io_and_counters_that_go_back() -> None:
+def test_level_between_by_io_then_cpu_and_counters_that_go_back() -> None:
     rule = BusyRule(cpu_cores=0.2, io_bytes_per_s=1000.0)
-    assert busy_between(Usage(0.0, 1.0, 0), Usage(1.0, 1.5, 0), rule)  # half a core
-    assert not busy_between(Usage(0.0, 1.0, 0), Usage(1.0, 1.1, 0), rule)  # a tenth of a core
-    assert busy_between(Usage(0.0, 1.0, 0), Usage(2.0, 1.0, 5000), rule)  # 2500 B/s
+    assert level_between(Usage(0.0, 1.0, 0), Usage(1.0, 1.5, 0), rule) is Activity.BUSY  # half a core
+    assert level_between(Usage(0.0, 1.0, 0), Usage(1.0, 1.1, 0), rule) is Activity.IDLE  # a tenth
+    assert level_between(Usage(0.0, 1.0, 0), Usage(2.0, 1.0, 5000), rule) is Activity.WORKING  # 2500 B/s
+    assert level_between(Usage(0.0, 1.0, 0), Usage(1.0, 3.0, 5000), rule) is Activity.WORKING, "I/O wins"
     # A descendant exited: the tree's counters shrink; that is not negative work.
-    assert not busy_between(Usage(0.0, 9.0, 9000), Usage(1.0, 1.0, 10), rule)
-    assert not busy_between(Usage(1.0, 0.0, 0), Usage(1.0, 5.0, 0), rule), "no time passed"
+    assert level_between(Usage(0.0, 9.0, 9000), Usage(1.0, 1.0, 10), rule) is Activity.IDLE
+    assert level_between(Usage(1.0, 0.0, 0), Usage(1.0, 5.0, 0), rule) is Activity.IDLE, "no time passed"
     with pytest.raises(ValueError):
         BusyRule(window_s=0.1, period_s=0.25)
     with pytest.raises(ValueError):
         BusyRule(cpu_cores=0.0)
 
 
-def test_tracker_needs_two_samples_and_judges_the_last_window() -> None:
+def test_wire_names() -> None:
+    assert [Activity.parse(n) for n in ("idle", "busy", "working", "WORKING")] == [
+        Activity.IDLE, Activity.BUSY, Activity.WORKING, Activity.WORKING]
+    assert Activity.parse("sleepy") is Activity.IDLE and Activity.parse(None) is Activity.IDLE
+    assert Activity.IDLE < Activity.BUSY < Activity.WORKING
+
+
+def test_tracker_needs_evidence_and_judges_the_last_window() -> None:
     tracker = ActivityTracker(BusyRule(cpu_cores=0.2, window_s=1.0, period_s=0.25))
-    assert tracker.due(0.0) and tracker.busy() is None
+    assert tracker.due(0.0) and tracker.level(0.0) is None
     tracker.add(0.0, {0: Usage(0.0, 0.0, 0), 1: Usage(0.0, 0.0, 0)})
-    assert tracker.busy() is None, "one sample is no evidence"
+    assert tracker.level(0.0) is None, "one sample is no evidence"
     assert not tracker.due(0.1) and tracker.due(0.25)
-    # Rank 1 computes for 2 s (an evaluation), then stops (a hang begins); rank 0 idles.
+    # Rank 1 computes for 2 s with its Python still (a long native call), then stops.
     t = 0.0
     for _ in range(8):
         t += 0.25
         tracker.add(t, {0: Usage(t, 0.0, 0), 1: Usage(t, t, 0)})
-    assert tracker.busy_ranks() == [1] and tracker.busy()
-    cpu0 = t
+    assert tracker.levels(t) == {0: Activity.IDLE, 1: Activity.BUSY} and tracker.level(t) is Activity.BUSY
+    spent = t
     for _ in range(6):
         t += 0.25
-        tracker.add(t, {0: Usage(t, 0.0, 0), 1: Usage(t, cpu0, 0)})
-    assert tracker.busy_ranks() == [] and tracker.busy() is False, "idle over the last window"
+        tracker.add(t, {0: Usage(t, 0.0, 0), 1: Usage(t, spent, 0)})
+    assert tracker.level(t) is Activity.IDLE, "idle over the last window"
+    # Rank 0's worker says its Python moves: working, for one window after the report.
+    tracker.moved(0, t)
+    assert tracker.level(t + 0.5) is Activity.WORKING
+    assert tracker.level(t + 1.5) is Activity.IDLE
     # A rank whose process is gone drops out; reset forgets everything.
     tracker.add(t + 0.25, {0: Usage(t + 0.25, 0.0, 0), 1: None})
-    assert tracker.busy() is False
+    assert set(tracker.levels(t + 0.25)) == {0}
+    tracker.moved(1, t)
     tracker.reset()
-    assert tracker.busy() is None and tracker.due(t)
+    assert tracker.level(t) is None and tracker.due(t)
+    # A moved report alone is evidence.
+    tracker.moved(2, 50.0)
+    assert tracker.level(50.2) is Activity.WORKING

@@ -215,3 +215,15 @@ def test_busy_job_gets_the_longer_threshold_never_below_the_idle_one() -> None:
     assert det2.overdue_s(10.0) == pytest.approx(4.0)
     with pytest.raises(ValueError):
         HangDetector(busy_k=0.0)
+
+
+def test_work_between_steps_counts_as_progress() -> None:
+    det = HangDetector(k=3.0, floor_s=1.5, warmup_steps=1, first_step_timeout_s=60.0)
+    det.start(0.0, [0, 1])
+    now = run_steps(det, [0, 1], 20, dt=0.1, t0=1.0)
+    # Rank 0 evaluates for a minute (working), every rank idle in between: no hang while it
+    # works, and the idle clock runs from the last work seen.
+    assert det.check(now + 60.0, working_at=now + 59.0) is None
+    verdict = det.check(now + 61.0, working_at=now + 59.0)
+    assert verdict is not None and verdict.stalled_s == pytest.approx(2.0)
+    assert det.check(now + 61.0) is not None and det.check(now + 61.0).stalled_s == pytest.approx(61.0)

@@ -66,11 +66,15 @@ def test_hang_is_detected_culprit_named_and_healed(workdir, reference_hash) -> N
     assert "idle" in hang[0]["message"], hang[0]
 
 
-@pytest.mark.parametrize("kind", ["cpu", "io"])
-def test_long_busy_phase_between_steps_is_not_a_hang(workdir, reference_hash, kind) -> None:
-    # 5 s of evaluation on rank 1 (while rank 0 idles in a barrier) is far beyond the idle
-    # threshold (1.5 s) but within the busy one (10 s): it must not be called a hang.
-    code, out, err = _train(workdir, "paused.txt", script_args=("--pause", f"{kind}@1:5:5"))
+@pytest.mark.parametrize(("kind", "seconds", "flags"), [
+    ("eval", 6, ("--hang-busy-floor", "3")),  # Python moving: work, even past the busy threshold
+    ("io", 6, ("--hang-busy-floor", "3")),  # writing a file: work
+    ("native", 5, ()),  # CPU in C calls, Python still: the busy threshold (10 s) applies
+])
+def test_long_phase_between_steps_is_not_a_hang(workdir, reference_hash, kind, seconds, flags) -> None:
+    # Rank 1 spends seconds between two steps while rank 0 idles in a barrier: far beyond the
+    # idle threshold (1.5 s), and it must not be called a hang.
+    code, out, err = _train(workdir, "paused.txt", *flags, script_args=("--pause", f"{kind}@1:5:{seconds}"))
     assert code == 0, err
     assert (workdir / "paused.txt").read_text() == reference_hash
     events = read_events(workdir / "logs")
@@ -123,6 +127,15 @@ def test_restart_budget_is_job_wide(workdir) -> None:
     code, out, err = _train(workdir, "x.txt", "--inject", "kill@1:3", "--max-restarts", "0")
     assert code != 0
     assert "budget" in err
+
+
+def test_a_native_spin_past_the_busy_threshold_is_a_hang(workdir) -> None:
+    code, out, err = _train(workdir, "spin.txt", "--hang-busy-floor", "3", "--max-restarts", "0",
+                            script_args=("--pause", "native@1:5:30"))
+    assert code != 0
+    hang = [e for e in read_events(workdir / "logs") if e["kind"] == "fault" and e.get("fault_kind") == "hang"]
+    assert hang and "busy" in hang[0]["message"], hang
+    assert hang[0]["latency_s"] >= 3.0
 
 
 def test_a_straggler_is_not_a_hang(workdir, reference_hash) -> None:

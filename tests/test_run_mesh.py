@@ -50,14 +50,15 @@ def test_two_agents_on_loopback_form_one_job(workdir, launch) -> None:
     assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
 
 
-def test_busy_rank_on_one_node_keeps_the_other_node_from_calling_a_hang(workdir, launch) -> None:
-    # Rank 1 evaluates for 5 s while rank 0, on the other node, idles in a barrier: rank 0's
-    # agent sees only idle ranks, and must hear from the coordinator that the job is busy
-    # before its idle threshold (1.5 s) runs out.
+def test_working_rank_on_one_node_keeps_the_other_node_from_calling_a_hang(workdir, launch) -> None:
+    # Rank 1 evaluates for 6 s while rank 0, on the other node, idles in a barrier: rank 0's
+    # agent sees only idle ranks, and must hear from the coordinator that the job is working
+    # before its idle threshold (1.5 s) runs out, and that it is working, not merely busy
+    # (the busy threshold is 3 s here).
     port = free_port()
     env = clean_env(UNICRON_SECRET=SECRET)
-    agents = [launch(agent_args(workdir, port, "2", "--first-step-timeout", "60", steps=10, sleep=0.02)
-                     + ["--pause", "cpu@1:4:5"], workdir, env) for _ in range(2)]
+    agents = [launch(agent_args(workdir, port, "2", "--first-step-timeout", "60", "--hang-busy-floor", "3",
+                                steps=10, sleep=0.02) + ["--pause", "eval@1:4:6"], workdir, env) for _ in range(2)]
     for item in agents:
         code, out, err = item.wait(90)
         assert code == 0, err

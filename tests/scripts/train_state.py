@@ -21,16 +21,25 @@ parser.add_argument("--out", default="")
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--no-state", action="store_true")
 # A long phase between steps on one rank (an evaluation), while the others wait in a barrier:
-# --pause KIND@RANK:STEP:SECONDS, KIND cpu (computing) or io (writing a file, little CPU).
+# --pause KIND@RANK:STEP:SECONDS, KIND eval (forward passes, as an evaluation loop), io (writing
+# a file, little CPU) or native (computing in C calls, the Python frame still, as a spin-wait).
 parser.add_argument("--pause", default="")
 args = parser.parse_args()
 
 
 def pause(kind: str, seconds: float) -> None:
     end = time.monotonic() + seconds
-    if kind == "cpu":
+    if kind == "eval":
+        batch = torch.ones(64, 8)
+        with torch.no_grad():
+            while time.monotonic() < end:
+                model(batch)
+        return
+    if kind == "native":
+        import hashlib
+
         while time.monotonic() < end:
-            sum(i * i for i in range(10_000))
+            hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
         return
     chunk = os.urandom(1 << 20)
     with open(f"{args.out or 'pause'}.scratch", "wb") as fh:

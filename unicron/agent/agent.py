@@ -27,6 +27,7 @@ from unicron.agent.shm import make_shm_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
 from unicron.agent.workers import GroupSpec, WorkerGroup
+from unicron.detect.activity import Activity
 from unicron.detect.hang import HangDetector
 from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
 from unicron.events import EventLog
@@ -61,8 +62,8 @@ class Agent:
         self.last_from_coordinator = time.monotonic()
         self.last_heartbeat = 0.0
         self.last_orphan_reap = 0.0
-        self.sent_busy = False
-        self.job_busy = (False, 0.0)  # any rank of the job busy (from the last ack), when heard
+        self.sent_level = Activity.IDLE
+        self.job_level = (Activity.IDLE, 0.0)  # the job's activity (from the last ack), when heard
         self.health = HealthWatch()
         self.dropped_local = 0
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
@@ -164,7 +165,7 @@ class Agent:
                 self.epoch = body["epoch"]
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
-                self.job_busy = (bool(body.get("busy", False)), time.monotonic())
+                self.job_level = (Activity.parse(body.get("activity")), time.monotonic())
             elif msg.kind == "assign":
                 self._start_attempt(body)
             elif msg.kind == "stop":
@@ -298,9 +299,10 @@ class Agent:
             self._send("finished", {"node_id": self.node_id, "attempt": group.spec.attempt})
             return
         if not group.hang_reported:
-            busy, heard = self.job_busy
-            # Without fresh word from the coordinator, assume some rank elsewhere is busy.
-            hang = group.check_hang(now, busy or time.monotonic() - heard > 2 * self.s.heartbeat_interval_s + 1)
+            level, heard = self.job_level
+            if time.monotonic() - heard > 2 * self.s.heartbeat_interval_s + 1:
+                level = max(level, Activity.BUSY)  # no fresh word from the coordinator: the safe side
+            hang = group.check_hang(now, level)
             if hang is not None:
                 group.hang_reported = True
                 self._report(hang)
@@ -350,17 +352,18 @@ class Agent:
     def _heartbeat(self) -> None:
         now = time.monotonic()
         group = self.group
-        busy = group is not None and group.busy
+        level = group.level if group is not None else Activity.IDLE
         # A change of activity goes out at once: other agents' hang thresholds depend on it.
-        if now - self.last_heartbeat < self.s.heartbeat_interval_s and busy == self.sent_busy:
+        if now - self.last_heartbeat < self.s.heartbeat_interval_s and level == self.sent_level:
             return
-        self.last_heartbeat, self.sent_busy = now, busy
+        self.last_heartbeat, self.sent_level = now, level
         if self.health.due(now):
             self._check_health(_read_health())
         workers = group.summary() if group is not None else []
         self._send("heartbeat", {"node_id": self.node_id, "epoch": self.epoch,
                                  "attempt": group.spec.attempt if group else -1,
-                                 "workers": workers, "health": self.health.reading, "busy": busy})
+                                 "workers": workers, "health": self.health.reading,
+                                 "activity": level.name.lower()})
         self.ui.update(workers)
 
     def _check_health(self, reading: dict[str, Any]) -> None:

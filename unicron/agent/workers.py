@@ -22,7 +22,7 @@ from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.usage import tree_usage
 from unicron.agent.warm import WarmPool
-from unicron.detect.activity import ActivityTracker
+from unicron.detect.activity import Activity, ActivityTracker
 from unicron.detect.hang import HangDetector
 
 STACK_WAIT_S = 1.5
@@ -88,7 +88,8 @@ class WorkerGroup:
         self.hang_reported = False
         self.saw_hello = False
         self.activity = ActivityTracker()
-        self.busy = False  # a local rank overdue for a step is using CPU or doing I/O
+        self.level = Activity.IDLE  # what the local ranks overdue for a step are doing
+        self.working_at: float | None = None  # when a rank of the job was last seen working
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -152,6 +153,8 @@ class WorkerGroup:
                                    error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
         elif t == "snap" and isinstance(msg.get("step"), int):
             r.snapshot_step = msg["step"]
+        elif t == "moved":
+            self.activity.moved(r.rank, now)
         return None
 
     def poll(self, now: float) -> tuple[list[dict[str, Any]], bool]:
@@ -195,9 +198,9 @@ class WorkerGroup:
                 return faults
             time.sleep(0.005)
 
-    def sample_activity(self, now: float) -> bool:
-        """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns
-        whether a local rank is busy (``self.busy``). Nothing is read while steps flow."""
+    def sample_activity(self, now: float) -> Activity:
+        """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns what
+        they are doing (``self.level``). Nothing is read while steps flow."""
         stats = self.hang.stats
         median = stats.job_median()
         idle_threshold, _ = self.hang.threshold_s(busy=False)
@@ -206,20 +209,23 @@ class WorkerGroup:
         start = min(max(0.3, 1.5 * median if median else 0.3), 0.4 * idle_threshold)
         if not stats.started_all() or self.hang.overdue_s(now) < start:
             self.activity.reset()
-            self.busy = False
-        elif self.activity.due(now):
+            self.level = Activity.IDLE
+            return self.level
+        if self.activity.due(now):
             self.activity.add(now, {r.rank: tree_usage(r.proc.pid, now) if r.exitcode is None else None
                                     for r in self.ranks.values()})
-            self.busy = bool(self.activity.busy())
-        return self.busy
+        self.level = self.activity.level(now) or Activity.IDLE
+        return self.level
 
-    def check_hang(self, now: float, elsewhere_busy: bool = False) -> dict[str, Any] | None:
-        """A hang fault once no step came for too long; ``elsewhere_busy``: a rank on another
-        node is busy (from the coordinator), which selects the longer threshold too."""
+    def check_hang(self, now: float, elsewhere: Activity = Activity.IDLE) -> dict[str, Any] | None:
+        """A hang fault once no step came for too long. ``elsewhere``: what the other nodes'
+        ranks are doing (from the coordinator); the job's level is the highest."""
         if not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values()):
             return None
-        busy = self.sample_activity(now) or elsewhere_busy
-        verdict = self.hang.check(now, busy=busy)
+        level = max(self.sample_activity(now), elsewhere)
+        if level is Activity.WORKING:
+            self.working_at = now
+        verdict = self.hang.check(now, busy=level is Activity.BUSY, working_at=self.working_at)
         if verdict is None:
             return None
         for r in self.ranks.values():

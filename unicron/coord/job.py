@@ -19,6 +19,7 @@ from typing import Any
 from unicron.coord.decide import Decider, Decision
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
+from unicron.detect.activity import Activity
 
 
 class Phase(str, Enum):
@@ -107,21 +108,22 @@ class JobCore:
         return out
 
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
-        was_busy = self.job_busy()
+        before = self.job_activity()
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             return [Send(node_id, "reject", {"reason": "not a member of the job (fenced)"})]
-        self.members.nodes[node_id].busy = bool(body.get("busy", False))
-        busy = self.job_busy()
-        ack = {"epoch": self.members.epoch, "state": self.phase.value, "busy": busy}
-        if busy and not was_busy:
+        self.members.nodes[node_id].activity = Activity.parse(body.get("activity"))
+        level = self.job_activity()
+        ack = {"epoch": self.members.epoch, "state": self.phase.value, "activity": level.name.lower()}
+        if level > before:
             # Every agent judges a hang by the whole job's activity: a node whose ranks wait in
             # a barrier while another node's rank evaluates must hear of it before its short
             # idle threshold runs out, not at its next heartbeat.
             return [Send(n.node_id, "ack", ack) for n in self.members.active()]
         return [Send(node_id, "ack", ack)]
 
-    def job_busy(self) -> bool:
-        return any(n.busy for n in self.members.active())
+    def job_activity(self) -> Activity:
+        """The highest activity any node reports (IDLE with no node)."""
+        return max((n.activity for n in self.members.active()), default=Activity.IDLE)
 
     def on_fault(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         attempt = self.attempt

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from unicron.detect.activity import Activity
+
 
 class NodeState(str, Enum):
     ACTIVE = "healthy"
@@ -28,7 +30,7 @@ class NodeRecord:
     node_rank: int = -1
     workers: list[dict] = field(default_factory=list)
     health: dict = field(default_factory=dict)
-    busy: bool = False  # some local rank overdue for a step is using CPU or doing I/O
+    activity: Activity = Activity.IDLE  # what its ranks overdue for a step are doing
 
 
 @dataclass(frozen=True)

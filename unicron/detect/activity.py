@@ -1,17 +1,40 @@
-"""Is any rank doing work? The evidence that separates a hang from a long phase between steps.
+"""What are the ranks doing while no step comes? The evidence that tells a hang from work.
 
-A hung collective, a deadlock or a stuck read leaves every rank of the job idle: no CPU time,
-no I/O. An evaluation, a checkpoint write or a CUDA spin-wait keeps at least one rank busy.
-The hang detector (``unicron.detect.hang``) holds an idle job to a short threshold and a busy
-one to a longer one. Pure: counters and times are passed in; the agent samples them with psutil
-(``unicron.agent.usage``).
+Three levels, job-wide (the highest level of any rank counts):
+
+- ``IDLE``: no CPU time, no I/O, Python still. A hung collective, a deadlock, a stuck read:
+  every rank waits. A hang once it lasts ``max(k x median, floor)``.
+- ``BUSY``: CPU time but Python still and no I/O: one long native call, or a spin-wait (a CUDA
+  synchronisation spins by default, so a hung NCCL collective looks like this). A hang only
+  after the longer ``max(busy_k x median, busy_floor)``.
+- ``WORKING``: some rank's Python keeps moving (``unicron.worker.liveness``: an evaluation, a
+  compilation) or its process tree reads or writes (a checkpoint). That is progress: the hang
+  clock restarts from it.
+
+Pure: counters, ``moved`` reports and times are passed in; the agent samples the counters with
+psutil (``unicron.agent.usage``).
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+
+class Activity(enum.IntEnum):
+    IDLE = 0
+    BUSY = 1
+    WORKING = 2
+
+    @classmethod
+    def parse(cls, name: object) -> Activity:
+        """From the wire (``"idle"``, ``"busy"``, ``"working"``); anything else is IDLE."""
+        try:
+            return cls[str(name).upper()]
+        except KeyError:
+            return cls.IDLE
 
 
 @dataclass(frozen=True)
@@ -25,7 +48,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class BusyRule:
-    """Rates above which a rank counts as busy, measured over ``window_s``.
+    """Rates that make a rank BUSY (CPU) or WORKING (I/O), measured over ``window_s``.
 
     0.2 of a core is far above what an idle worker burns (a ZeroMQ I/O thread, a watchdog
     waking up) and far below a single thread computing or spin-waiting (1.0). 1 MiB/s of I/O
@@ -44,36 +67,45 @@ class BusyRule:
             raise ValueError("window_s must be at least period_s")
 
 
-def busy_between(before: Usage, after: Usage, rule: BusyRule) -> bool:
-    """Whether the tree was busy between two samples of it (counters that went back count as 0:
-    a process of the tree exited and its time went to a parent outside it)."""
+def level_between(before: Usage, after: Usage, rule: BusyRule) -> Activity:
+    """What the tree did between two samples of it (counters that went back count as 0: a
+    process of the tree exited and its time went to a parent outside it)."""
     dt = after.ts - before.ts
     if dt <= 0:
-        return False
-    cpu = max(0.0, after.cpu_s - before.cpu_s) / dt
-    io = max(0, after.io_bytes - before.io_bytes) / dt
-    return cpu >= rule.cpu_cores or io >= rule.io_bytes_per_s
+        return Activity.IDLE
+    if max(0, after.io_bytes - before.io_bytes) / dt >= rule.io_bytes_per_s:
+        return Activity.WORKING
+    if max(0.0, after.cpu_s - before.cpu_s) / dt >= rule.cpu_cores:
+        return Activity.BUSY
+    return Activity.IDLE
 
 
 class ActivityTracker:
-    """Samples of every local rank's usage, taken while the job is overdue for a step.
+    """Samples of every local rank's usage and ``moved`` reports, while the job is overdue.
 
-    ``busy()`` is None until two samples at least ``period_s`` apart exist: no evidence either
-    way (the detector then keeps the idle threshold, which is never reached that early).
+    ``level(now)`` is None while there is no evidence yet (no rank with two samples at least a
+    period apart, and no recent ``moved``); the detector then keeps the idle threshold, which is
+    never reached that early.
     """
 
     def __init__(self, rule: BusyRule | None = None) -> None:
         self.rule = rule or BusyRule()
         self._samples: dict[int, deque[Usage]] = {}
+        self._moved: dict[int, float] = {}
         self._last_ts: float | None = None
 
     def reset(self) -> None:
-        """Forget all samples (a step completed, or a new attempt began)."""
+        """Forget all evidence (a step completed, or a new attempt began)."""
         self._samples.clear()
+        self._moved.clear()
         self._last_ts = None
 
     def due(self, now: float) -> bool:
         return self._last_ts is None or now - self._last_ts >= self.rule.period_s
+
+    def moved(self, rank: int, ts: float) -> None:
+        """The rank's worker saw its Python moving at ``ts``."""
+        self._moved[rank] = max(ts, self._moved.get(rank, ts))
 
     def add(self, now: float, usage: Mapping[int, Usage | None]) -> None:
         """One sample of each rank (None: the rank's process is gone; its samples are dropped)."""
@@ -88,18 +120,17 @@ class ActivityTracker:
             while len(samples) > 2 and samples[-1].ts - samples[1].ts >= self.rule.window_s:
                 samples.popleft()
 
-    def busy_ranks(self) -> list[int] | None:
-        """Ranks busy over the last window; None while no rank has two samples yet."""
-        found: list[int] = []
-        judged = False
-        for rank, samples in sorted(self._samples.items()):
-            if len(samples) < 2 or samples[-1].ts - samples[0].ts < self.rule.period_s * 0.9:
-                continue
-            judged = True
-            if busy_between(samples[0], samples[-1], self.rule):
-                found.append(rank)
-        return found if judged else None
+    def levels(self, now: float) -> dict[int, Activity]:
+        """Each judged rank's level over the last window."""
+        out: dict[int, Activity] = {}
+        for rank, samples in self._samples.items():
+            if len(samples) >= 2 and samples[-1].ts - samples[0].ts >= self.rule.period_s * 0.9:
+                out[rank] = level_between(samples[0], samples[-1], self.rule)
+        for rank, ts in self._moved.items():
+            if now - ts <= self.rule.window_s:
+                out[rank] = Activity.WORKING
+        return out
 
-    def busy(self) -> bool | None:
-        ranks = self.busy_ranks()
-        return None if ranks is None else bool(ranks)
+    def level(self, now: float) -> Activity | None:
+        levels = self.levels(now)
+        return max(levels.values()) if levels else None

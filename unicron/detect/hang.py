@@ -3,9 +3,10 @@
 A synchronous job moves at the pace of its slowest rank, so the hang clock runs from the
 moment the *slowest* rank last completed a step. After warm-up, a job whose ranks sit idle (no
 CPU time, no I/O: waiting in a collective, a lock, a sleep) is hung when that gap exceeds
-``max(k * running median iteration time, floor_s)``; while some rank of the job is busy (an
-evaluation, a checkpoint write, a CUDA spin-wait) the longer ``max(busy_k * median,
-busy_floor_s)`` applies instead, so rare long phases between steps are not called hangs.
+``max(k * running median iteration time, floor_s)``; while some rank of the job burns CPU with
+its Python still (a long native call, a CUDA spin-wait) the longer ``max(busy_k * median,
+busy_floor_s)`` applies instead; a rank whose Python keeps moving or that does I/O (an
+evaluation, a checkpoint write) is working, which counts as progress.
 During warm-up (the first ``warmup_steps`` steps of an attempt: imports, data loader start,
 compilation, autotuning) the separate allowance ``first_step_timeout_s`` applies. See
 docs/failures.md.
@@ -222,17 +223,20 @@ class HangDetector:
         last = self.stats.last_progress_all()
         return max(0.0, now - min(last.values())) if last else 0.0
 
-    def check(self, now: float, busy: bool = False) -> HangVerdict | None:
+    def check(self, now: float, busy: bool = False, working_at: float | None = None) -> HangVerdict | None:
         """A verdict while the job is hung (every call, until ``start`` begins a new attempt).
 
-        ``busy``: whether some rank of the job is using CPU or doing I/O now (see
-        ``unicron.detect.activity``); it selects the longer threshold.
+        ``busy``: some rank of the job is using CPU now (see ``unicron.detect.activity``); it
+        selects the longer threshold. ``working_at``: when some rank of the job was last seen
+        working (Python moving, or I/O) between steps; that counts as progress of every rank.
         """
         ranks = self.stats.ranks
         if not ranks:
             return None
         threshold, warmup = self.threshold_s(busy)
         last = self.stats.last_progress_all()
+        if working_at is not None:
+            last = {r: max(ts, working_at) for r, ts in last.items()}
         stalled = sorted((r for r in ranks if now - last[r] > threshold), key=lambda r: (last[r], r))
         if not stalled:
             return None

@@ -19,7 +19,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
              "weight?": NUM, "min_nodes": int, "max_nodes": int, "max_restarts": int,
              "last_call_s": NUM, "heartbeat_timeout_s": NUM, "join_timeout_s": NUM,
              "stop_timeout_s": NUM},
-    "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict, "busy?": bool},
+    "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict, "activity?": str},
     "fault": {"node_id": str, "attempt": int, "fault": dict},
     "stopped": {"node_id": str, "attempt": int, "snapshots": dict, "stacks": dict, "snapshot_bytes?": dict},
     "finished": {"node_id": str, "attempt": int},
@@ -27,7 +27,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "status_req": {},
     # coordinator -> agent
     "welcome": {"node_id": str, "epoch": int},
-    "ack": {"epoch": int, "state": str, "busy?": bool},
+    "ack": {"epoch": int, "state": str, "activity?": str},
     "assign": {"epoch": int, "attempt": int, "restart_count": int, "node_rank": int, "nnodes": int,
                "rank_offset": int, "world_size": int, "local_world_sizes": list,
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,

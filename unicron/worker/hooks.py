@@ -35,6 +35,7 @@ from typing import IO, Any, NoReturn
 
 from unicron.worker import channel, env
 from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
+from unicron.worker.liveness import FrameWatch
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 
@@ -84,6 +85,9 @@ class _Runtime:
         self.reported: set[int] = set()  # id()s of exceptions already sent
         self.hard_exit_callbacks: list[Callable[[int], object]] = []
         self.pid = os.getpid()
+        # Tells the agent while this worker's Python keeps moving between steps (evaluation,
+        # compilation), so a long phase between steps is not taken for a hang.
+        self.frames = FrameWatch(lambda: channel.get().emit("moved"))
 
 
 _rt = _Runtime()
@@ -97,6 +101,7 @@ _prev_threading_excepthook = threading.excepthook
 
 def _boundary(completed: int) -> None:
     channel.get().emit("step", step=completed)
+    _rt.frames.boundary()
     if _rt.faults:
         for fault in faults_at(_rt.faults, _rt.rank, completed):
             fire(fault)

@@ -1,0 +1,79 @@
+"""The worker's frame watch: a moving main thread is told apart from one that sits still."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from unicron.worker.liveness import OVERDUE_S, FrameWatch, MotionJudge, main_thread_signature
+
+
+def test_motion_judge_needs_repeated_changes() -> None:
+    judge = MotionJudge(window=8, min_changes=2)
+    assert not judge.add("a") and not judge.add("a")
+    assert not judge.add("b"), "one change (a poller waking up once) is not motion"
+    assert judge.add("c"), "a second change within the window is"
+    for _ in range(8):
+        moving = judge.add("c")
+    assert not moving, "still for a whole window"
+    judge.reset()
+    assert not judge.add("x") and not judge.add("y")
+
+
+def _signatures_of_main_while(body, samples: int = 12) -> list[object]:
+    """The main thread's signatures, sampled from another thread while the main thread (this
+    test) runs ``body(stop)``."""
+    seen: list[object] = []
+    stop = threading.Event()
+
+    def sampler() -> None:
+        for _ in range(samples):
+            time.sleep(0.02)
+            seen.append(main_thread_signature())
+        stop.set()
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    body(stop)
+    thread.join()
+    return seen
+
+
+def test_a_computing_main_thread_moves_and_a_waiting_one_does_not() -> None:
+    def compute(stop: threading.Event) -> None:
+        while not stop.is_set():
+            sum(i * i for i in range(2000))
+            sorted(range(500), key=lambda v: -v)
+
+    def wait(stop: threading.Event) -> None:
+        stop.wait()
+
+    moving = _signatures_of_main_while(compute)
+    still = _signatures_of_main_while(wait)
+    assert len(set(moving)) >= 3, moving
+    assert len(set(still)) == 1, still
+
+
+def test_frame_watch_reports_motion_only_when_overdue(monkeypatch) -> None:
+    import unicron.worker.liveness as liveness
+
+    sent: list[float] = []
+    clock = [100.0]
+    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0])
+    watch._last_boundary = 100.0  # as if a step just completed (no thread started in this test)
+    signatures = iter(range(1000))
+    monkeypatch.setattr(liveness, "main_thread_signature", lambda: next(signatures))  # always changing
+    clock[0] = 100.0 + OVERDUE_S / 2
+    assert not watch.sample(clock[0]), "not overdue yet"
+    for i in range(1, 4):
+        clock[0] = 100.0 + OVERDUE_S + 0.25 * i
+        watch.sample(clock[0])
+    assert len(sent) == 1, "the second change sends once"
+    clock[0] += 0.25
+    watch.sample(clock[0])
+    assert len(sent) == 1, "at most one message per SEND_EVERY_S"
+    clock[0] += 0.3
+    assert watch.sample(clock[0]) and len(sent) == 2
+    watch._last_boundary = clock[0]  # a step: the window starts over
+    clock[0] += 0.1
+    assert not watch.sample(clock[0])
