@@ -147,3 +147,13 @@ def test_runs_table_shows_unreachable_runs() -> None:
     assert "2 unicron runs" in text
     assert "gpt-demo" not in text.split("\n")[0]
     assert "no answer" in text and "812" in text and "1/3" in text
+
+
+def test_nodes_show_what_their_ranks_do_between_steps() -> None:
+    snapshot = healed_snapshot(NOW)
+    snapshot["nodes"][0]["activity"] = "working"
+    snapshot["nodes"][1]["activity"] = "idle"
+    text = capture(render_status(snapshot, NOW), width=140)
+    assert "activity" in text and "working" in text
+    line_b = next(line for line in text.splitlines() if "trn-b" in line and "%" in line)
+    assert "idle" not in line_b, "idle (the normal state while steps flow) is shown as '-'"

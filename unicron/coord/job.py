@@ -336,6 +336,7 @@ class JobCore:
         for node in sorted(self.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):
             nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
                           "state": node.state.value, "last_heartbeat": node.last_heartbeat,
+                          "activity": node.activity.name.lower(),
                           "health": node.health, "workers": node.workers})
         return {
             "job": {"id": self.spec.job_id, "state": self.phase.value,

@@ -246,18 +246,27 @@ def _percent(value: Any, warn: float = 90.0) -> Text:
     return Text(f"{v:.0f}%", style="bold red" if v >= warn else "")
 
 
+def _between_steps(activity: object) -> Text:
+    # Idle is the normal state while steps flow (nothing is sampled then): shown as "-".
+    if activity in ("busy", "working"):
+        return Text(str(activity), style="yellow" if activity == "busy" else "cyan")
+    return Text("-", style="dim")
+
+
 def render_nodes(snapshot: Mapping[str, Any], now: float) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False, title_justify="left",
                   title=Text("nodes", style="bold"))
     for name, justify in (("#", "right"), ("node", "left"), ("host", "left"), ("state", "left"),
-                          ("heartbeat", "right"), ("cpu", "right"), ("mem", "right"), ("gpus", "left")):
+                          ("heartbeat", "right"), ("activity", "left"), ("cpu", "right"), ("mem", "right"),
+                          ("gpus", "left")):
         # Only the GPU summary may wrap: rich then narrows it first when the terminal is narrow.
         table.add_column(name, justify=justify, no_wrap=name != "gpus")  # type: ignore[arg-type]
     for node in nodes_of(snapshot):
         health = _dict(node.get("health"))
         table.add_row(str(node.get("node_rank", "-")), short_value(node.get("node_id", "?"), 24),
                       short_value(node.get("host", "-"), 24), state_text(node.get("state"), NODE_STATE_STYLE),
-                      fmt_age(node.get("last_heartbeat"), now), _percent(health.get("cpu_percent"), 98),
+                      fmt_age(node.get("last_heartbeat"), now), _between_steps(node.get("activity")),
+                      _percent(health.get("cpu_percent"), 98),
                       _percent(health.get("mem_percent")), gpu_summary(health))
     return table
 
