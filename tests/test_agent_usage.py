@@ -52,7 +52,7 @@ def test_a_busy_descendant_makes_its_rank_busy_and_an_idle_tree_is_idle(procs) -
     while time.monotonic() < deadline:
         now = time.monotonic()
         if tracker.due(now):
-            tracker.add(now, {0: tree_usage(busy.pid, now), 1: tree_usage(idle.pid, now)})
+            tracker.add(now, {0: tree_usage(busy.pid), 1: tree_usage(idle.pid)})
             verdict = tracker.levels(now)
             if verdict == {0: Activity.BUSY, 1: Activity.IDLE}:  # the idle tree's start-up has aged out
                 break
@@ -60,4 +60,4 @@ def test_a_busy_descendant_makes_its_rank_busy_and_an_idle_tree_is_idle(procs) -
     assert verdict == {0: Activity.BUSY, 1: Activity.IDLE}
     idle.kill()
     idle.wait()
-    assert tree_usage(idle.pid, time.monotonic()) is None
+    assert tree_usage(idle.pid) is None

@@ -236,7 +236,7 @@ def test_job_activity_is_announced_to_every_agent_when_it_rises() -> None:
     core.on_join("a", join("a"), 0)
     core.on_join("b", join("b"), 0)
     started(core, 0)
-    beat = {"workers": [], "health": {}}
+    beat = {"workers": [], "health": {}, "attempt": 0}
     acks = sends(core.on_heartbeat("a", dict(beat, activity="idle"), 1), "ack")
     assert list(acks) == ["a"] and acks["a"]["activity"] == "idle"
     # b's rank spins on a CPU: a hears it now, not at its next heartbeat.
@@ -250,3 +250,8 @@ def test_job_activity_is_announced_to_every_agent_when_it_rises() -> None:
     acks = sends(core.on_heartbeat("b", beat, 3), "ack")  # an agent that sends no activity: idle
     assert list(acks) == ["b"] and acks["b"]["activity"] == "idle"
     assert core.job_activity() is Activity.IDLE
+    # Word from an old attempt, or from a node whose workers finished, does not count: a node
+    # that finished while working must not keep the other from being called hung.
+    assert sends(core.on_heartbeat("a", dict(beat, attempt=-1, activity="working"), 4), "ack")["a"]["activity"] == "idle"
+    core.on_finished("b", {"attempt": 0}, 5)
+    assert sends(core.on_heartbeat("b", dict(beat, activity="working"), 5.1), "ack")["b"]["activity"] == "idle"

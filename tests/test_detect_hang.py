@@ -227,3 +227,16 @@ def test_work_between_steps_counts_as_progress() -> None:
     verdict = det.check(now + 61.0, working_at=now + 59.0)
     assert verdict is not None and verdict.stalled_s == pytest.approx(2.0)
     assert det.check(now + 61.0) is not None and det.check(now + 61.0).stalled_s == pytest.approx(61.0)
+
+
+def test_idle_threshold_runs_from_the_end_of_a_busy_phase() -> None:
+    det = HangDetector(k=3.0, floor_s=1.5, warmup_steps=1, first_step_timeout_s=60.0, busy_k=5.0, busy_floor_s=30.0)
+    det.start(0.0, [0, 1])
+    now = run_steps(det, [0, 1], 20, dt=0.1, t0=1.0)
+    # 20 s in a native call (busy), then idle waiting for a moment: not a 20 s stall.
+    assert det.check(now + 20.0, busy=True, busy_at=now + 20.0) is None
+    assert det.check(now + 21.0, busy=False, busy_at=now + 20.0) is None
+    verdict = det.check(now + 21.6, busy=False, busy_at=now + 20.0)
+    assert verdict is not None and verdict.stalled_s == pytest.approx(1.6)
+    # While busy, the busy threshold runs from the last step, not from the busy phase itself.
+    assert det.check(now + 30.5, busy=True, busy_at=now + 30.5) is not None

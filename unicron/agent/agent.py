@@ -352,7 +352,9 @@ class Agent:
     def _heartbeat(self) -> None:
         now = time.monotonic()
         group = self.group
-        level = group.level if group is not None else Activity.IDLE
+        # A group that finished or reported a hang samples no more: its last level is stale.
+        running = group is not None and not group.finished_reported and not group.hang_reported
+        level = group.level if running and group is not None else Activity.IDLE
         # A change of activity goes out at once: other agents' hang thresholds depend on it.
         if now - self.last_heartbeat < self.s.heartbeat_interval_s and level == self.sent_level:
             return

@@ -14,6 +14,8 @@ from collections.abc import Collection
 
 import psutil
 
+from unicron.agent.proctree import children_of
+
 REAP_EVERY_S = 2.0
 
 
@@ -24,17 +26,13 @@ def reap_orphans(known: Collection[int]) -> list[int]:
     zygote, adopted warm workers): reaping one of those would lose its exit code.
     """
     reaped: list[int] = []
-    try:
-        children = psutil.Process().children()
-    except psutil.Error:
-        return reaped
-    for child in children:
-        if child.pid in known:
+    for child in children_of(os.getpid()):
+        if child in known:
             continue
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
+            if psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
                 continue
-            pid, _ = os.waitpid(child.pid, os.WNOHANG)
+            pid, _ = os.waitpid(child, os.WNOHANG)
         except (psutil.Error, ChildProcessError):
             continue
         if pid:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 
+from unicron.agent.proctree import tree_of
 from unicron.detect.activity import Usage
 
 
@@ -20,19 +23,18 @@ def _one(proc: psutil.Process) -> tuple[float, int]:
     return cpu, int(moved)
 
 
-def tree_usage(pid: int, now: float) -> Usage | None:
-    """CPU seconds and I/O bytes of ``pid`` and its descendants; None when ``pid`` is gone."""
-    try:
-        leader = psutil.Process(pid)
-        members = [leader, *leader.children(recursive=True)]
-    except psutil.Error:
-        return None
+def tree_usage(pid: int) -> Usage | None:
+    """CPU seconds and I/O bytes of ``pid`` and its descendants, stamped with the time they were
+    read (``time.monotonic``); None when ``pid`` is gone."""
+    members = tree_of(pid)
     cpu, moved = 0.0, 0
-    for proc in members:
+    for n, member in enumerate(members):
         try:
-            c, m = _one(proc)
+            c, m = _one(psutil.Process(member))
         except psutil.Error:
+            if n == 0:
+                return None  # the worker itself is gone
             continue  # a descendant that exited between listing and reading
         cpu += c
         moved += m
-    return Usage(ts=now, cpu_s=cpu, io_bytes=moved)
+    return Usage(ts=time.monotonic(), cpu_s=cpu, io_bytes=moved)

@@ -89,7 +89,8 @@ class WorkerGroup:
         self.saw_hello = False
         self.activity = ActivityTracker()
         self.level = Activity.IDLE  # what the local ranks overdue for a step are doing
-        self.working_at: float | None = None  # when a rank of the job was last seen working
+        self.working_at: float | None = None  # when a rank of the job was last seen working (monotonic)
+        self.busy_at: float | None = None  # ... and busy
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -107,7 +108,9 @@ class WorkerGroup:
             else:
                 self.warm_starts += 1
             self.ranks[plan.rank] = RankState(plan.rank, plan.local_rank, proc, plan, now)
-        self.hang.start(now, list(self.ranks))
+        # Hang detection runs on the monotonic clock: a wall-clock step (NTP, a VM pause) must
+        # not look like a stall.
+        self.hang.start(time.monotonic(), list(self.ranks))
 
     def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> None:
         # Every worker, dead ones too: a dead worker's children (data loaders) may still run.
@@ -140,7 +143,7 @@ class WorkerGroup:
                 r.steps_in_attempt += 1
             r.step = msg["step"]
             r.last_step_at = now
-            self.hang.observe(r.rank, r.step, now)
+            self.hang.observe(r.rank, r.step, time.monotonic())
         elif t == "exc":
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
             if msg.get("fatal") is False:
@@ -154,7 +157,7 @@ class WorkerGroup:
         elif t == "snap" and isinstance(msg.get("step"), int):
             r.snapshot_step = msg["step"]
         elif t == "moved":
-            self.activity.moved(r.rank, now)
+            self.activity.moved(r.rank, time.monotonic())
         return None
 
     def poll(self, now: float) -> tuple[list[dict[str, Any]], bool]:
@@ -198,7 +201,7 @@ class WorkerGroup:
                 return faults
             time.sleep(0.005)
 
-    def sample_activity(self, now: float) -> Activity:
+    def sample_activity(self, mono: float) -> Activity:
         """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns what
         they are doing (``self.level``). Nothing is read while steps flow."""
         stats = self.hang.stats
@@ -207,14 +210,14 @@ class WorkerGroup:
         # Late enough that a healthy step never pays for it, early enough that the evidence
         # (one window) reaches every agent before the idle threshold runs out.
         start = min(max(0.3, 1.5 * median if median else 0.3), 0.4 * idle_threshold)
-        if not stats.started_all() or self.hang.overdue_s(now) < start:
+        if not stats.started_all() or self.hang.overdue_s(mono) < start:
             self.activity.reset()
             self.level = Activity.IDLE
             return self.level
-        if self.activity.due(now):
-            self.activity.add(now, {r.rank: tree_usage(r.proc.pid, now) if r.exitcode is None else None
-                                    for r in self.ranks.values()})
-        self.level = self.activity.level(now) or Activity.IDLE
+        if self.activity.due(mono):
+            self.activity.add(mono, {r.rank: tree_usage(r.proc.pid) if r.exitcode is None else None
+                                     for r in self.ranks.values()})
+        self.level = self.activity.level(mono) or Activity.IDLE
         return self.level
 
     def check_hang(self, now: float, elsewhere: Activity = Activity.IDLE) -> dict[str, Any] | None:
@@ -222,10 +225,14 @@ class WorkerGroup:
         ranks are doing (from the coordinator); the job's level is the highest."""
         if not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values()):
             return None
-        level = max(self.sample_activity(now), elsewhere)
+        mono = time.monotonic()
+        level = max(self.sample_activity(mono), elsewhere)
         if level is Activity.WORKING:
-            self.working_at = now
-        verdict = self.hang.check(now, busy=level is Activity.BUSY, working_at=self.working_at)
+            self.working_at = mono
+        elif level is Activity.BUSY:
+            self.busy_at = mono
+        verdict = self.hang.check(mono, busy=level is Activity.BUSY, working_at=self.working_at,
+                                  busy_at=self.busy_at)
         if verdict is None:
             return None
         for r in self.ranks.values():

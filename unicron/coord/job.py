@@ -111,7 +111,11 @@ class JobCore:
         before = self.job_activity()
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             return [Send(node_id, "reject", {"reason": "not a member of the job (fenced)"})]
-        self.members.nodes[node_id].activity = Activity.parse(body.get("activity"))
+        # Only a node still running the current attempt has a say: one that finished (or an
+        # old attempt's word) must not hold the others to a longer threshold.
+        attempt = self.attempt
+        current = attempt is not None and body.get("attempt") == attempt.number and node_id not in attempt.finished
+        self.members.nodes[node_id].activity = Activity.parse(body.get("activity")) if current else Activity.IDLE
         level = self.job_activity()
         ack = {"epoch": self.members.epoch, "state": self.phase.value, "activity": level.name.lower()}
         if level > before:

@@ -223,20 +223,24 @@ class HangDetector:
         last = self.stats.last_progress_all()
         return max(0.0, now - min(last.values())) if last else 0.0
 
-    def check(self, now: float, busy: bool = False, working_at: float | None = None) -> HangVerdict | None:
+    def check(self, now: float, busy: bool = False, working_at: float | None = None,
+              busy_at: float | None = None) -> HangVerdict | None:
         """A verdict while the job is hung (every call, until ``start`` begins a new attempt).
 
         ``busy``: some rank of the job is using CPU now (see ``unicron.detect.activity``); it
         selects the longer threshold. ``working_at``: when some rank of the job was last seen
         working (Python moving, or I/O) between steps; that counts as progress of every rank.
+        ``busy_at``: when some rank was last seen busy; once the job is idle, the idle
+        threshold runs from then (a long native call that ends is not a stall of its length).
         """
         ranks = self.stats.ranks
         if not ranks:
             return None
         threshold, warmup = self.threshold_s(busy)
         last = self.stats.last_progress_all()
-        if working_at is not None:
-            last = {r: max(ts, working_at) for r, ts in last.items()}
+        marks = [t for t in (working_at, None if busy else busy_at) if t is not None]
+        if marks:
+            last = {r: max(ts, max(marks)) for r, ts in last.items()}
         stalled = sorted((r for r in ranks if now - last[r] > threshold), key=lambda r: (last[r], r))
         if not stalled:
             return None

@@ -9,7 +9,8 @@ agent (``moved``) while it keeps changing, so the hang detector counts it as wor
 A poller (``while not ready: time.sleep(1)``, a data loader waiting on ``queue.get(timeout=5)``)
 changes frame only for the microseconds between two waits; a sample rarely lands there, so
 ``moving`` asks for changes in at least ``MIN_CHANGES`` of the last ``WINDOW`` samples. Costs
-nothing while steps flow: the thread only compares two clock readings every ``PERIOD_S``.
+nothing while steps flow: sampling starts only at 1.5 x the median recent step interval (at
+least ``OVERDUE_S``); before that the thread only compares two clock readings every ``PERIOD_S``.
 """
 
 from __future__ import annotations
@@ -65,19 +66,28 @@ class FrameWatch:
         self._last_boundary = clock()
         self._judge = MotionJudge()
         self._last_sent = 0.0
+        self._intervals: deque[float] = deque(maxlen=9)  # recent step intervals
+        self._overdue_s = OVERDUE_S
         self._pid = os.getpid()
         self._thread: threading.Thread | None = None
 
     def boundary(self) -> None:
-        self._last_boundary = self._clock()
+        now = self._clock()
+        self._intervals.append(now - self._last_boundary)
+        # Overdue: well past a usual step, so a healthy step is never sampled.
+        self._overdue_s = max(OVERDUE_S, 1.5 * sorted(self._intervals)[len(self._intervals) // 2])
+        self._last_boundary = now
         if self._thread is None or self._pid != os.getpid():  # first step, or a forked child that steps
             self._pid = os.getpid()
-            self._thread = threading.Thread(target=self._run, name="unicron-framewatch", daemon=True)
-            self._thread.start()
+            try:
+                self._thread = threading.Thread(target=self._run, name="unicron-framewatch", daemon=True)
+                self._thread.start()
+            except RuntimeError:  # no thread to be had (limits, interpreter exit): go without
+                self._thread = None
 
     def sample(self, now: float) -> bool:
         """One sample (the thread's body, callable from tests); returns whether ``moved`` was sent."""
-        if now - self._last_boundary < OVERDUE_S:
+        if now - self._last_boundary < self._overdue_s:
             self._judge.reset()
             return False
         if not self._judge.add(main_thread_signature()) or now - self._last_sent < SEND_EVERY_S:

@@ -1,0 +1,45 @@
+"""Children of a process from /proc/PID/task/TID/children: a process tree without scanning /proc.
+
+psutil's ``children()`` reads the parent of every process on the machine; on a GPU node with
+thousands of processes that is tens of milliseconds per call. The kernel's per-thread
+``children`` files list only what we ask about. Where they are missing (a kernel without
+CONFIG_PROC_CHILDREN, or not Linux) psutil is the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+_HAVE_CHILDREN_FILES = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids of the direct children of ``pid`` (any of its threads); [] if it is gone."""
+    if not _HAVE_CHILDREN_FILES:
+        try:
+            return [c.pid for c in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                found.extend(int(p) for p in fh.read().split())
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return found
+
+
+def tree_of(pid: int) -> list[int]:
+    """``pid`` and all its descendants, parents first."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree.extend(children_of(tree[i]))
+        i += 1
+    return tree
