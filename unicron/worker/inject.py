@@ -124,6 +124,11 @@ def fire(fault: Fault) -> None:
         while time.monotonic() < end:
             pass
     elif fault.kind == "kill":
+        # Let the report of the step that just completed reach the agent first, so the record
+        # ("exit on rank R at step S") does not depend on a race with the kill.
+        from unicron.worker import channel
+
+        channel.get().close()
         os.kill(os.getpid(), signal.SIGKILL)
         hang_forever()  # SIGKILL is delivered asynchronously; never run on past the fault
     elif fault.kind == "hang":
