@@ -32,3 +32,20 @@ def test_only_dead_owners_lose_their_directory(tmp_path) -> None:
     remove_orphaned_shm(str(tmp_path))
     assert not os.path.exists(gone) and not os.path.exists(reused)
     assert os.path.exists(mine) and foreign.exists()
+
+
+def test_work_dirs_of_dead_agents_are_removed_by_the_next_one(tmp_path, monkeypatch) -> None:
+    import tempfile
+
+    from unicron.agent.shm import make_work_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(dead.pid).create_time()
+    dead.wait()
+    left = _owned(tmp_path, "unicron-agent-left", dead.pid, created)  # an agent that was SIGKILLed
+    mine = make_work_dir()
+    assert os.path.basename(mine).startswith("unicron-agent-") and os.path.dirname(mine) == str(tmp_path)
+    assert not os.path.exists(left)
+    second = make_work_dir()  # another live agent on this machine keeps its directory
+    assert os.path.exists(mine) and os.path.exists(second)

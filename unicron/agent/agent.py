@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ from unicron.agent.healthwatch import HealthWatch
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import REAP_EVERY_S, reap_orphans
 from unicron.agent.settings import AgentSettings
-from unicron.agent.shm import make_shm_dir, scan_snapshots
+from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
 from unicron.agent.workers import GroupSpec, WorkerGroup
@@ -52,7 +51,7 @@ class Agent:
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.codec = Codec(s.secret, self.node_id, job=s.run_id)
         self.ctx: zmq.Context = zmq.Context.instance()
-        self.work_dir = tempfile.mkdtemp(prefix="unicron-agent-")  # short: ipc paths are limited to ~100 bytes
+        self.work_dir = make_work_dir()  # short: ipc paths are limited to ~100 bytes
         self.shm_dir = make_shm_dir(s.run_id)
         self.stack_dir = os.path.join(self.work_dir, "stacks")
         os.makedirs(self.stack_dir, exist_ok=True)

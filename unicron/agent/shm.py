@@ -50,8 +50,18 @@ def make_shm_dir(run_id: str) -> str:
     """The agent's snapshot directory in shared memory, marked with its owner (pid and start
     time), after removing those whose agent died without cleaning up (SIGKILL, lost node)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return make_owned_dir(f"unicron-{_safe(run_id)[:40]}-", base)
+
+
+def make_work_dir() -> str:
+    """The agent's private directory (IPC socket, stack dumps) in the temp dir, short enough for
+    ipc:// paths (~100 bytes), owner-marked and cleaned up the same way."""
+    return make_owned_dir("unicron-agent-", tempfile.gettempdir())
+
+
+def make_owned_dir(prefix: str, base: str) -> str:
     remove_orphaned_shm(base)
-    path = tempfile.mkdtemp(prefix=f"unicron-{_safe(run_id)[:40]}-", dir=base)
+    path = tempfile.mkdtemp(prefix=prefix, dir=base)
     with open(os.path.join(path, OWNER_FILE), "w") as fh:
         fh.write(f"{os.getpid()} {_start_time(os.getpid())}")
     return path
