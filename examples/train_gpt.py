@@ -28,11 +28,13 @@ reproduces the uninterrupted run bit for bit in these cases:
   so every reduction has the same shape and order in every run.
 * DDP with 2 ranks: each element is reduced as the sum of exactly two values, and floating
   point addition of two values is commutative, so the order of the ring does not matter.
-* DDP with more ranks may differ in the last bits after a restore: DDP's first iteration uses
-  its initial gradient buckets (parameters in reverse registration order) and then rebuilds
-  them in the order gradients actually became ready. An uninterrupted run uses the rebuilt
-  buckets at step N, a resumed run uses the initial ones; a different bucket layout changes
-  the chunks of the ring all-reduce and so the order in which three or more values are summed.
+* DDP with more ranks, restored by ``unicron run`` from its ``unicron.State`` snapshot: DDP's
+  first iteration uses its initial gradient buckets (parameters in reverse registration order)
+  and then rebuilds them in the order gradients became ready; the bucket layout changes the
+  chunks of the ring all-reduce and so the order in which three or more values are summed.
+  unicron records the rebuilt layout in each snapshot and gives it to the restored DDP.
+  Resuming from a disk checkpoint (``--ckpt-dir``) with 3 or more DDP ranks may differ in the
+  last bits.
 
 Faults for benchmarks (``--fault KIND@RANK:STEP``) fire only on the first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) and write the wall time to ``--fault-stamp`` just

@@ -38,6 +38,7 @@ from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
 from unicron.worker.liveness import FrameWatch
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
+DDP_MODULE = "torch.nn.parallel.distributed"
 
 
 class StepCounter:
@@ -139,31 +140,45 @@ def _register_optimizer_hook(optimizer_module: ModuleType) -> None:
         _rt.optimizer_hook = optimizer_module.register_optimizer_step_post_hook(_on_optimizer_step)
 
 
+def _install_ddp_layouts(ddp_module: ModuleType) -> None:
+    from unicron.worker import ddplayout
+
+    ddplayout.install(ddp_module)
+
+
+# Modules to hook right after they are executed, and how.
+_AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
+    OPTIMIZER_MODULE: lambda module: _register_optimizer_hook(module),
+    DDP_MODULE: lambda module: _install_ddp_layouts(module),
+}
+
+
 class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Registers the optimizer hook right after ``torch.optim.optimizer`` is executed."""
+    """Hooks ``torch.optim.optimizer`` (step counting) and DDP (bucket layouts) once executed."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != OPTIMIZER_MODULE:
+        if fullname not in _AFTER_IMPORT:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                _hook_after_exec(spec.loader)
+                _hook_after_exec(spec.loader, fullname)
                 return spec
         return None
 
 
-def _hook_after_exec(loader: Any) -> None:
+def _hook_after_exec(loader: Any, name: str) -> None:
     exec_module = loader.exec_module
 
     def exec_and_hook(module: ModuleType) -> None:
         exec_module(module)
-        _uninstall_watcher()
-        _register_optimizer_hook(module)
+        if all(n in sys.modules for n in _AFTER_IMPORT):
+            _uninstall_watcher()
+        _AFTER_IMPORT[name](module)
 
     loader.exec_module = exec_and_hook
 
@@ -177,10 +192,14 @@ def _uninstall_watcher() -> None:
 
 
 def _install_optimizer_hook() -> None:
-    module = sys.modules.get(OPTIMIZER_MODULE)
-    if module is not None:  # torch already imported (e.g. a warm interpreter)
-        _register_optimizer_hook(module)
-    elif _watcher not in sys.meta_path:
+    waiting = False
+    for name, hook in _AFTER_IMPORT.items():
+        module = sys.modules.get(name)
+        if module is not None:  # torch already imported (e.g. a warm interpreter)
+            hook(module)
+        else:
+            waiting = True
+    if waiting and _watcher not in sys.meta_path:
         sys.meta_path.insert(0, _watcher)
 
 

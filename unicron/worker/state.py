@@ -29,6 +29,9 @@ Usage::
     copied device-to-host into the slot and synchronised before the snapshot is declared. Returning means
     the snapshot is complete, so it is consistent whatever the training loop does next.
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.
+    Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
+    restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
+    continues bit for bit.
 ``flush(timeout=None)``
     Kept for compatibility: commits are synchronous, nothing is ever in flight; returns True.
 ``step``, ``extra``, ``enabled``
@@ -55,7 +58,7 @@ from typing import Any
 
 import torch
 
-from unicron.worker import channel, env, hooks, snapcodec, snapshot, snapslots
+from unicron.worker import channel, ddplayout, env, hooks, snapcodec, snapshot, snapslots
 
 
 def capture_rng() -> dict[str, Any]:
@@ -167,6 +170,8 @@ class State:
             "objects": {n: encoder.encode(o.state_dict(), n) for n, o in self._objects.items()},
             "extra": encoder.encode(self._extra, "extra"),
             "rng": encoder.encode(capture_rng(), "rng"),
+            # Each DDP's gradient-bucket layout: a restored DDP starts with it (bit-exact sums).
+            "ddp": ddplayout.current_layouts(),
         }
         try:
             if not self._store.prepared:  # restore() was not called: nothing to continue from
