@@ -130,7 +130,7 @@ class HangVerdict:
     warmup: bool
     stalled_ranks: tuple[int, ...]
     last_steps: dict[int, int | None]
-    busy: bool = False  # some rank of the job was using CPU or doing I/O (the longer threshold)
+    busy: bool = False  # some rank of the job was burning CPU with its Python still (the longer threshold)
 
     @property
     def message(self) -> str:
@@ -200,8 +200,8 @@ class HangDetector:
     def threshold_s(self, busy: bool = False) -> tuple[float, bool]:
         """The allowed gap without progress now, and whether it is the warm-up allowance.
 
-        ``busy``: some rank of the job is using CPU or doing I/O. The busy threshold is never
-        below the idle one, so raising ``floor_s`` or ``k`` always buys time.
+        ``busy``: some rank of the job burns CPU with its Python still. The busy threshold is
+        never below the idle one, so raising ``floor_s`` or ``k`` always buys time.
 
         Before every rank has completed a step: ``first_step_timeout_s`` (imports, data
         loading, compilation). During the rest of warm-up the running median is not known yet,

@@ -148,8 +148,8 @@ def _install_ddp_layouts(ddp_module: ModuleType) -> None:
 
 # Modules to hook right after they are executed, and how.
 _AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
-    OPTIMIZER_MODULE: lambda module: _register_optimizer_hook(module),
-    DDP_MODULE: lambda module: _install_ddp_layouts(module),
+    OPTIMIZER_MODULE: _register_optimizer_hook,
+    DDP_MODULE: _install_ddp_layouts,
 }
 
 
@@ -191,7 +191,7 @@ def _uninstall_watcher() -> None:
         sys.meta_path.remove(_watcher)
 
 
-def _install_optimizer_hook() -> None:
+def _install_import_hooks() -> None:
     waiting = False
     for name, hook in _AFTER_IMPORT.items():
         module = sys.modules.get(name)
@@ -291,7 +291,7 @@ def install() -> None:
     sys.excepthook = _excepthook
     threading.excepthook = _threading_excepthook
     os._exit = _os_exit
-    _install_optimizer_hook()
+    _install_import_hooks()
     _rt.installed = True
 
 
