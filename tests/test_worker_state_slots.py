@@ -152,15 +152,15 @@ def _markers(directory: Path) -> dict[int, int]:
 def test_no_marker_points_at_a_slot_while_it_is_overwritten(tmp_path: Path, monkeypatch) -> None:
     store = snapslots.SlotStore(tmp_path / "rank0", keep=3)
     store.prepare(newest_kept=0)
-    real_copy = snapslots.SlotStore._copy
+    real_views = snapslots.SlotStore._slot_views
     overwritten: list[int] = []
 
-    def checked_copy(self: snapslots.SlotStore, slot: int, layout: Any, tensors: Any) -> None:
+    def checked_views(self: snapslots.SlotStore, slot: int, layout: Any) -> Any:  # taken to copy into
         assert slot not in _markers(self.directory).values(), (slot, _markers(self.directory))
         overwritten.append(slot)
-        real_copy(self, slot, layout, tensors)
+        return real_views(self, slot, layout)
 
-    monkeypatch.setattr(snapslots.SlotStore, "_copy", checked_copy)
+    monkeypatch.setattr(snapslots.SlotStore, "_slot_views", checked_views)
     rng = random.Random(1)
     steps = [3, 6, 9, 12, 13, 13, 14, 20, 21, 22, 30]  # sparse, repeated (with step % keep collisions)
     for step in steps:
@@ -204,17 +204,19 @@ def test_failed_write_leaves_no_marker_on_the_slot_and_training_goes_on(
     state = State(model=weights, keep=2)
     for step in (1, 2):
         state.commit(step)
-    real_copy = snapslots.SlotStore._copy
+    assert state.flush(30)
+    real_copy = snapslots._copy
 
-    def dying_copy(self: snapslots.SlotStore, slot: int, layout: Any, tensors: Any) -> None:
+    def dying_copy(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")  # what a full /dev/shm gives at fallocate
 
-    monkeypatch.setattr(snapslots.SlotStore, "_copy", dying_copy)
+    monkeypatch.setattr(snapslots, "_copy", dying_copy)
     state.commit(3)  # slot of step 1 was being rewritten: its marker is gone, step 2 intact
     assert "snapshot write failed: OSError" in capsys.readouterr().err
     assert list(_markers(tmp_path / "rank0")) == [2] and state.step == 3
-    monkeypatch.setattr(snapslots.SlotStore, "_copy", real_copy)
+    monkeypatch.setattr(snapslots, "_copy", real_copy)
     state.commit(4)
+    assert state.flush(30)
     assert list(_markers(tmp_path / "rank0")) == [2, 4]
 
 
@@ -229,6 +231,7 @@ def test_restart_drops_the_failed_attempts_later_steps(tmp_path: Path, monkeypat
         with torch.no_grad():
             weights["w"].fill_(step)
         state.commit(step)
+    assert state.flush(30)
     rank_dir = tmp_path / "rank0"
     (rank_dir / "step0000000006.pt.tmp").write_text("{")  # a marker being written when killed
     assert _markers(rank_dir) == {3: 2, 4: 0, 5: 1}
@@ -241,6 +244,7 @@ def test_restart_drops_the_failed_attempts_later_steps(tmp_path: Path, monkeypat
     assert not list(rank_dir.glob("*.tmp"))
     state2.commit(5)
     state2.commit(6)  # evicts step 3, never step 4's slot before a newer one exists
+    assert state2.flush(30)
     assert _markers(rank_dir) == {4: 0, 5: 1, 6: 2}
 
     monkeypatch.delenv("UNICRON_RESTORE_STEP")  # a fresh start drops every old snapshot
@@ -260,3 +264,22 @@ def test_agent_reports_data_bytes_of_each_step(tmp_path: Path) -> None:
                for s in (1, 2)}
     assert found == {"0": [1, 2], "1": [1, 2]}
     assert sizes == {str(s): 4000 + 12000 + markers[s] for s in (1, 2)}
+
+
+def test_memoized_module_metadata_is_reused_only_while_equal(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    memo: dict[Any, Any] = {}
+    first = snapcodec.Encoder(memo).encode(model.state_dict(), "model")
+    again = snapcodec.Encoder(memo).encode(model.state_dict(), "model")
+    assert again["meta"] is first["meta"]  # equal metadata: the previous encoding, not a new walk
+    model[1]._version = 7  # what a module's version bump looks like in its state_dict
+    changed = snapcodec.Encoder(memo).encode(model.state_dict(), "model")
+    assert changed["meta"] is not first["meta"]
+    restored = _round_trip(tmp_path, model.state_dict())
+    assert restored._metadata["1"]["version"] == 7
+    _same(restored, model.state_dict())
+    # keys: plain string keys go as JSON object keys, anything else as a tagged map, memo or not
+    for _ in range(2):
+        assert snapcodec.Encoder(memo).encode({"a": 1, "b": 2}, "x") == {"a": 1, "b": 2}
+        assert "__map__" in snapcodec.Encoder(memo).encode({1: "a", 2: "b"}, "x")
+        assert "__map__" in snapcodec.Encoder(memo).encode({"__x": 1}, "x")

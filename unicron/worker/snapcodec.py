@@ -121,9 +121,12 @@ class Encoder:
     Runs on every commit, so paths are tuples built per node and formatted only when
     something is refused (an f-string per node cost more than the rest of the walk)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memo: dict[Any, tuple[Any, Any]] | None = None) -> None:
         self.tensors: list[torch.Tensor] = []
         self.specs: list[tuple[torch.dtype, torch.Size, tuple[int, ...] | None]] = []
+        # path -> (value, its encoding) from an earlier commit, for subtrees without tensors
+        # that come back equal every time (module state_dicts' version metadata)
+        self._memo = memo
 
     def encode(self, x: Any, path: Path) -> Any:
         kind = type(x)
@@ -156,16 +159,29 @@ class Encoder:
         raise _refuse(path, x)
 
     def _map(self, x: dict[Any, Any], path: Path) -> Any:
-        metadata = getattr(x, "_metadata", None)
-        if type(x) is dict and all(type(k) is str and not k.startswith("__") for k in x):
+        if type(x) is dict and _plain_keys(x):
             return {k: self.encode(v, (path, "item", k)) for k, v in x.items()}
         out: dict[str, Any] = {
             "__map__": _MAP_NAMES[type(x)],
             "items": [[self._key(k, path), self.encode(v, (path, "item", k))] for k, v in x.items()],
         }
+        metadata = getattr(x, "_metadata", None)
         if metadata is not None:  # module state_dicts carry versions load_state_dict reads
-            out["meta"] = self.encode(metadata, (path, "attr", "_metadata"))
+            out["meta"] = self._remembered(metadata, (path, "attr", "_metadata"))
         return out
+
+    def _remembered(self, x: Any, path: Path) -> Any:
+        """``encode(x)``, reusing the previous commit's encoding when ``x`` is equal to its value."""
+        if self._memo is None:
+            return self.encode(x, path)
+        seen = self._memo.get(path)
+        if seen is not None and type(seen[0]) is type(x) and seen[0] == x:
+            return seen[1]
+        count = len(self.tensors)
+        encoded = self.encode(x, path)
+        if len(self.tensors) == count:  # tensor indices differ per commit: never reused
+            self._memo[path] = (x, encoded)
+        return encoded
 
     def _key(self, k: Any, path: Path) -> Any:
         if type(k) is tuple:
@@ -183,6 +199,21 @@ class Encoder:
         self.specs.append((t.dtype, t.shape, stride))
         self.tensors.append(t)
         return {"__tensor__": len(self.tensors) - 1}
+
+
+_PLAIN_KEYS: dict[tuple[Any, ...], bool] = {}  # key tuples seen -> all plain JSON keys
+
+
+def _plain_keys(x: dict[Any, Any]) -> bool:
+    """Every key a string not starting with ``__`` (memoized: the same dicts come every commit)."""
+    keys = tuple(x)
+    plain = _PLAIN_KEYS.get(keys)
+    if plain is None:
+        plain = all(type(k) is str and not k.startswith("__") for k in keys)
+        if len(_PLAIN_KEYS) > 4096:
+            _PLAIN_KEYS.clear()
+        _PLAIN_KEYS[keys] = plain
+    return plain
 
 
 def _refuse(path: Path, x: object) -> TypeError:

@@ -6,10 +6,11 @@ protocol in ``snapslots``). It is written to ``step{S:010d}.pt.tmp`` and renamed
 is in place, and removed before its slot is reused, so a ``.pt`` that exists is complete. Each
 worker keeps its newest ``KEEP`` snapshots.
 
-Why three: commits are synchronous, so when rank A has finished step k a rank B in lockstep
-has at least k-1 complete; two kept would leave a common step, three leave a margin for a
-training loop whose ranks synchronise less than once per step, at ``KEEP`` times the state
-in shared memory.
+Why three: a rank's snapshot of step k completes before its optimizer steps again, so when
+rank A has committed step k a rank B in lockstep has at least k-1 complete, and a rank killed
+while its snapshot of k was in flight still has k-1; two kept would leave a common step, three
+leave a margin for a training loop whose ranks synchronise less than once per step, at
+``KEEP`` times the state in shared memory.
 
 Torch-free: the agent imports this to pick ``UNICRON_RESTORE_STEP`` (``common_step``).
 """

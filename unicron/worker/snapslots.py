@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,15 @@ class SlotStore:
 
     def write(self, step: int, tree: Any, encoder: snapcodec.Encoder) -> int:
         """Store ``tree`` (what ``encoder`` returned) as step ``step``; returns its data bytes."""
+        pending = self.stage(step, tree, encoder, deferred=())
+        pending.finish()
+        return pending.nbytes
+
+    def stage(self, step: int, tree: Any, encoder: snapcodec.Encoder,
+              deferred: Collection[int]) -> PendingSnapshot:
+        """First half of a write, on the caller's thread: take a slot and copy every tensor but
+        those whose indices are in ``deferred``; ``finish()`` on the result copies those and
+        publishes the marker. Nothing else may touch this store until it has finished."""
         tree_json = json.dumps(tree, allow_nan=False, separators=(",", ":"))  # may fail: before any change
         layout = self._layout
         if layout is None or layout.specs != encoder.specs:
@@ -100,40 +109,32 @@ class SlotStore:
         slot = choose_slot(self._held, self.keep, step)
         if slot in self._held:  # its data is about to be overwritten: no marker may point at it
             _unlink(self.directory / snapshot.snapshot_name(self._held.pop(slot)))
-        self._copy(slot, layout, encoder.tensors)
+        views = self._slot_views(slot, layout)
+        now, later = _split(len(encoder.tensors), deferred) if views else ([], [])
+        _copy([views[i] for i in now], [encoder.tensors[i] for i in now])
         head = json.dumps({"format": FORMAT, "step": step, "slot": slot, "nbytes": layout.nbytes})
         text = f'{head[:-1]},"tensors":{layout.records_json},"tree":{tree_json}}}'
+        return PendingSnapshot(self, step, slot, layout.nbytes, text,
+                               [views[i] for i in later], [encoder.tensors[i] for i in later])
+
+    def _publish(self, step: int, slot: int, text: str) -> None:
         final = self.directory / snapshot.snapshot_name(step)
         tmp = final.with_name(final.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, final)
         self._held[slot] = step
-        return layout.nbytes
 
-    def _copy(self, slot: int, layout: snapcodec.Layout, tensors: list[torch.Tensor]) -> None:
+    def _slot_views(self, slot: int, layout: snapcodec.Layout) -> list[torch.Tensor]:
         if layout.nbytes == 0:
-            return
+            return []
         cached = self._views.get(slot)
         if cached is not None and cached[0] is layout:
-            views = cached[1]
-        else:
-            data = self._map(slot, layout.nbytes)
-            views = [tensor_view(data, r) for r in layout.records]
-            self._views[slot] = (layout, views)
-        with torch.no_grad():  # a source that requires grad must not make the slot part of a graph
-            if not any(src.is_cuda for src in tensors):
-                torch._foreach_copy_(views, tensors)  # one call: no per-tensor Python overhead
-                return
-            devices: set[torch.device] = set()
-            for view, src in zip(views, tensors, strict=True):
-                if src.is_cuda:
-                    devices.add(src.device)
-                    view.copy_(src, non_blocking=True)
-                else:
-                    view.copy_(src)
-        for device in devices:  # device-to-host copies must have landed before the marker says "complete"
-            torch.cuda.synchronize(device)
+            return cached[1]
+        data = self._map(slot, layout.nbytes)
+        views = [tensor_view(data, r) for r in layout.records]
+        self._views[slot] = (layout, views)
+        return views
 
     def _map(self, slot: int, total: int) -> torch.Tensor:
         data = self._maps.get(slot)
@@ -153,6 +154,78 @@ class SlotStore:
         data = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
         self._maps[slot] = data
         return data
+
+
+class PendingSnapshot:
+    """A staged snapshot: ``finish()`` copies the deferred tensors and publishes the marker."""
+
+    def __init__(self, store: SlotStore, step: int, slot: int, nbytes: int, marker: str,
+                 views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        self.store, self.step, self.slot, self.nbytes = store, step, slot, nbytes
+        self._marker, self._views, self._sources = marker, views, sources
+        # Deferred CUDA sources were produced on the committing thread's streams; the copy,
+        # on another thread, starts once they are done (an event per device, recorded now).
+        self._ready = {t.device: _record_event(t.device) for t in sources if t.is_cuda}
+
+    def finish(self) -> None:
+        for event in self._ready.values():
+            event.synchronize()
+        # Copies from the device go on a stream of their own: the device's other streams carry
+        # the next step's work, which this copy must neither wait for nor hold up.
+        _copy(self._views, self._sources, streams={d: _side_stream(d) for d in self._ready})
+        self._views = self._sources = []  # drop the references: the training loop owns them
+        self.store._publish(self.step, self.slot, self._marker)
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _record_event(device: torch.device) -> Any:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _split(n: int, deferred: Collection[int]) -> tuple[list[int], list[int]]:
+    if not deferred:
+        return list(range(n)), []
+    later = set(deferred)
+    return [i for i in range(n) if i not in later], sorted(later)
+
+
+def _copy(views: list[torch.Tensor], tensors: list[torch.Tensor],
+          streams: Mapping[torch.device, Any] | None = None) -> None:
+    """Copy ``tensors`` into ``views``; device-to-host copies have landed when it returns, on
+    ``streams[device]`` if given (only those are waited for), else on the current stream."""
+    if not views:
+        return
+    with torch.no_grad():  # a source that requires grad must not make the slot part of a graph
+        if not any(src.is_cuda for src in tensors):
+            torch._foreach_copy_(views, tensors)  # one call: no per-tensor Python overhead
+            return
+        devices: set[torch.device] = set()
+        for view, src in zip(views, tensors, strict=True):
+            if not src.is_cuda:
+                view.copy_(src)
+                continue
+            devices.add(src.device)
+            if streams:
+                with torch.cuda.stream(streams[src.device]):
+                    view.copy_(src, non_blocking=True)
+            else:
+                view.copy_(src, non_blocking=True)
+    for device in devices:  # device-to-host copies must have landed before the marker says "complete"
+        if streams:
+            streams[device].synchronize()
+        else:
+            torch.cuda.synchronize(device)
 
 
 def tensor_view(data: torch.Tensor, record: Mapping[str, Any]) -> torch.Tensor:

@@ -22,24 +22,34 @@ Usage::
     and changes nothing in the objects. The worker's step counter continues from the restored
     step. Snapshots this rank holds of later steps (the failed attempt's) are dropped.
 ``commit(step)``
-    Copies every tensor (and the RNG states) into a slot of shared memory that stays mapped
-    from one commit to the next, so the cost is one ``copy_`` per tensor on the caller's
-    thread: no serialization, no background thread. Then it writes the tree as JSON next to
-    it and tells the agent (``snap``); layout and protocol in ``snapslots``. CUDA tensors are
-    copied device-to-host into the slot and synchronised before the snapshot is declared. Returning means
-    the snapshot is complete, so it is consistent whatever the training loop does next.
+    Snapshots the state as it is now into a slot of shared memory that stays mapped from one
+    commit to the next (layout and protocol in ``snapslots``), in two halves. On the caller's
+    thread: every ``state_dict()``, the RNG states, the tree (JSON), and a copy of every tensor
+    that the next iteration may change before its optimizer step (buffers such as BatchNorm
+    statistics, ``extra``, the RNG states). In the background (``snapwriter``): the copy of the
+    optimizers' parameters and state tensors, which only ``optimizer.step()`` changes, then the
+    marker that declares the snapshot complete and the ``snap`` message to the agent. So the big
+    copy overlaps the next forward and backward (on a GPU: a device-to-host copy on a stream of
+    its own), and a global optimizer step pre-hook waits for it before any optimizer changes
+    what it copies. At most one snapshot is in flight; the next commit waits for it. A worker
+    killed within the copy (about a millisecond per 10 MB on a CPU) loses that snapshot too, and
+    is restored from the one before: the step in flight and the step whose snapshot was in flight.
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.
     Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
     restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
     continues bit for bit.
-``flush(timeout=None)``
-    Kept for compatibility: commits are synchronous, nothing is ever in flight; returns True.
+``flush(timeout=None) -> bool``
+    Waits until the last commit's snapshot is complete (False if ``timeout`` passed first).
+    Needed only before changing parameters or optimizer state in place *outside*
+    ``optimizer.step()`` right after a commit (e.g. ``model.load_state_dict``, a manual weight
+    clamp before the next step). A normal exit and ``os._exit`` flush by themselves.
 ``step``, ``extra``, ``enabled``
     Steps completed as of the last restore/commit; the live extra dict; whether snapshots are
     being written.
 
 A failed write (e.g. shared memory full: slot files are ``posix_fallocate``d, so a full tmpfs
-is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr and training goes on;
+is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr (by the next
+commit or flush when the background half failed) and training goes on;
 the agent then restores from the newest snapshot that was written. Refused at commit, with the
 path of the offending value: anything the JSON codec (``snapcodec``) cannot give back with its
 exact type (numpy scalars, arbitrary objects, sparse or quantized tensors). Restored tensors are
@@ -51,6 +61,8 @@ created); scripts that resume mid-epoch keep their batch index in ``extra``.
 
 from __future__ import annotations
 
+import array
+import atexit
 import random
 import sys
 from pathlib import Path
@@ -58,13 +70,17 @@ from typing import Any
 
 import torch
 
-from unicron.worker import channel, ddplayout, env, hooks, snapcodec, snapshot, snapslots
+from unicron.worker import channel, ddplayout, env, hooks, snapcodec, snapshot, snapslots, snapwriter
+
+EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
 
 
 def capture_rng() -> dict[str, Any]:
     """Every RNG state a training step may draw from, as values ``snapcodec`` encodes."""
     version, internal, gauss = random.getstate()  # 625 ints: one tensor, not 625 JSON numbers
-    rng: dict[str, Any] = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+    # 625 ints through an array: half the time of torch.tensor(list of ints); the tensor keeps it alive
+    as_tensor = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
+    rng: dict[str, Any] = {"python": {"version": version, "state": as_tensor,
                                       "gauss": gauss},
                            "torch": torch.get_rng_state()}
     np = sys.modules.get("numpy")
@@ -114,6 +130,12 @@ class State:
         self._step = 0
         self._store = snapslots.SlotStore(snapshot.rank_dir(self._root or ".", self._rank), keep)
         self._last_error: str | None = None
+        self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
+        self._writer = snapwriter.Writer()
+        snapwriter.install_fence()
+        # A normal exit and os._exit both wait for the snapshot in flight (a kill cannot).
+        atexit.register(self._flush_at_exit)
+        hooks.add_hard_exit_callback(self._flush_at_exit)
 
     @property
     def step(self) -> int:
@@ -131,6 +153,7 @@ class State:
         return f"unicron.State(objects={list(self._objects)}, step={self._step}, enabled={self.enabled})"
 
     def restore(self) -> int:
+        self._writer.wait()
         if self._root is None:
             return 0
         step = self._restore_step or 0  # unset, or nothing completed yet: a fresh start
@@ -161,10 +184,12 @@ class State:
 
     def commit(self, step: int) -> None:
         step = int(step)
+        self._writer.wait()  # the previous snapshot (normally done long ago, during this step)
+        self._report_failure()
         self._step = step
         if self._root is None:
             return
-        encoder = snapcodec.Encoder()  # refuses what it cannot give back, with its path
+        encoder = snapcodec.Encoder(self._memo)  # refuses what it cannot give back, with its path
         tree = {
             "rank": self._rank,
             "objects": {n: encoder.encode(o.state_dict(), n) for n, o in self._objects.items()},
@@ -173,18 +198,52 @@ class State:
             # Each DDP's gradient-bucket layout: a restored DDP starts with it (bit-exact sums).
             "ddp": ddplayout.current_layouts(),
         }
+        owned = self._optimizer_owned()
+        later = [i for i, t in enumerate(encoder.tensors) if t.data_ptr() in owned] if owned else []
         try:
             if not self._store.prepared:  # restore() was not called: nothing to continue from
                 self._store.prepare(newest_kept=0)
-            nbytes = self._store.write(step, tree, encoder)
+            pending = self._store.stage(step, tree, encoder, later)
         except (OSError, RuntimeError) as err:  # e.g. shm full: report once per distinct error, go on
-            text = f"{type(err).__name__}: {err}"
-            if text != self._last_error:
-                print(f"unicron: snapshot write failed: {text}", file=sys.stderr, flush=True)
-                self._last_error = text
+            self._report_failure(err)
             return
-        channel.get().emit("snap", step=step, bytes=nbytes)
+        self._writer.submit(lambda: self._finish(pending))
+
+    def _finish(self, pending: snapslots.PendingSnapshot) -> None:
+        """The background half of a commit (``snapwriter``)."""
+        pending.finish()
+        channel.get().emit("snap", step=pending.step, bytes=pending.nbytes)
+
+    def _optimizer_owned(self) -> set[int]:
+        """Data pointers of what only ``optimizer.step()`` changes: every parameter and state
+        tensor of the optimizers in this State. Their copy may finish in the background."""
+        owned: set[int] = set()
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                for group in obj.param_groups:
+                    owned.update(p.data_ptr() for p in group["params"])
+                for per_param in obj.state.values():
+                    owned.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        owned.discard(0)  # empty tensors: nothing to copy, and they would all match
+        return owned
+
+    def _report_failure(self, err: BaseException | None = None) -> None:
+        err = err or self._writer.take_error()
+        if err is None:
+            return
+        text = f"{type(err).__name__}: {err}"
+        if text != self._last_error:  # once per distinct error: training goes on
+            print(f"unicron: snapshot write failed: {text}", file=sys.stderr, flush=True)
+            self._last_error = text
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Nothing to wait for: ``commit`` returns once its snapshot is complete."""
-        return True
+        """Wait until the last commit's snapshot is complete; False if ``timeout`` s passed first.
+        Call it before changing parameters or optimizer state in place outside
+        ``optimizer.step()`` (e.g. ``model.load_state_dict``) right after a commit."""
+        done = self._writer.wait(timeout)
+        if done:
+            self._report_failure()
+        return done
+
+    def _flush_at_exit(self, *_: Any) -> None:
+        self._writer.wait(EXIT_WAIT_S)
