@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CHECKS = ("pynvml", "warm", "nccl", "hang", "hang-item", "cuda-assert", "crash")
+CHECKS = ("pynvml", "warm", "nccl", "hang", "hang-item", "cuda-assert", "crash", "snapshot")
 FAULT_STEP = 5
 ASSERT_STEP = 3
 STEPS = 120
@@ -336,9 +336,23 @@ def check_crash(ctx: Context) -> Result:
     return ok, line, s
 
 
+def check_snapshot(ctx: Context) -> Result:
+    """unicron.State on the GPU: background commits exact, and their cost next to synchronous ones."""
+    code, out, err = run_command([sys.executable, str(JOBS / "snapshot_probe.py")], ctx.env, min(ctx.left(), 240),
+                                 ctx.work)
+    try:
+        d = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return False, f"snapshot probe exit {code}: {err.strip()[-300:]!r}", {"exit_code": code, "stderr": err[-3000:]}
+    ok = code == 0 and all(d.get("exact") or [False])
+    line = (f"{d.get('device')}, {d.get('state_mb')} MB of state: background snapshots exact {d.get('exact')}; "
+            f"steps/s vs no snapshot: synchronous {d.get('ratio_sync')}, background {d.get('ratio_background')}")
+    return ok, line, d
+
+
 CHECK_FUNCS: dict[str, Callable[[Context], Result]] = {
     "pynvml": check_pynvml, "warm": check_warm, "nccl": check_nccl, "hang": check_hang, "hang-item": check_hang_item,
-    "cuda-assert": check_cuda_assert, "crash": check_crash,
+    "cuda-assert": check_cuda_assert, "crash": check_crash, "snapshot": check_snapshot,
 }
 
 

@@ -142,14 +142,15 @@ def checks_by_name(path: Path) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in result["checks"]}
 
 
-def test_cpu_run_of_the_warm_hang_and_crash_checks(workdir: Path) -> None:
+def test_cpu_run_of_the_warm_hang_crash_and_snapshot_checks(workdir: Path) -> None:
     out_file = workdir / "cpu.json"
-    code, out, err = run_script(["--cpu", "--out", str(out_file), "--only", "warm,nccl,hang,hang-item,crash"],
-                           workdir)
+    code, out, err = run_script(["--cpu", "--out", str(out_file), "--only", "warm,nccl,hang,hang-item,crash,snapshot"],
+                                workdir)
     assert code == 0, err
     lines = out.splitlines()
     assert [line.split()[:2] for line in lines[1:]] == [
-        ["[ok]", "warm"], ["[skip]", "nccl"], ["[ok]", "hang"], ["[skip]", "hang-item"], ["[ok]", "crash"]], out
+        ["[ok]", "warm"], ["[skip]", "nccl"], ["[ok]", "hang"], ["[skip]", "hang-item"], ["[ok]", "crash"],
+        ["[ok]", "snapshot"]], out
     checks = checks_by_name(out_file)
     warm = checks["warm"]["details"]
     assert warm["ready"] and warm["disabled"] is None and warm["threads"] == 1 and warm["exit_code"] == 0
@@ -161,6 +162,8 @@ def test_cpu_run_of_the_warm_hang_and_crash_checks(workdir: Path) -> None:
     assert crash["first_fault"]["signal"] == "SIGKILL" and crash["decisions"][0]["rule"] == "sigkill"
     assert crash["restore_step"] == 4 and crash["exit_code"] == 0 and 0 <= crash["detection_s"] < 5.0
     assert crash["leftover_pids_killed"] == [] == hang["leftover_pids_killed"]
+    snap = checks["snapshot"]["details"]
+    assert snap["device"] == "cpu" and snap["exact"] == [True, True, True] and snap["ratio_background"] > 0
 
 
 def test_a_check_past_its_timeout_is_stopped_and_recorded(workdir: Path) -> None:

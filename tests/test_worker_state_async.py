@@ -1,5 +1,6 @@
 """unicron.State's background half: commit() returns before the copy of parameters and optimizer
 state is done, and nothing can change them before it is (the optimizer step pre-hook waits).
+The background half is the default for GPU state; these tests ask for it with CPU tensors.
 
 The background copy is slowed down on purpose (a gate the test opens), so every race a missing
 fence would lose is lost for certain, not by chance."""
@@ -66,7 +67,7 @@ def _clone(sd: dict[str, Any]) -> dict[str, Any]:
 def test_commit_returns_before_the_copy_and_the_next_optimizer_step_waits_for_it(
         snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = _model_and_opt()
-    state = State(model=model, optimizer=opt)
+    state = State(model=model, optimizer=opt, background=True)
     state.restore()
     _step(model, opt)
     committed = _clone(model.state_dict())
@@ -102,7 +103,7 @@ def test_what_the_next_forward_changes_is_copied_at_commit(snap_env: Path, monke
     # likes: only what optimizer.step() alone changes may be copied later.
     model, opt = _model_and_opt()
     extra = {"seen": torch.zeros(3)}
-    state = State(model=model, optimizer=opt, extra=extra)
+    state = State(model=model, optimizer=opt, extra=extra, background=True)
     state.restore()
     _step(model, opt)
     committed = _clone(model.state_dict())
@@ -123,7 +124,7 @@ def test_what_the_next_forward_changes_is_copied_at_commit(snap_env: Path, monke
 def test_a_failed_background_copy_is_reported_by_the_next_commit(
         snap_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     model, opt = _model_and_opt()
-    state = State(model=model, optimizer=opt)
+    state = State(model=model, optimizer=opt, background=True)
     state.restore()
     _step(model, opt)
     state.commit(1)
@@ -149,7 +150,7 @@ def test_a_failed_background_copy_is_reported_by_the_next_commit(
 
 def test_flush_times_out_while_the_copy_is_held(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = _model_and_opt()
-    state = State(model=model, optimizer=opt)
+    state = State(model=model, optimizer=opt, background=True)
     state.restore()
     gate = Gate(monkeypatch)
     state.commit(1)
@@ -171,7 +172,7 @@ snapslots.PendingSnapshot.finish = slow
 hooks.install()
 model = torch.nn.Linear(3, 3)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-state = State(model=model, optimizer=opt)
+state = State(model=model, optimizer=opt, background=True)
 state.restore()
 model(torch.ones(1, 3)).sum().backward()
 opt.step()
@@ -211,3 +212,17 @@ def test_fence_in_a_forked_child_does_not_wait_for_the_parents_writer() -> None:
     release.set()
     assert writer.wait(30)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_cpu_state_commits_synchronously_by_default(snap_env: Path) -> None:
+    model, opt = _model_and_opt()
+    state = State(model=model, optimizer=opt)
+    state.restore()
+    for step in (1, 2):
+        _step(model, opt)
+        committed = _clone(model.state_dict())
+        state.commit(step)
+        assert snapshot.list_steps(snap_env)[-1] == step  # complete on return: no window
+        assert not state._writer.busy
+        saved = snapslots.read(snap_env, step)
+        assert all(torch.equal(saved["objects"]["model"][k], v) for k, v in committed.items())

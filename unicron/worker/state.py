@@ -8,13 +8,15 @@ Usage::
     start = state.restore()          # steps completed: 0 on a fresh start
     for step in range(start, total):
         ...                          # forward / backward / opt.step()
-        state.commit(step + 1)       # "step + 1 steps completed", snapshotted before it returns
+        state.commit(step + 1)       # "step + 1 steps completed"
 
-``State(extra=None, keep=3, **objects)``
+``State(extra=None, keep=3, background=None, **objects)``
     ``objects``: anything with ``state_dict()`` / ``load_state_dict()`` (model, optimizer, LR
     scheduler, GradScaler, ...), by name; ``None`` values are ignored. ``extra``: a dict of
     tensors, python scalars/strings and lists/tuples/dicts of them; it is held live, so
-    ``state.extra`` (the same dict) shows restored values after ``restore()``.
+    ``state.extra`` (the same dict) shows restored values after ``restore()``. ``background``:
+    whether commits finish in the background (below); ``None`` (default): when the state is
+    on a GPU.
 ``restore() -> int``
     Under a unicron restart (``UNICRON_RESTORE_STEP`` set), loads this rank's snapshot of that
     step into every object, ``extra`` and all RNG states (python ``random``, numpy's global RNG
@@ -29,18 +31,25 @@ Usage::
     statistics, ``extra``, the RNG states). In the background (``snapwriter``): the copy of the
     optimizers' parameters and state tensors, which only ``optimizer.step()`` changes, then the
     marker that declares the snapshot complete and the ``snap`` message to the agent. So the big
-    copy overlaps the next forward and backward (on a GPU: a device-to-host copy on a stream of
-    its own), and a global optimizer step pre-hook waits for it before any optimizer changes
-    what it copies. At most one snapshot is in flight; the next commit waits for it. A worker
-    killed within the copy (about a millisecond per 10 MB on a CPU) loses that snapshot too, and
-    is restored from the one before: the step in flight and the step whose snapshot was in flight.
+    device-to-host copy runs on a CUDA stream of its own while the next forward and backward
+    run, and a global optimizer step pre-hook waits for it before any optimizer changes what it
+    copies. At most one snapshot is in flight; the next commit waits for it. A worker killed
+    while its snapshot is in flight loses that snapshot too and is restored from the one
+    before: the step in flight and the step whose snapshot was in flight.
+
+    **Synchronous on CPU** (``background=None`` with CPU tensors): there the copy competes for
+    the same cores and memory bandwidth as the training it would overlap, and measured in one
+    process with a core to spare it bought nothing (steps 0.936-0.947 of a run without
+    snapshots either way, docs/benchmarks.md), while it opens that window of a second lost step.
+    So a CPU commit returns with its snapshot complete; ``background=True`` asks for the
+    background half anyway.
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.
     Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
     restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
     continues bit for bit.
 ``flush(timeout=None) -> bool``
     Waits until the last commit's snapshot is complete (False if ``timeout`` passed first).
-    Needed only before changing parameters or optimizer state in place *outside*
+    Needed only with a background commit, before changing parameters or optimizer state in place *outside*
     ``optimizer.step()`` right after a commit (e.g. ``model.load_state_dict``, a manual weight
     clamp before the next step). A normal exit and ``os._exit`` flush by themselves.
 ``step``, ``extra``, ``enabled``
@@ -111,7 +120,8 @@ def restore_rng(rng: dict[str, Any]) -> None:
 class State:
     """Training state snapshotted every step; see the module docstring."""
 
-    def __init__(self, *, extra: dict[str, Any] | None = None, keep: int = snapshot.KEEP, **objects: Any):
+    def __init__(self, *, extra: dict[str, Any] | None = None, keep: int = snapshot.KEEP,
+                 background: bool | None = None, **objects: Any):
         self._objects: dict[str, Any] = {}
         for name, obj in objects.items():
             if obj is None:
@@ -130,6 +140,7 @@ class State:
         self._step = 0
         self._store = snapslots.SlotStore(snapshot.rank_dir(self._root or ".", self._rank), keep)
         self._last_error: str | None = None
+        self._background = background
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
@@ -198,12 +209,20 @@ class State:
             # Each DDP's gradient-bucket layout: a restored DDP starts with it (bit-exact sums).
             "ddp": ddplayout.current_layouts(),
         }
-        owned = self._optimizer_owned()
-        later = [i for i, t in enumerate(encoder.tensors) if t.data_ptr() in owned] if owned else []
+        background = self._background
+        if background is None:  # see "Synchronous on CPU" in the module docstring
+            background = any(t.is_cuda for t in encoder.tensors)
+        later: list[int] = []
+        if background:
+            owned = self._optimizer_owned()
+            later = [i for i, t in enumerate(encoder.tensors) if t.data_ptr() in owned]
         try:
             if not self._store.prepared:  # restore() was not called: nothing to continue from
                 self._store.prepare(newest_kept=0)
             pending = self._store.stage(step, tree, encoder, later)
+            if not background:
+                self._finish(pending)
+                return
         except (OSError, RuntimeError) as err:  # e.g. shm full: report once per distinct error, go on
             self._report_failure(err)
             return
