@@ -1,7 +1,8 @@
 """Failure-free throughput: steps per second under unicron vs torchrun, same script and flags.
 
 Under unicron the workers carry everything unicron adds (the injected step hooks, the agent
-channel, an asynchronous ``unicron.State`` snapshot after every step); under torchrun
+channel, a ``unicron.State`` snapshot after every step: synchronous for this CPU job, see
+``unicron/worker/state.py``); under torchrun
 ``commit()`` is a no-op. The rate is taken from rank 0's ``--step-log`` between step
 ``--warmup`` and the last step, so start-up is excluded. Launchers alternate run by run.
 Target: unicron within 1% of torchrun (ratio >= 0.99).

@@ -26,7 +26,7 @@ BLOCK, CYCLES = 10, 5
 def main() -> int:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     root = tempfile.mkdtemp(prefix="unicron-snapshot-probe-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.environ.update(UNICRON_SNAPSHOT_DIR=root, RANK="0")
+    os.environ["RANK"] = "0"
     os.environ.pop("UNICRON_RESTORE_STEP", None)
     try:
         torch.manual_seed(0)
@@ -40,9 +40,11 @@ def main() -> int:
             model(x).square().mean().backward()
             opt.step()
 
-        states = {"sync": State(model=model, optimizer=opt, background=False),
-                  # GPU state commits in the background by default; CPU state is asked to
-                  "background": State(model=model, optimizer=opt, background=None if device.type == "cuda" else True)}
+        states = {}
+        # GPU state commits in the background by default; CPU state is asked to
+        for mode, background in (("sync", False), ("background", None if device.type == "cuda" else True)):
+            os.environ["UNICRON_SNAPSHOT_DIR"] = os.path.join(root, mode)  # one directory each: a State owns its slots
+            states[mode] = State(model=model, optimizer=opt, background=background)
         exact = []
         state = states["background"]
         state.restore()
