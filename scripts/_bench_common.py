@@ -9,9 +9,11 @@ training script reports what happened through files both launchers leave alone:
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -271,7 +273,12 @@ def pick_launchers(only: str | None) -> list[str]:
 
 
 def workdir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"unicron-{prefix}-"))
+    """A fresh directory for one run's logs, removed when the benchmark exits unless
+    ``UNICRON_BENCH_KEEP=1`` (then its path is in the launcher's log lines to inspect)."""
+    path = Path(tempfile.mkdtemp(prefix=f"unicron-{prefix}-"))
+    if os.environ.get("UNICRON_BENCH_KEEP") != "1":
+        atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def median(values: Sequence[float]) -> float | None:
