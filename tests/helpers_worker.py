@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -194,3 +195,12 @@ class Rendezvous:
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": str(attempt),
         }
+
+
+def snapshot_env(monkeypatch: pytest.MonkeyPatch, root: Path, rank: int) -> None:
+    """This process as rank ``rank`` of a unicron worker with snapshots under ``root``: no
+    agent, no restore step (a fresh start)."""
+    monkeypatch.setenv("UNICRON_SNAPSHOT_DIR", str(root))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.delenv("UNICRON_RESTORE_STEP", raising=False)
+    monkeypatch.delenv("UNICRON_AGENT_ADDR", raising=False)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers_worker import snapshot_env
 
 from unicron.worker import snapshot, snapslots, snapwriter
 from unicron.worker.state import State
@@ -23,10 +24,7 @@ from unicron.worker.state import State
 
 @pytest.fixture()
 def snap_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("UNICRON_SNAPSHOT_DIR", str(tmp_path / "snaps"))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv("UNICRON_RESTORE_STEP", raising=False)
-    monkeypatch.delenv("UNICRON_AGENT_ADDR", raising=False)
+    snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
     return tmp_path / "snaps" / "rank0"
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers_worker import snapshot_env
 
 import unicron
 from unicron.errors import ConfigError
@@ -33,10 +34,7 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 @pytest.fixture()
 def snap_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("UNICRON_SNAPSHOT_DIR", str(tmp_path / "snaps"))
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.delenv("UNICRON_RESTORE_STEP", raising=False)
-    monkeypatch.delenv("UNICRON_AGENT_ADDR", raising=False)
+    snapshot_env(monkeypatch, tmp_path / "snaps", rank=1)
     return tmp_path / "snaps"
 
 
