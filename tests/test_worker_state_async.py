@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,10 +207,19 @@ def test_fence_in_a_forked_child_does_not_wait_for_the_parents_writer() -> None:
             os._exit(0 if writer.wait(0) else 3)
         finally:
             os._exit(4)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 30
+    status = None
+    while status is None and time.monotonic() < deadline:  # a child stuck in the fence: fail, not hang
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        status = raw if done else None
+        if status is None:
+            time.sleep(0.01)
+    if status is None:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
     release.set()
     assert writer.wait(30)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert status is not None and os.waitstatus_to_exitcode(status) == 0
 
 
 def test_cpu_state_commits_synchronously_by_default(snap_env: Path) -> None:
@@ -224,3 +234,29 @@ def test_cpu_state_commits_synchronously_by_default(snap_env: Path) -> None:
         assert not state._writer.busy
         saved = snapslots.read(snap_env, step)
         assert all(torch.equal(saved["objects"]["model"][k], v) for k, v in committed.items())
+
+
+def test_background_with_nothing_to_defer_commits_at_once(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.ones(8))})  # no optimizer in the State
+    state = State(model=weights, background=True)
+    state.restore()
+    gate = Gate(monkeypatch)
+    gate.open.set()
+    state.commit(1)
+    assert snapshot.list_steps(snap_env) == [1] and gate.threads == ["MainThread"]
+
+
+def test_a_dropped_state_is_not_kept_alive_by_its_writer(snap_env: Path) -> None:
+    import gc
+    import weakref
+
+    model, opt = _model_and_opt()
+    state = State(model=model, optimizer=opt, background=True)
+    state.restore()
+    _step(model, opt)
+    state.commit(1)
+    assert state.flush(30)
+    ref = weakref.ref(state)
+    del state
+    gc.collect()
+    assert ref() is None

@@ -278,8 +278,21 @@ def test_memoized_module_metadata_is_reused_only_while_equal(tmp_path: Path) -> 
     restored = _round_trip(tmp_path, model.state_dict())
     assert restored._metadata["1"]["version"] == 7
     _same(restored, model.state_dict())
-    # keys: plain string keys go as JSON object keys, anything else as a tagged map, memo or not
+    # equal but not the same: True == 1 == 1.0, yet each must come back as what it was
+    for version in (True, 1.0, 1):
+        meta = collections.OrderedDict([("", {"version": version})])
+        sd = collections.OrderedDict([("w", torch.zeros(1))])
+        sd._metadata = meta  # type: ignore[attr-defined]
+        again = snapcodec.decode(snapcodec.Encoder(memo).encode(sd, "m"), lambda i: torch.zeros(1))
+        assert type(again._metadata[""]["version"]) is type(version)
+    # keys: plain string keys go as JSON object keys, anything else as a tagged map, memo or not;
+    # a str subclass equals its str, and is still refused after the plain key was seen
+    class Key(str):
+        pass
+
     for _ in range(2):
+        with pytest.raises(TypeError, match="key"):
+            snapcodec.Encoder(memo).encode({Key("a"): 1, "b": 2}, "x")
         assert snapcodec.Encoder(memo).encode({"a": 1, "b": 2}, "x") == {"a": 1, "b": 2}
         assert "__map__" in snapcodec.Encoder(memo).encode({1: "a", 2: "b"}, "x")
         assert "__map__" in snapcodec.Encoder(memo).encode({"__x": 1}, "x")

@@ -50,12 +50,17 @@ def main() -> int:
         state.restore()
         for step in (1, 2, 3):
             train_step()
-            committed = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            # clones on the device, queued behind the optimizer step: nothing waits for the GPU
+            # before commit(), so only the event recorded there orders the background copy
+            committed = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
             state.commit(step)
             train_step()  # runs while the copy may be in flight; its optimizer step waits for it
             state.flush()
-            saved = snapslots.read(state._store.directory, step)["objects"]["model"]
-            exact.append(all(torch.equal(saved[k], v) for k, v in committed.items()))
+            saved = snapslots.read(state._store.directory, step)["objects"]
+            exact.append(all(torch.equal(saved["model"][k], v.cpu()) for k, v in committed.items())
+                         and all(torch.equal(saved["optimizer"]["state"][i]["exp_avg"], m.cpu())
+                                 for i, m in enumerate(moments)))
         times: dict[str, list[float]] = {"none": [], "sync": [], "background": []}
         n = 10
         for _ in range(CYCLES):

@@ -174,13 +174,14 @@ class Encoder:
         """``encode(x)``, reusing the previous commit's encoding when ``x`` is equal to its value."""
         if self._memo is None:
             return self.encode(x, path)
+        key = _flat_metadata(x)
+        if key is None:  # not the shape module metadata has: no shortcut
+            return self.encode(x, path)
         seen = self._memo.get(path)
-        if seen is not None and type(seen[0]) is type(x) and seen[0] == x:
+        if seen is not None and seen[0] == key:
             return seen[1]
-        count = len(self.tensors)
         encoded = self.encode(x, path)
-        if len(self.tensors) == count:  # tensor indices differ per commit: never reused
-            self._memo[path] = (x, encoded)
+        self._memo[path] = (key, encoded)
         return encoded
 
     def _key(self, k: Any, path: Path) -> Any:
@@ -201,15 +202,33 @@ class Encoder:
         return {"__tensor__": len(self.tensors) - 1}
 
 
-_PLAIN_KEYS: dict[tuple[Any, ...], bool] = {}  # key tuples seen -> all plain JSON keys
+def _flat_metadata(x: Any) -> tuple[Any, ...] | None:
+    """A value that equals another's only when both encode the same, for module metadata
+    (``{str: {str: int, bool, str or None}}``): keys and values with their exact types. None for
+    anything else (not memoized)."""
+    if type(x) not in (dict, collections.OrderedDict):
+        return None
+    out: list[Any] = [type(x)]
+    for k, v in x.items():
+        if type(k) is not str or type(v) is not dict:
+            return None
+        items = tuple((a, type(b), b) for a, b in v.items())
+        if any(type(a) is not str or type(b) not in _SCALARS for a, b in v.items()):
+            return None
+        out.append((k, items))
+    return tuple(out)
+
+
+_PLAIN_KEYS: dict[tuple[Any, ...], bool] = {}  # (keys, their types) seen -> all plain JSON keys
 
 
 def _plain_keys(x: dict[Any, Any]) -> bool:
-    """Every key a string not starting with ``__`` (memoized: the same dicts come every commit)."""
-    keys = tuple(x)
+    """Every key a string not starting with ``__`` (memoized: the same dicts come every commit;
+    the key's types are part of the memo, since a str subclass equals its str)."""
+    keys = (tuple(x), tuple(map(type, x)))
     plain = _PLAIN_KEYS.get(keys)
     if plain is None:
-        plain = all(type(k) is str and not k.startswith("__") for k in keys)
+        plain = all(type(k) is str and not k.startswith("__") for k in keys[0])
         if len(_PLAIN_KEYS) > 4096:
             _PLAIN_KEYS.clear()
         _PLAIN_KEYS[keys] = plain

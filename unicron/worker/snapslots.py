@@ -168,6 +168,10 @@ class PendingSnapshot:
         self._ready = {t.device: _record_event(t.device) for t in sources if t.is_cuda}
 
     def finish(self) -> None:
+        if self._ready:
+            # A new thread's current device is 0: make it the state's own, or the first CUDA
+            # call here (and every stream switch back) would create a context on GPU 0.
+            torch.cuda.set_device(next(iter(self._ready)))
         for event in self._ready.values():
             event.synchronize()
         # Copies from the device go on a stream of their own: the device's other streams carry

@@ -14,8 +14,11 @@ that follows reports it), never raised in the training loop's face.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +69,9 @@ class Writer:
 
     def take_error(self) -> BaseException | None:
         """The exception of the last job that failed since the previous call, if any."""
+        if os.getpid() != self._pid:  # the parent's lock may have been held at the fork
+            err, self._error = self._error, None
+            return err
         with self._cond:
             err, self._error = self._error, None
             return err
@@ -74,6 +80,9 @@ class Writer:
         try:
             job()
         except BaseException as err:  # noqa: BLE001 - a failed snapshot is reported, training goes on
+            if os.getpid() != self._pid:
+                self._error = err
+                return
             with self._cond:
                 self._error = err
 
@@ -84,6 +93,7 @@ class Writer:
                 job, self._job = self._job, None
             assert job is not None
             self._run_one(job)
+            job = None  # the job holds its State: do not keep it alive until the next one
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
@@ -96,10 +106,23 @@ def fence(*_: Any) -> None:
             writer.wait()
 
 
-def install_fence() -> None:
-    """Register ``fence`` as a global optimizer step pre-hook, once per process."""
+def flush_all(timeout_s: float) -> None:
+    """At exit: wait for every snapshot in flight, at most ``timeout_s`` in all; say what was lost."""
+    deadline = time.monotonic() + timeout_s
+    for writer in list(_writers):
+        if not writer.wait(max(0.0, deadline - time.monotonic())):
+            print("unicron: exiting with a snapshot still being written; it is lost", file=sys.stderr, flush=True)
+        err = writer.take_error()
+        if err is not None:
+            print(f"unicron: snapshot write failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+
+
+def install_fence(on_exit: Callable[[], None]) -> None:
+    """Register ``fence`` as a global optimizer step pre-hook and ``on_exit`` for every exit
+    path, once per process (module-level: no State is kept alive by them)."""
     global _fence_hook
     if _fence_hook is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _fence_hook = register_optimizer_step_pre_hook(fence)
+        atexit.register(on_exit)

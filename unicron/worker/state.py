@@ -71,7 +71,6 @@ created); scripts that resume mid-epoch keep their batch index in ``extra``.
 from __future__ import annotations
 
 import array
-import atexit
 import random
 import sys
 from pathlib import Path
@@ -117,6 +116,14 @@ def restore_rng(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states)
 
 
+def _flush_at_exit(*_: Any) -> None:
+    """A normal exit and ``os._exit`` wait for the snapshots in flight (a kill cannot)."""
+    snapwriter.flush_all(EXIT_WAIT_S)
+
+
+hooks.add_hard_exit_callback(_flush_at_exit)
+
+
 class State:
     """Training state snapshotted every step; see the module docstring."""
 
@@ -143,10 +150,7 @@ class State:
         self._background = background
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
         self._writer = snapwriter.Writer()
-        snapwriter.install_fence()
-        # A normal exit and os._exit both wait for the snapshot in flight (a kill cannot).
-        atexit.register(self._flush_at_exit)
-        hooks.add_hard_exit_callback(self._flush_at_exit)
+        snapwriter.install_fence(on_exit=_flush_at_exit)
 
     @property
     def step(self) -> int:
@@ -214,8 +218,12 @@ class State:
             background = any(t.is_cuda for t in encoder.tensors)
         later: list[int] = []
         if background:
-            owned = self._optimizer_owned()
-            later = [i for i, t in enumerate(encoder.tensors) if t.data_ptr() in owned]
+            try:
+                owned = self._optimizer_owned()
+                later = [i for i, t in enumerate(encoder.tensors) if t.data_ptr() in owned]
+            except (AttributeError, TypeError, RuntimeError):  # an unusual optimizer: copy it all now
+                later = []
+            background = bool(later)  # nothing to overlap: no reason to leave a window open
         try:
             if not self._store.prepared:  # restore() was not called: nothing to continue from
                 self._store.prepare(newest_kept=0)
@@ -264,5 +272,3 @@ class State:
             self._report_failure()
         return done
 
-    def _flush_at_exit(self, *_: Any) -> None:
-        self._writer.wait(EXIT_WAIT_S)
