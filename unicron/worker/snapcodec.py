@@ -213,7 +213,7 @@ def _flat_metadata(x: Any) -> tuple[Any, ...] | None:
         if type(k) is not str or type(v) is not dict:
             return None
         items = tuple((a, type(b), b) for a, b in v.items())
-        if any(type(a) is not str or type(b) not in _SCALARS for a, b in v.items()):
+        if any(type(a) is not str or kind not in _SCALARS for a, kind, _ in items):
             return None
         out.append((k, items))
     return tuple(out)

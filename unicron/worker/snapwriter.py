@@ -14,7 +14,7 @@ that follows reports it), never raised in the training loop's face.
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -69,10 +69,7 @@ class Writer:
 
     def take_error(self) -> BaseException | None:
         """The exception of the last job that failed since the previous call, if any."""
-        if os.getpid() != self._pid:  # the parent's lock may have been held at the fork
-            err, self._error = self._error, None
-            return err
-        with self._cond:
+        with self._lock():
             err, self._error = self._error, None
             return err
 
@@ -80,11 +77,13 @@ class Writer:
         try:
             job()
         except BaseException as err:  # noqa: BLE001 - a failed snapshot is reported, training goes on
-            if os.getpid() != self._pid:
+            with self._lock():
                 self._error = err
-                return
-            with self._cond:
-                self._error = err
+
+    def _lock(self) -> threading.Condition | contextlib.nullcontext[None]:
+        # In a forked child the parent's lock may have been held at the fork, and no other
+        # thread of this writer exists: nothing to exclude.
+        return self._cond if os.getpid() == self._pid else contextlib.nullcontext()
 
     def _loop(self) -> None:
         while True:
@@ -102,8 +101,7 @@ class Writer:
 def fence(*_: Any) -> None:
     """Wait for every snapshot in flight (an optimizer is about to change what they copy)."""
     for writer in list(_writers):
-        if writer.busy:
-            writer.wait()
+        writer.wait()
 
 
 def flush_all(timeout_s: float) -> None:
@@ -117,12 +115,10 @@ def flush_all(timeout_s: float) -> None:
             print(f"unicron: snapshot write failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 
-def install_fence(on_exit: Callable[[], None]) -> None:
-    """Register ``fence`` as a global optimizer step pre-hook and ``on_exit`` for every exit
-    path, once per process (module-level: no State is kept alive by them)."""
+def install_fence() -> None:
+    """Register ``fence`` as a global optimizer step pre-hook, once per process."""
     global _fence_hook
     if _fence_hook is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _fence_hook = register_optimizer_step_pre_hook(fence)
-        atexit.register(on_exit)

@@ -39,8 +39,9 @@ Usage::
 
     **Synchronous on CPU** (``background=None`` with CPU tensors): there the copy competes for
     the same cores and memory bandwidth as the training it would overlap, and measured in one
-    process with a core to spare it bought nothing (steps 0.936-0.947 of a run without
-    snapshots either way, docs/benchmarks.md), while it opens that window of a second lost step.
+    process with a core to spare it bought nothing reliable (``scripts/bench_snapshot.py``: the
+    two trade places run to run, docs/benchmarks.md "Snapshot cost"), while it opens that
+    window of a second lost step.
     So a CPU commit returns with its snapshot complete; ``background=True`` asks for the
     background half anyway.
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.
@@ -71,6 +72,7 @@ created); scripts that resume mid-epoch keep their batch index in ``extra``.
 from __future__ import annotations
 
 import array
+import atexit
 import random
 import sys
 from pathlib import Path
@@ -121,6 +123,7 @@ def _flush_at_exit(*_: Any) -> None:
     snapwriter.flush_all(EXIT_WAIT_S)
 
 
+atexit.register(_flush_at_exit)
 hooks.add_hard_exit_callback(_flush_at_exit)
 
 
@@ -150,7 +153,7 @@ class State:
         self._background = background
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
         self._writer = snapwriter.Writer()
-        snapwriter.install_fence(on_exit=_flush_at_exit)
+        snapwriter.install_fence()
 
     @property
     def step(self) -> int:
