@@ -7,6 +7,14 @@ channel, a ``unicron.State`` snapshot after every step: synchronous for this CPU
 ``--warmup`` and the last step, so start-up is excluded. Launchers alternate run by run.
 Target: unicron within 1% of torchrun (ratio >= 0.99).
 
+This machine's speed drifts by several percent within minutes, so every repeat runs each side
+once, back to back, and the ratio reported is the median of the per-repeat ratios (each side /
+torchrun of the same repeat): a slow minute slows both sides of its pair. Beside steps/s the
+benchmark measures *CPU per step*: the user+system CPU of every process of the job (launcher,
+agent, coordinator, workers) between the step ``--warmup`` and step ``--steps - 5``, sampled from
+``/proc`` when rank 0 logs those steps, divided by the steps in between. On a CPU-bound job it is
+what unicron adds, and unlike steps/s it does not move when another tenant takes the cores.
+
 Optional sides split unicron's cost by part: ``unicron-no-state`` (the script's ``--no-state``:
 no per-step snapshot), ``unicron-no-warm`` (``unicron run --no-warm``: workers not forked from a
 warm interpreter) and ``unicron-no-inject`` (``--no-inject``: workers started as torchrun does). The CPU
@@ -23,8 +31,13 @@ import argparse
 import resource
 import statistics
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import psutil
 from _bench_common import (
+    Launched,
     command_line,
     launched,
     launcher_cmd,
@@ -32,7 +45,6 @@ from _bench_common import (
     markdown_table,
     pick_launchers,
     read_step_logs,
-    wait_for,
     workdir,
 )
 
@@ -51,29 +63,83 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def steps_per_second(side: str, args: argparse.Namespace) -> tuple[float | None, float]:
-    """(steps/s of rank 0 after warm-up, CPU seconds of the whole job)."""
+@dataclass
+class Run:
+    rate: float | None  # steps/s of rank 0 after warm-up
+    cpu: float  # CPU seconds of the whole job, start-up included
+    cpu_per_step: float | None  # CPU seconds of the whole job per step, in the steady window
+
+
+def tree_cpu(run: Launched) -> float:
+    """user+system CPU seconds of the launcher and every live descendant, now."""
+    total = 0.0
+    for proc in run.tree():
+        try:
+            t = proc.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        total += t.user + t.system
+    return total
+
+
+def last_step(path: Path) -> int:
+    """The newest step in a step log (0 before the first); reads only its tail."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 256))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        parts = line.split()
+        if len(parts) == 3 and parts[0].isdigit():
+            return int(parts[0])
+    return 0
+
+
+def measure(side: str, args: argparse.Namespace) -> Run:
     launcher, launcher_flags, extra = SIDES[side]
     work = workdir(f"overhead-{side}")
     step_dir = work / "steps"
     train = ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
              "--step-log", str(step_dir), *extra]
     cmd = launcher_cmd(launcher, train, nproc=args.nproc, log_dir=work / "logs", extra=launcher_flags)
+    cpu_end_step = args.steps - 5
+    samples: list[tuple[int, float]] = []  # (step rank 0 had logged, job CPU then)
     cpu_before = children_cpu()
     with launched([(cmd, work / "launcher.log")]) as (run,):
-        exited = wait_for(run.exited_at, args.timeout, interval=0.1)
+        deadline = time.monotonic() + args.timeout
+        while run.exited_at() is None and time.monotonic() < deadline:
+            wanted = args.warmup if not samples else cpu_end_step if len(samples) == 1 else None
+            if wanted is not None and (step := last_step(step_dir / "rank0.txt")) >= wanted:
+                samples.append((step, tree_cpu(run)))
+            time.sleep(0.02)
         assert run.proc is not None
-        failed = exited is None or run.proc.returncode != 0
+        failed = run.exited_at() is None or run.proc.returncode != 0
         if failed:
             print(f"{side}: run failed (rc={run.proc.returncode}):\n{run.tail()}", file=sys.stderr)
     cpu = children_cpu() - cpu_before
     if failed:
-        return None, cpu
+        return Run(None, cpu, None)
     recs = {r.step: r.ts for r in read_step_logs(step_dir).get(0, [])}
     if args.warmup not in recs or args.steps not in recs:
         print(f"{side}: step log incomplete", file=sys.stderr)
-        return None, cpu
-    return (args.steps - args.warmup) / (recs[args.steps] - recs[args.warmup]), cpu
+        return Run(None, cpu, None)
+    per_step = None
+    if len(samples) == 2 and samples[1][0] > samples[0][0]:
+        per_step = (samples[1][1] - samples[0][1]) / (samples[1][0] - samples[0][0])
+    return Run((args.steps - args.warmup) / (recs[args.steps] - recs[args.warmup]), cpu, per_step)
+
+
+def paired(runs: dict[str, list[Run]], side: str, field: str, invert: bool = False) -> list[float]:
+    """Per-repeat ratios side/torchrun of `field` (torchrun/side with `invert`), both present."""
+    out = []
+    for mine, theirs in zip(runs[side], runs["torchrun"], strict=True):
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if a and b:
+            out.append(b / a if invert else a / b)
+    return out
 
 
 def main() -> None:
@@ -94,36 +160,44 @@ def main() -> None:
         ap.error(f"unknown side(s) {', '.join(bad)}; expected {', '.join(SIDES)}")
     if any(SIDES[x][0] == "unicron" for x in sides) and "unicron" not in pick_launchers("unicron"):
         sides = [x for x in sides if SIDES[x][0] != "unicron"]
-    rates: dict[str, list[float]] = {x: [] for x in sides}
-    cpus: dict[str, list[float]] = {x: [] for x in sides}
+    runs: dict[str, list[Run]] = {x: [] for x in sides}
     for i in range(args.repeat):
         for side in sides if i % 2 == 0 else sides[::-1]:
-            rate, cpu = steps_per_second(side, args)
+            run = measure(side, args)
+            runs[side].append(run)
+            per_step = "n/a" if run.cpu_per_step is None else f"{run.cpu_per_step * 1e3:.1f} ms"
             print(f"run {i + 1}/{args.repeat} {side}: "
-                  f"{'failed' if rate is None else f'{rate:.2f} steps/s'}, job CPU {cpu:.1f} s",
-                  file=sys.stderr, flush=True)
-            if rate is not None:
-                rates[side].append(rate)
-                cpus[side].append(cpu)
+                  f"{'failed' if run.rate is None else f'{run.rate:.2f} steps/s'}, job CPU {run.cpu:.1f} s, "
+                  f"CPU per step {per_step}", file=sys.stderr, flush=True)
+
+    def med(values: list[float], fmt: str, scale: float = 1.0) -> str:
+        return format(statistics.median(values) * scale, fmt) if values else "n/a"
 
     rows = []
     for side in sides:
-        r, c = rates[side], cpus[side]
-        rows.append([side, f"{len(r)}/{args.repeat}",
-                     f"{statistics.median(r):.2f}" if r else "n/a",
+        r = [x.rate for x in runs[side] if x.rate is not None]
+        c = [x.cpu for x in runs[side] if x.rate is not None]
+        p = [x.cpu_per_step for x in runs[side] if x.cpu_per_step is not None]
+        rows.append([side, f"{len(r)}/{args.repeat}", med(r, ".2f"),
                      f"{min(r):.2f} .. {max(r):.2f}" if r else "n/a",
                      f"{1e3 / statistics.median(r):.1f} ms" if r else "n/a",
-                     f"{statistics.median(c):.1f} s" if c else "n/a"])
+                     med(p, ".1f", 1e3) + (" ms" if p else ""), med(c, ".1f") + (" s" if c else "")])
     print(f"Command: `{command_line()}`  \nMachine: {machine_line()}; {args.nproc} workers, "
           f"steps {args.warmup}..{args.steps} of batch {args.batch_size} x {args.seq_len} chars; "
-          f"median of {args.repeat} run(s)\n")
-    print(markdown_table(["side", "ok runs", "median steps/s", "range", "median step", "job CPU (median)"], rows))
-    t = rates.get("torchrun")
+          f"{args.repeat} repeat(s), sides back to back in each\n")
+    print(markdown_table(["side", "ok runs", "median steps/s", "range", "median step", "job CPU per step",
+                          "job CPU (whole run)"], rows))
+    if "torchrun" not in sides:
+        return
     for side in [x for x in sides if x != "torchrun"]:
-        u = rates.get(side)
-        if u and t:
-            print(f"\nratio {side}/torchrun (steps/s): {statistics.median(u) / statistics.median(t):.3f}"
-                  "  (target >= 0.99)")
+        speed = paired(runs, side, "rate")
+        cpu = paired(runs, side, "cpu_per_step", invert=True)
+        if speed:
+            print(f"\n{side}/torchrun, median of {len(speed)} paired repeat(s): steps/s **{statistics.median(speed):.3f}** "
+                  f"(range {min(speed):.3f} .. {max(speed):.3f}); "
+                  + (f"CPU per step (torchrun's / {side}'s) **{statistics.median(cpu):.3f}** "
+                     f"(range {min(cpu):.3f} .. {max(cpu):.3f})" if cpu else "CPU per step n/a")
+                  + "  (target >= 0.99)")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,28 @@ def test_fatal_stops_at_once_with_the_user_error() -> None:
     assert isinstance(err, FatalUserError) and err.exit_code == 1
 
 
+def test_user_error_of_unknown_progress_is_restarted_once_then_fatal() -> None:
+    # A script without step reports that fails past start-up: maybe a lazy import that fails once.
+    job = Job(max_restarts=100)
+    first = job.fail("import", 1.0, None)
+    assert first.action is Action.RESTART and job.history[-1].rule == "user-error-unknown-progress"
+    again = job.fail("import", 5.0, None)  # the same error right after the restart: it will not go away
+    assert again.action is Action.STOP and again.stop is StopReason.FATAL
+    assert "came back after a restart" in again.reason and "No module named" in again.reason
+    assert isinstance(again.to_error(), FatalUserError)
+
+
+@pytest.mark.parametrize("between", ["crash", "conn"])
+def test_user_error_of_unknown_progress_is_fatal_only_when_it_repeats_at_once(between: str) -> None:
+    job = Job(max_restarts=100)
+    assert job.fail("import", 1.0, None).action is Action.RESTART
+    assert job.fail(between, 5.0, None).action is not Action.STOP
+    assert job.fail("import", 9.0, None).action is Action.RESTART  # not right after the first one
+    other = Job(max_restarts=100)
+    assert other.fail("import", 1.0, None).action is Action.RESTART
+    assert other.fail("import", 5.0, None, rank=0).action is Action.RESTART  # another rank: another place
+
+
 def test_reattempt_escalates_to_restart_within_window_only() -> None:
     job = Job()
     assert job.fail("conn", 100.0, 5).action is Action.REATTEMPT

@@ -168,3 +168,11 @@ def test_appended_dumps_use_the_last_one(allreduce_dumps: dict[int, str]) -> Non
     assert parse_dump(text) == parse_dump(allreduce_dumps[0])
     report = analyze_dump(5, text)
     assert report is not None and report.in_collective
+
+
+def test_frame_location_is_never_mistaken_for_a_relative_path() -> None:
+    from unicron.detect.stacks import Frame
+
+    assert Frame("/tmp/accept/train.py", 20, "<module>").short() == "/tmp/accept/train.py:20 in <module>"
+    assert Frame("/home/u/proj/pkg/train.py", 7, "main").short() == ".../proj/pkg/train.py:7 in main"
+    assert Frame("train.py", 1, "f").short() == "train.py:1 in f"

@@ -65,12 +65,40 @@ def test_an_evaluating_main_thread_moves_and_a_waiting_one_does_not() -> None:
     assert not any(judge.add(sig) for sig in still)
 
 
+def test_a_short_module_stack_evaluating_is_judged_moving_within_a_window() -> None:
+    import torch
+
+    from unicron.worker.liveness import SAMPLE_S, WINDOW
+
+    # The evaluation loop of tests/scripts/train_state.py: the sampler sees few distinct frames
+    # (the two Linear calls look alike), so only dense sampling finds the changes reliably.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    batch = torch.ones(64, 8)
+    seen: list[object] = []
+    stop = threading.Event()
+
+    def sampler() -> None:
+        for _ in range(WINDOW):
+            time.sleep(SAMPLE_S)
+            seen.append(main_thread_signature())
+        stop.set()
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    with torch.no_grad():
+        while not stop.is_set():
+            model(batch)
+    thread.join()
+    judge = MotionJudge()
+    assert any([judge.add(sig) for sig in seen]), seen
+
+
 def test_frame_watch_reports_motion_only_when_overdue(monkeypatch) -> None:
     import unicron.worker.liveness as liveness
 
     sent: list[float] = []
     clock = [100.0]
-    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0])
+    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0], cpu=lambda: clock[0])  # 1 core
     watch._last_boundary = 100.0  # as if a step just completed (no thread started in this test)
     signatures = iter(range(1000))
     monkeypatch.setattr(liveness, "main_thread_signature", lambda: next(signatures))  # always changing
@@ -88,3 +116,57 @@ def test_frame_watch_reports_motion_only_when_overdue(monkeypatch) -> None:
     watch._last_boundary = clock[0]  # a step: the window starts over
     clock[0] += 0.1
     assert not watch.sample(clock[0])
+
+
+def _moved_while(body) -> int:
+    """How many ``moved`` a real FrameWatch (real clock, the main thread's real CPU clock) sends
+    in 1.5 s of sampling while the main thread (this test) runs ``body(stop)``."""
+    from unicron.worker.liveness import SAMPLE_S
+
+    sent: list[float] = []
+    watch = FrameWatch(lambda: sent.append(time.monotonic()))
+    watch._last_boundary = time.monotonic() - 10  # long overdue (no step thread started here)
+    stop = threading.Event()
+
+    def sampler() -> None:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            time.sleep(SAMPLE_S)
+            watch.sample(time.monotonic())
+        stop.set()
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    body(stop)
+    thread.join()
+    return len(sent)
+
+
+def test_motion_needs_new_calls_and_the_main_threads_cpu() -> None:
+    import hashlib
+    import queue
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def evaluate(stop: threading.Event) -> None:
+        with torch.no_grad():
+            while not stop.is_set():
+                model(torch.ones(64, 8))
+
+    def poll(stop: threading.Event) -> None:  # a new queue.get call every 10 ms, at almost no CPU
+        q: queue.Queue[int] = queue.Queue()
+        while not stop.is_set():
+            try:
+                q.get(timeout=0.01)
+            except queue.Empty:
+                pass
+
+    def native(stop: threading.Event) -> None:  # CPU in C calls, one Python frame
+        while not stop.is_set():
+            hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
+
+    assert _moved_while(evaluate) >= 1
+    assert _moved_while(poll) == 0
+    assert _moved_while(native) == 0

@@ -333,7 +333,7 @@ class Agent:
                                      "fault": dict(item, attempt=group.spec.attempt if group else -1)})
         fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
         self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)
-        self.ui.warn(_fault_line(fault))
+        self.ui.warn(_fault_line(fault, self.node_id))
         self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
                              "fault": fault})
 
@@ -400,12 +400,15 @@ def _coded(body: dict[str, Any]) -> UnicronError:
     return err
 
 
-def _fault_line(fault: dict[str, Any]) -> str:
-    who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('host')}"
-    what = fault.get("summary") or fault.get("message") or fault.get("kind")
+def _fault_line(fault: dict[str, Any], node_id: str) -> str:
+    node = fault.get("node_id") or node_id
+    who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {node}"
+    what = fault.get("summary") or fault.get("message") or ""
     if fault.get("error_type") and not fault.get("summary"):
-        what = f"{fault['error_type']}: {what}"
-    return f"{fault.get('kind')} on {who} at step {fault.get('steps_completed', '?')}: {what}"
+        what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
+    step = fault.get("steps_completed")
+    at = f" at step {step}" if isinstance(step, int) else ""  # unknown for scripts that report no steps
+    return f"{fault.get('kind')} on {who}{at}: {what or fault.get('kind')}"
 
 
 def _read_health() -> dict[str, Any]:

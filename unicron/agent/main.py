@@ -36,13 +36,16 @@ def run_agent(s: AgentSettings) -> int:
     events_dir = run_logs.run_dir or tempfile.mkdtemp(prefix="unicron_events_")
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
     ui = AgentUI(s.status_line)
-    events.listeners.append(ui.on_event)
     server: CoordinatorServer | None = None
     metrics: Any = None
     secret_file: str | None = None
     for warning in s.warnings:
         ui.warn(warning)
     with LauncherSignals(s.signals) as signals:
+        # Once this launcher is interrupted, what the embedded coordinator decides about this
+        # node leaving (a restart or a stop for the other nodes) is not news to the user who
+        # interrupted it: the log keeps it, the console shows the interruption.
+        events.listeners.append(lambda event: None if signals.signum is not None else ui.on_event(event))
         try:
             server, endpoint = _coordinator(s, events)
             if server is not None:

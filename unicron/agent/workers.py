@@ -26,6 +26,7 @@ from unicron.detect.activity import Activity, ActivityTracker
 from unicron.detect.hang import HangDetector
 
 STACK_WAIT_S = 1.5
+RAN_FOR_S = 1.0  # see WorkerGroup.ran_past_startup
 
 
 @dataclass
@@ -45,6 +46,8 @@ class RankState:
     snapshot_step: int | None = None
     steps_in_attempt: int = 0
     hooked: bool = False  # said hello: its SIGUSR1 stack-dump handler is installed
+    ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
+    exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,14 @@ class WorkerGroup:
         if t == "hello":
             self.saw_hello = True
             r.hooked = True
+        elif t == "ready":
+            r.ready_at = r.ready_at or now
+        elif t == "bye":
+            self.hang.remove(r.rank)  # its script is done: no more steps to wait for
+        elif t == "exiting" and isinstance(msg.get("code"), int):
+            r.exiting_code = msg["code"] or None
+            if msg.get("ready") is True:
+                r.ready_at = r.ready_at or now
         elif t == "step" and isinstance(msg.get("step"), int):
             if r.last_step_at is not None and msg["step"] > r.step:
                 r.iter_times.append(max(0.0, now - r.last_step_at) / (msg["step"] - r.step))
@@ -146,6 +157,8 @@ class WorkerGroup:
             self.hang.observe(r.rank, r.step, time.monotonic())
         elif t == "exc":
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
+            if msg.get("ready") is True:
+                r.ready_at = r.ready_at or now
             if msg.get("fatal") is False:
                 return None  # a background thread died; the process goes on (kept for its exit)
             if r.rank not in self.reported_exc:
@@ -173,6 +186,8 @@ class WorkerGroup:
             r.state = "exited" if code == 0 else "failed"
             if code != 0:
                 faults.append(self._exit_fault(r, now))
+            else:
+                self.hang.remove(r.rank)
         done = all(r.exitcode == 0 for r in self.ranks.values())
         return faults, done
 
@@ -182,6 +197,9 @@ class WorkerGroup:
         A process that exits tears its threads down before the kernel lets the parent reap it,
         and its peers may see its sockets close (and fail) in between. Waiting for those few
         milliseconds keeps the real root cause (its exit code) from being lost to its victims.
+        A rank that announced a non-zero ``SystemExit`` is dying too, though its interpreter
+        may take a second to tear down: if it is still alive at the deadline, its fault is
+        reported with the code it announced (the stop that follows kills it).
         """
         import psutil
 
@@ -193,11 +211,17 @@ class WorkerGroup:
             for r in self.ranks.values():
                 if r.exitcode is None:
                     try:
-                        if psutil.Process(r.proc.pid).status() == psutil.STATUS_ZOMBIE:
+                        if r.exiting_code is not None or psutil.Process(r.proc.pid).status() == psutil.STATUS_ZOMBIE:
                             dying.append(r)
                     except psutil.Error:
                         dying.append(r)
-            if not dying or time.monotonic() > deadline:
+            if not dying:
+                return faults
+            if time.monotonic() > deadline:
+                for r in dying:
+                    if r.exiting_code is not None:
+                        r.exitcode, r.exited_at, r.state = r.exiting_code, time.time(), "failed"
+                        faults.append(self._exit_fault(r, r.exited_at))
                 return faults
             time.sleep(0.005)
 
@@ -239,7 +263,7 @@ class WorkerGroup:
             if r.exitcode is None:
                 r.state = "hung"
         return {"kind": "hang", "rank": None, "host": self.host, "ts": now, "attempt": self.spec.attempt,
-                "message": verdict.message, "progress": self.progress(), "latency_s": round(verdict.stalled_s, 3), "steps_completed": min((r.step for r in self.ranks.values()), default=0)}
+                "message": verdict.message, "progress": self.progress(now), "latency_s": round(verdict.stalled_s, 3), "steps_completed": min((r.step for r in self.ranks.values()), default=0)}
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
@@ -266,12 +290,30 @@ class WorkerGroup:
             time.sleep(0.02)
         return stacks
 
-    def progress(self) -> int | None:
-        """Steps the job completed in this attempt (None: the workers report no steps)."""
+    def progress(self, now: float) -> int | None:
+        """Steps the job completed in this attempt (None: unknown, when the workers report no
+        steps: not injected, or a script that has reported none in any attempt and ran past its
+        start-up, ``ran_past_startup``)."""
         counts = [r.steps_in_attempt for r in self.ranks.values()]
         if not counts or (max(counts) == 0 and not self.saw_hello):
             return None
+        if max(counts) == 0 and any(self.ran_past_startup(r, now) for r in self.ranks.values()):
+            return None
         return max(counts)
+
+    def steps_completed(self, r: RankState, now: float) -> int | None:
+        """``r``'s completed steps for a fault; None when unknown (as in ``progress``), so a
+        script without step reports that fails mid-run is not taken for one failing at start-up."""
+        return None if r.step == 0 and self.ran_past_startup(r, now) else r.step
+
+    def ran_past_startup(self, r: RankState, now: float) -> bool:
+        """``r`` reports no steps (none in any attempt of this job) yet ran, after initialising
+        torch.distributed, at least as long as it took to get there (and ``RAN_FOR_S``): it was
+        training, so its progress is unknown, not zero. A rank that dies right after joining
+        stays "before the first step" (the crash-loop guard and the user-error rules apply)."""
+        if self.expect_steps or r.ready_at is None:
+            return False
+        return now - r.ready_at >= max(RAN_FOR_S, r.ready_at - self.started_at)
 
     def summary(self) -> list[dict[str, Any]]:
         out = []
@@ -292,7 +334,7 @@ class WorkerGroup:
                **fields: Any) -> dict[str, Any]:
         fault: dict[str, Any] = {"kind": kind, "rank": r.rank, "local_rank": r.local_rank, "host": self.host,
                                  "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
-                                 "steps_completed": r.step, "progress": self.progress(),
+                                 "steps_completed": self.steps_completed(r, now), "progress": self.progress(now),
                                  "detected_after_s": round(now - self.started_at, 3)}
         if failure is not None:
             fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],

@@ -77,6 +77,11 @@ class DetectDecider:
             reason += f" [{report_text}]"
         error = decision.to_error()
         detail = _root_cause_text(cause, faults)
+        if error is not None and classification.rule == "hang":
+            # The one false positive a torchrun user can meet: a pause between steps that is
+            # expected (rank 0 uploading metrics while the others wait) and longer than the floor.
+            detail = (f"{detail}\nif a pause this long between steps is expected, raise --hang-floor "
+                      "(or --hang-busy-floor for busy ranks) above it; see docs/failures.md").lstrip()
         return Decision(action=decision.action.value, backoff_s=decision.backoff_s,
                         reason=reason if error is None else f"{reason}\n{detail}".rstrip(),
                         severity=decision.severity.value, rule=classification.rule,

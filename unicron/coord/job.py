@@ -374,7 +374,7 @@ def _common_snapshot_step(stopped: Any, old_world: int, new_world: int) -> int |
 
 
 def _describe(fault: dict[str, Any]) -> str:
-    where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('host', '?')}"
+    where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('node_id') or fault.get('host', '?')}"
     kind = fault.get("kind", "fault")
     detail = fault.get("message") or ""
     if fault.get("error_type"):

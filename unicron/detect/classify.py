@@ -166,6 +166,18 @@ def _user_error(types: frozenset[str]) -> Callable[[Fault, Evidence], bool]:
     return lambda f, ev: _failed_process(f) and _before_first_step(f) and ev.exception_type in types
 
 
+# The exceptions that are user errors before the first step (the rules below).
+USER_ERROR_TYPES = frozenset({"ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError", "TabError",
+                              "NameError", "UnboundLocalError"})
+
+
+def _user_error_unknown_progress(fault: Fault, ev: Evidence) -> bool:
+    """A user-error type from a rank whose progress is unknown (past start-up in a script that
+    reports no steps): maybe a lazy import that fails once, maybe one that always will. It is
+    restarted; the policy stops the job when the same error comes back (``repeated-user-error``)."""
+    return _failed_process(fault) and fault.steps_completed is None and ev.exception_type in USER_ERROR_TYPES
+
+
 def _missing_script(fault: Fault, ev: Evidence) -> bool:
     if not (_failed_process(fault) and _before_first_step(fault)):
         return False
@@ -257,6 +269,9 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()}: the training script cannot be opened ({_error_summary(f, ev)})"),
     Rule("user-usage-error", Severity.FATAL, _usage_error,
          lambda f, ev: f"{f.where()}: the script rejected its arguments (argparse usage error, exit code 2)"),
+    Rule("user-error-unknown-progress", Severity.SEV2, _user_error_unknown_progress,
+         lambda f, ev: f"{f.where()} raised {_error_summary(f, ev)} past start-up (the script reports no steps, "
+         "so its progress is unknown); the same error again after the restart stops the job"),
     # Hardware named in the error text: the node (or its GPU) must be excluded.
     Rule("gpu-xid", Severity.SEV1, lambda f, ev: _failed_process(f) and bool(_XID_WORD.search(ev.text)),
          lambda f, ev: f"{f.where()} hit a GPU Xid error: {_short(_first_match(_XID_WORD, ev.text))}"),

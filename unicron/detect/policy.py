@@ -2,7 +2,9 @@
 
 Rules, in order (docs/failures.md explains each):
 1. INFO is not a failure: nothing to do, nothing spent.
-2. FATAL (a user error) stops at once, whatever the budget.
+2. FATAL (a user error) stops at once, whatever the budget. A user-error type from a rank of
+   unknown progress (a script that reports no steps, failing past start-up) is restarted once;
+   the same error from the same place right after that restart is FATAL.
 3. Out of memory before the first step on ``oom_fatal_after`` consecutive attempts is FATAL too.
 4. Crash-loop guard: ``crash_loop_limit`` restarts in a row without one completed step stop.
 5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART; a
@@ -206,6 +208,14 @@ class RestartPolicy:
                     f"(reduce the batch or model size); last cause: {cause}",
                 )
 
+        last = history[-1] if history else None
+        if (
+            classification.rule == "user-error-unknown-progress" and progress is None and last is not None
+            and last.rule == classification.rule and last.cause == cause and last.progress is None
+        ):
+            return stop(StopReason.FATAL, f"user error, not restarted again: the same error came back after a "
+                                          f"restart, with no step reported in between: {cause}")
+
         if _no_progress(progress):
             restarts = (1 if fault.attempt >= 1 else 0) + sum(1 for r in streak if r.attempt >= 1)
             if restarts >= self.crash_loop_limit:
@@ -217,7 +227,6 @@ class RestartPolicy:
         action = classification.action
         escalated = False
         notes: list[str] = []
-        last = history[-1] if history else None
         if action is Action.RECONFIGURE and not elastic:
             action = Action.RESTART
             notes.append("the job is not elastic (min nodes = current nodes): restarting on the same nodes")

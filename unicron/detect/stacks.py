@@ -26,7 +26,9 @@ class Frame:
     function: str
 
     def short(self) -> str:
-        tail = "/".join(self.filename.replace("\\", "/").split("/")[-3:])
+        parts = self.filename.replace("\\", "/").split("/")
+        # The last three parts; "..." says where a longer path was cut (not a relative path).
+        tail = "/".join(parts) if len(parts) <= 4 else ".../" + "/".join(parts[-3:])
         return f"{tail}:{self.lineno} in {self.function}"
 
 

@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         if _is_clean_exit(exit_.code):
             hooks.finished_cleanly()
+        else:
+            hooks.exiting(exit_.code)
         raise
     except BaseException as exc:
         # python prints value.__traceback__, not the tb argument: strip it on the exception

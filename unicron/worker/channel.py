@@ -1,8 +1,9 @@
 """The worker's one-way channel to its agent: JSON messages on a ZeroMQ PUSH socket.
 
 Messages (``t`` is the type; see docs/architecture.md, "Worker <-> agent"):
-``hello{rank,local_rank,pid,ts}``, ``step{rank,step,ts}``, ``exc{rank,type,msg,tb,ts}``,
-``snap{rank,step,bytes,ts}``, ``bye{rank,ts}``.
+``hello{rank,local_rank,pid,ts}``, ``step{rank,step,ts}``, ``exc{rank,type,msg,tb,fatal,ready,ts}``,
+``snap{rank,step,bytes,ts}``, ``moved{rank,ts}``, ``ready{rank,ts}``, ``exiting{rank,code,ready,ts}``,
+``bye{rank,ts}``.
 
 Training must never wait for the agent: every send is non-blocking, and a message that does
 not fit under the high-water mark (agent slow or gone) is dropped and counted. The socket is

@@ -14,6 +14,12 @@
   ``$UNICRON_STACK_DIR/rank{RANK}.txt`` on SIGUSR1. It runs in the C signal handler, so it
   works while the main thread is blocked inside a C++ collective. The file is opened in append
   mode: a reader truncates it (never unlinks it) before signalling, or reads past the old size.
+- **Past start-up.** Once ``torch.distributed`` is initialised (checked every
+  ``READY_POLL_S`` by a thread that ends at the first step), ``ready`` tells the agent that this
+  rank got past its start-up: a script that never reports steps (a loop without ``torch.optim``)
+  is then not "before the first step" when it fails, but of unknown progress. ``exc`` and
+  ``exiting`` (a non-zero ``SystemExit``, sent before the interpreter tears down, while peers
+  may already see its sockets close) carry the same flag.
 - **Hard exits.** ``os._exit`` (common after ``destroy_process_group``) skips atexit, so it is
   wrapped to finish pending snapshot writes, say ``bye`` on code 0 and flush the channel first.
 """
@@ -27,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,6 +45,7 @@ from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
 from unicron.worker.liveness import FrameWatch
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
+READY_POLL_S = 0.2
 DDP_MODULE = "torch.nn.parallel.distributed"
 
 
@@ -223,7 +231,35 @@ def report_exception(
         return
     _rt.reported.add(id(exc))
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    channel.get().emit("exc", type=exception_type_name(exc_type), msg=str(exc), tb=text, fatal=fatal)
+    channel.get().emit("exc", type=exception_type_name(exc_type), msg=str(exc), tb=text, fatal=fatal,
+                       ready=distributed_ready())
+
+
+def exiting(code: object) -> None:
+    """Announce a non-zero ``SystemExit`` before the interpreter tears down: the exit code is
+    the root cause, and peers may fail on this rank's closed sockets before the agent can reap it."""
+    channel.get().emit("exiting", code=int(code) if isinstance(code, int) else 1, ready=distributed_ready())
+
+
+# -- start-up ---------------------------------------------------------------------------------
+
+
+def distributed_ready() -> bool:
+    """``torch.distributed`` is initialised (never imports it)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and bool(dist.is_available() and dist.is_initialized())
+    except Exception:  # a half-imported or unusual torch: no evidence
+        return False
+
+
+def _watch_ready() -> None:
+    # Ends at the first step (steps are better evidence) or once ready is sent.
+    while _rt.counter.completed == 0 and not _rt.counter.explicit:
+        if distributed_ready():
+            channel.get().emit("ready")
+            return
+        time.sleep(READY_POLL_S)
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
@@ -292,6 +328,10 @@ def install() -> None:
     threading.excepthook = _threading_excepthook
     os._exit = _os_exit
     _install_import_hooks()
+    try:
+        threading.Thread(target=_watch_ready, name="unicron-ready", daemon=True).start()
+    except RuntimeError:  # no thread to be had: the agent just knows less
+        pass
     _rt.installed = True
 
 

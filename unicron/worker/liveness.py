@@ -1,16 +1,28 @@
 """Is this worker's Python running, while no step comes? (the worker's half of the activity evidence)
 
-A rank stuck in a collective, a lock or a sleep sits still: its main thread's innermost frame and
-instruction do not change. A rank evaluating, compiling or writing a checkpoint between two
-optimizer steps keeps executing Python: that frame keeps changing. Once the worker is overdue
-for a step, a daemon thread samples the main thread's top frame every ``PERIOD_S`` and tells the
-agent (``moved``) while it keeps changing, so the hang detector counts it as work, not a stall.
+A rank stuck in a collective, a lock or a sleep sits still: its main thread's innermost frame
+stays the same call at the same instruction. A rank evaluating, compiling or writing a
+checkpoint between two optimizer steps keeps executing Python: calls come and go. Once the
+worker is overdue for a step, a daemon thread samples the main thread's innermost frame and
+tells the agent (``moved``) while it keeps changing, so the hang detector counts it as work, not
+a stall.
 
-A poller (``while not ready: time.sleep(1)``, a data loader waiting on ``queue.get(timeout=5)``)
-changes frame only for the microseconds between two waits; a sample rarely lands there, so
-``moving`` asks for changes in at least ``MIN_CHANGES`` of the last ``WINDOW`` samples. Costs
-nothing while steps flow: sampling starts only at 1.5 x the median recent step interval (at
-least ``OVERDUE_S``); before that the thread only compares two clock readings every ``PERIOD_S``.
+A sample is the frame *object* and its instruction, compared by identity: samples are not
+random (the sampler gets the GIL when the main thread lets it go, in an evaluation loop mostly
+at the call into a torch op), so comparing only code and instruction saw ``Linear, Tanh,
+Linear`` as one frame (the two Linear calls look alike: sometimes 20 samples in a row) and took
+an evaluation for a native spin. A new call is a new frame object, and holding the last sampled
+frame (at most ``SAMPLE_S`` longer, only while overdue) keeps its address from being reused.
+
+Polling is not motion. ``while not ready: time.sleep(1)`` stays in one frame; a loop of
+``queue.get(timeout=5)`` makes a new call only every 5 s, so ``moving`` asks for changes in at
+least ``MIN_CHANGES`` of the last ``WINDOW`` samples. A poller with short timeouts changes calls
+often but burns almost no CPU, so motion also needs the main thread to have used at least
+``MIN_CPU`` of a core over the window (its own CPU clock: other threads do not count).
+
+Costs nothing while steps flow: sampling starts only at 1.5 x the median recent step interval
+(at least ``OVERDUE_S``); before that the thread only compares two clock readings every
+``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``.
 """
 
 from __future__ import annotations
@@ -21,16 +33,39 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from types import FrameType
 
-PERIOD_S = 0.25
+PERIOD_S = 0.25  # while steps flow: only a clock comparison
+SAMPLE_S = 0.05  # while overdue: one sample
 OVERDUE_S = 0.3  # sampling starts this long after the last step boundary
-WINDOW = 8  # samples (2 s)
+WINDOW = 20  # samples (1 s at SAMPLE_S)
 MIN_CHANGES = 2
+MIN_CPU = 0.05  # cores used by the main thread over the window, for motion to count
 SEND_EVERY_S = 0.5
 
 
+class FrameSample:
+    """One sample of a thread: equal to another only for the same frame object at the same
+    instruction (holding it keeps the frame's address from being reused by a new call)."""
+
+    __slots__ = ("frame", "lasti")
+
+    def __init__(self, frame: FrameType, lasti: int) -> None:
+        self.frame, self.lasti = frame, lasti
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FrameSample) and other.frame is self.frame and other.lasti == self.lasti
+
+    def __hash__(self) -> int:
+        return hash((id(self.frame), self.lasti))
+
+    def __repr__(self) -> str:
+        code = self.frame.f_code
+        return f"<{code.co_filename}:{code.co_name}@{self.lasti} frame {id(self.frame):#x}>"
+
+
 class MotionJudge:
-    """Pure: feed one frame signature per sample, ask whether the frame is moving."""
+    """Pure: feed one sample per tick, ask whether the frame is moving."""
 
     def __init__(self, window: int = WINDOW, min_changes: int = MIN_CHANGES) -> None:
         self._changes: deque[bool] = deque(maxlen=window)
@@ -49,20 +84,32 @@ class MotionJudge:
         return sum(self._changes) >= self.min_changes
 
 
-def main_thread_signature() -> Hashable:
-    """The main thread's innermost Python frame: (code object, last instruction)."""
+def main_thread_signature() -> FrameSample | None:
+    """The main thread's innermost Python frame and instruction, now."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
         return None
-    return (id(frame.f_code), frame.f_lasti)
+    return FrameSample(frame, frame.f_lasti)
+
+
+def main_thread_cpu() -> float | None:
+    """CPU seconds the main thread has used (its own clock), None where unavailable."""
+    try:
+        ident = threading.main_thread().ident
+        return None if ident is None else time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError):  # not Linux / no such clock
+        return None
 
 
 class FrameWatch:
     """The sampling thread. ``boundary()`` at every step; ``emit()`` sends ``moved``."""
 
-    def __init__(self, emit: Callable[[], object], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, emit: Callable[[], object], *, clock: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], float | None] = main_thread_cpu) -> None:
         self._emit = emit
         self._clock = clock
+        self._cpu = cpu
+        self._cpu_samples: deque[tuple[float, float]] = deque(maxlen=WINDOW + 1)
         self._last_boundary = clock()
         self._judge = MotionJudge()
         self._last_sent = 0.0
@@ -87,18 +134,34 @@ class FrameWatch:
 
     def sample(self, now: float) -> bool:
         """One sample (the thread's body, callable from tests); returns whether ``moved`` was sent."""
-        if now - self._last_boundary < self._overdue_s:
-            self._judge.reset()
+        if not self.overdue(now):
+            self._judge.reset()  # drops the frame it holds
+            self._cpu_samples.clear()
             return False
-        if not self._judge.add(main_thread_signature()) or now - self._last_sent < SEND_EVERY_S:
+        moving = self._judge.add(main_thread_signature())
+        cpu = self._cpu()
+        if cpu is not None:
+            self._cpu_samples.append((now, cpu))
+        if not moving or not self._computing() or now - self._last_sent < SEND_EVERY_S:
             return False
         self._last_sent = now
         self._emit()
         return True
 
+    def _computing(self) -> bool:
+        """The main thread used at least ``MIN_CPU`` of a core over the window (True when its
+        CPU clock cannot be read: the frames alone decide then)."""
+        if len(self._cpu_samples) < 2:
+            return self._cpu() is None
+        (t0, c0), (t1, c1) = self._cpu_samples[0], self._cpu_samples[-1]
+        return t1 > t0 and (c1 - c0) / (t1 - t0) >= MIN_CPU
+
+    def overdue(self, now: float) -> bool:
+        return now - self._last_boundary >= self._overdue_s
+
     def _run(self) -> None:
         while True:
-            time.sleep(PERIOD_S)
+            time.sleep(SAMPLE_S if self.overdue(self._clock()) else PERIOD_S)
             try:
                 self.sample(self._clock())
             except Exception:  # evidence is best effort: never disturb the worker

@@ -33,15 +33,18 @@ Usage::
     marker that declares the snapshot complete and the ``snap`` message to the agent. So the big
     device-to-host copy runs on a CUDA stream of its own while the next forward and backward
     run, and a global optimizer step pre-hook waits for it before any optimizer changes what it
-    copies. At most one snapshot is in flight; the next commit waits for it. A worker killed
-    while its snapshot is in flight loses that snapshot too and is restored from the one
-    before: the step in flight and the step whose snapshot was in flight.
+    copies. At most one snapshot is in flight; the next commit waits for it. A background
+    commit is in flight until its copy lands (a few milliseconds into the next step): a
+    worker killed in that window is restored from the snapshot before, so the step whose
+    commit was in flight is redone with the one that was running. Either way at most one
+    completed step is lost, the same bound as a kill that lands between two ranks' commits
+    of one step (the agent restores the newest step every rank holds).
 
     **Synchronous on CPU** (``background=None`` with CPU tensors): there the copy competes for
     the same cores and memory bandwidth as the training it would overlap, and measured in one
     process with a core to spare it bought nothing reliable (``scripts/bench_snapshot.py``: the
     two trade places run to run, docs/benchmarks.md "Snapshot cost"), while it opens that
-    window of a second lost step.
+    window in which a kill redoes one more step.
     So a CPU commit returns with its snapshot complete; ``background=True`` asks for the
     background half anyway.
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.

@@ -1,0 +1,137 @@
+"""End to end: torchrun scripts unicron cannot count steps in (a loop without ``torch.optim``)
+and ranks that end on their own, failing for real. What a torchrun user expects: a failure in
+the middle of such a run is retried (its progress is unknown, not zero), the rank that exited
+is blamed rather than the peer that saw its socket close, and a rank that finishes early is
+not waited for."""
+
+from __future__ import annotations
+
+import pytest
+from e2e import read_events, run_unicron
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--standalone", "--nproc-per-node", "2", "--grace-period", "2", "--first-step-timeout", "60"]
+
+# A torchrun-style loop: manual SGD under no_grad, an all-reduce per iteration, no optimizer,
+# no unicron API. ``FAIL`` (python source, evaluated at the end of iteration ``it``) decides
+# whether this rank fails there, and how (``restart``: TORCHELASTIC_RESTART_COUNT).
+MANUAL_LOOP = """
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+
+ITERS = int(sys.argv[1])
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+w = torch.randn(8, 1, requires_grad=True)
+for it in range(1, ITERS + 1):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(it * 10 + rank))
+    ((x @ w) ** 2).mean().backward()
+    with torch.no_grad():
+        dist.all_reduce(w.grad)
+        w -= 0.01 * w.grad
+        w.grad.zero_()
+    time.sleep(0.05)
+{fail}
+print(f"rank {{rank}} done restart={{restart}} w={{w.sum().item():.6f}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _run(workdir, fail: str, *flags: str, iters: int = 80) -> tuple[int, str, str, list[dict]]:
+    body = "\n".join("    " + line for line in fail.strip().splitlines())
+    (workdir / "loop.py").write_text(MANUAL_LOOP.format(fail=body))
+    code, out, err = run_unicron(["run", *COMMON, "--log-dir", str(workdir / "logs"), *flags,
+                                  str(workdir / "loop.py"), str(iters)], workdir, timeout=100)
+    return code, out, err, read_events(workdir / "logs")
+
+
+def _attempts(events: list[dict]) -> int:
+    return sum(1 for e in events if e["kind"] == "attempt_start")
+
+
+def test_lazy_import_failing_once_mid_run_is_restarted(workdir) -> None:
+    # 40 iterations (>2 s) past init_process_group, rank 1 imports a module that is not there,
+    # on the first attempt only (a flaky file system): restarted, not a FATAL user error.
+    code, out, err, events = _run(workdir, """
+if rank == 1 and it == 40 and restart == 0:
+    import no_such_plugin_xyz
+""", "--max-restarts", "2")
+    assert code == 0, err
+    assert _attempts(events) == 2
+    decision = next(e for e in events if e["kind"] == "decision")
+    assert decision["action"] == "restart" and decision["rule"] == "user-error-unknown-progress", decision
+    assert "rank 0 done restart=1" in out and "rank 1 done restart=1" in out
+
+
+def test_lazy_import_failing_every_time_stops_after_one_restart(workdir) -> None:
+    code, out, err, events = _run(workdir, """
+if rank == 1 and it == 40:
+    import no_such_plugin_xyz
+""", "--max-restarts", "5")
+    assert code != 0
+    assert "came back after a restart" in err and "no_such_plugin_xyz" in err
+    assert _attempts(events) == 2  # restarted once, never again
+
+
+def test_killed_twice_mid_run_uses_the_restart_budget_like_torchrun(workdir) -> None:
+    # No step reports, but each attempt trained for seconds before the kill: that is not a
+    # crash loop, and the second kill is not "failing again without progress".
+    code, out, err, events = _run(workdir, """
+if rank == 1 and it == 40 and restart < 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+""", "--max-restarts", "3")
+    assert code == 0, err
+    assert _attempts(events) == 3
+    assert [e["rule"] for e in events if e["kind"] == "decision"] == ["sigkill", "sigkill"]
+
+
+def test_rank_calling_sys_exit_is_the_root_cause_not_its_peer(workdir) -> None:
+    # Rank 1 leaves with sys.exit(3) while rank 0 waits in the next all-reduce: rank 0's gloo
+    # error ("Connection closed by peer") may reach the agent before rank 1 can be reaped.
+    code, out, err, events = _run(workdir, """
+if rank == 1 and it == 10:
+    sys.exit(3)
+""", "--max-restarts", "0")
+    assert code != 0
+    decision = next(e for e in events if e["kind"] == "decision")
+    assert decision["rule"] == "nonzero-exit", decision
+    assert "rank 1" in decision["reason"] and "3" in decision["reason"], decision
+
+
+def test_rank_finishing_early_is_not_waited_for(workdir) -> None:
+    # Rank 1 finishes after 10 steps and exits 0; rank 0 goes on alone for 60 more optimizer
+    # steps (~3 s, twice the idle hang threshold): torchrun runs this to the end, so must we.
+    (workdir / "uneven.py").write_text("""
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(10):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    time.sleep(0.05)
+dist.barrier()
+dist.destroy_process_group()
+if rank == 0:
+    probe = model.module
+    for _ in range(60):
+        opt.zero_grad()
+        probe(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        time.sleep(0.05)
+print(f"rank {rank} finished", flush=True)
+""")
+    code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "uneven.py")], workdir, timeout=100)
+    assert code == 0, err
+    assert "rank 0 finished" in out and "rank 1 finished" in out
+    assert not [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]
