@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from unicron.worker.liveness import OVERDUE_S, FrameWatch, MotionJudge, main_thread_signature
+from unicron.worker.liveness import OVERDUE_S, FrameWatch, MotionJudge, main_thread_cpu, main_thread_signature
 
 
 def test_motion_judge_needs_repeated_changes() -> None:
@@ -168,5 +168,26 @@ def test_motion_needs_new_calls_and_the_main_threads_cpu() -> None:
             hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
 
     assert _moved_while(evaluate) >= 1
-    assert _moved_while(poll) == 0
     assert _moved_while(native) == 0
+    if main_thread_cpu() is not None:  # without the thread's CPU clock the frames alone decide
+        assert _moved_while(poll) == 0
+
+
+def test_two_calls_at_the_same_instruction_are_two_samples() -> None:
+    # What a sampler sees of `Linear, Tanh, Linear`: the same code at the same instruction, in two
+    # different calls. Code and instruction alone called them one frame, still.
+    import sys
+
+    from unicron.worker.liveness import FrameSample
+
+    def probe() -> FrameSample:
+        frame = sys._getframe()
+        return FrameSample(frame, frame.f_lasti)
+
+    first = probe()  # held: the second call cannot get its frame's address
+    second = probe()
+    assert first.frame.f_code is second.frame.f_code and first.lasti == second.lasti
+    assert first != second and first == FrameSample(first.frame, first.lasti)
+    judge = MotionJudge(window=4, min_changes=2)
+    assert not judge.add(first) and not judge.add(second)
+    assert judge.add(probe()), "a third call is the second change"

@@ -57,6 +57,7 @@ class Agent:
         os.makedirs(self.stack_dir, exist_ok=True)
         self.tee = ConsoleTee()
         self.group: WorkerGroup | None = None
+        self.pull: zmq.Socket | None = None  # the workers' channel, once bound
         self.epoch = 0
         self.last_from_coordinator = time.monotonic()
         self.last_heartbeat = 0.0
@@ -89,6 +90,7 @@ class Agent:
         self.agent_addr = f"ipc://{self.work_dir}/agent.sock"
         pull.bind(self.agent_addr)
         self.dealer = dealer
+        self.pull = pull
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
@@ -253,6 +255,9 @@ class Agent:
         group = self.group
         stacks: dict[str, str] = {}
         if group is not None and group.spec.attempt == body["attempt"]:
+            # What the workers said before the stop came (an `exiting` may be queued behind it).
+            if self.pull is not None:
+                self._drain_workers(self.pull)
             # Report ranks that already died before we kill the rest: the root cause is often
             # among them (a SIGKILLed rank), while its peers' exceptions only echo it.
             for fault in group.settle_dying():

@@ -391,6 +391,15 @@ def terminate_all(
         # Dying after SIGKILL takes real time whatever clock the grace was measured with.
         survivors = _wait_gone(workers, targets, time.monotonic() + kill_wait_s, time.monotonic)
     _reap_adopted(workers, seen)
-    for worker in workers:
-        worker.poll()
+    _reap_dead_workers(workers, survivors)
     return TerminationReport(signalled, killed, tuple(survivors), clock() - start)
+
+
+def _reap_dead_workers(workers: Sequence[WorkerProcess], survivors: Sequence[int], timeout_s: float = 2.0) -> None:
+    """Reap every worker that is dead. A multi-threaded process shows as a zombie before the
+    kernel lets its parent reap it (its other threads are still exiting): one poll can miss it,
+    and the caller would see a dead worker without its exit code."""
+    deadline = time.monotonic() + timeout_s
+    for worker in workers:
+        while worker.poll() is None and worker.pid not in survivors and time.monotonic() < deadline:
+            time.sleep(0.005)

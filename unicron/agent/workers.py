@@ -47,7 +47,9 @@ class RankState:
     steps_in_attempt: int = 0
     hooked: bool = False  # said hello: its SIGUSR1 stack-dump handler is installed
     ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
+    steps_expected: bool = False  # built an optimizer: it will report steps
     exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
+    exiting_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,18 +137,22 @@ class WorkerGroup:
         sent = msg.get("ts")
         if isinstance(sent, (int, float)) and sent < self.started_at:
             return None  # a late word from the previous attempt's worker of the same rank
+        # When it happened, by the worker's clock (same host): the agent may read it late.
+        at = min(float(sent), now) if isinstance(sent, (int, float)) else now
         t = msg.get("t")
         if t == "hello":
             self.saw_hello = True
             r.hooked = True
         elif t == "ready":
-            r.ready_at = r.ready_at or now
+            r.ready_at = r.ready_at or at
+        elif t == "optim":
+            r.steps_expected = True
         elif t == "bye":
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for
         elif t == "exiting" and isinstance(msg.get("code"), int):
-            r.exiting_code = msg["code"] or None
+            r.exiting_code, r.exiting_at = (msg["code"] or None), at
             if msg.get("ready") is True:
-                r.ready_at = r.ready_at or now
+                r.ready_at = r.ready_at or at
         elif t == "step" and isinstance(msg.get("step"), int):
             if r.last_step_at is not None and msg["step"] > r.step:
                 r.iter_times.append(max(0.0, now - r.last_step_at) / (msg["step"] - r.step))
@@ -158,14 +164,13 @@ class WorkerGroup:
         elif t == "exc":
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
             if msg.get("ready") is True:
-                r.ready_at = r.ready_at or now
+                r.ready_at = r.ready_at or at
             if msg.get("fatal") is False:
                 return None  # a background thread died; the process goes on (kept for its exit)
             if r.rank not in self.reported_exc:
                 self.reported_exc.add(r.rank)
-                sent = msg.get("ts")
                 latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
-                return self._fault(r, "exception", now, message=str(msg.get("msg") or ""),
+                return self._fault(r, "exception", now, at=at, message=str(msg.get("msg") or ""),
                                    error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
         elif t == "snap" and isinstance(msg.get("step"), int):
             r.snapshot_step = msg["step"]
@@ -302,16 +307,19 @@ class WorkerGroup:
         return max(counts)
 
     def steps_completed(self, r: RankState, now: float) -> int | None:
-        """``r``'s completed steps for a fault; None when unknown (as in ``progress``), so a
-        script without step reports that fails mid-run is not taken for one failing at start-up."""
-        return None if r.step == 0 and self.ran_past_startup(r, now) else r.step
+        """``r``'s completed steps for a fault; None when unknown: it never said hello (no
+        hooks: ``--no-inject``), or as in ``progress``, so a script without step reports that
+        fails mid-run is not taken for one failing at start-up."""
+        if not r.hooked or (r.step == 0 and self.ran_past_startup(r, now)):
+            return None
+        return r.step
 
     def ran_past_startup(self, r: RankState, now: float) -> bool:
         """``r`` reports no steps (none in any attempt of this job) yet ran, after initialising
         torch.distributed, at least as long as it took to get there (and ``RAN_FOR_S``): it was
         training, so its progress is unknown, not zero. A rank that dies right after joining
         stays "before the first step" (the crash-loop guard and the user-error rules apply)."""
-        if self.expect_steps or r.ready_at is None:
+        if self.expect_steps or r.steps_expected or r.ready_at is None:
             return False
         return now - r.ready_at >= max(RAN_FOR_S, r.ready_at - self.started_at)
 
@@ -331,10 +339,12 @@ class WorkerGroup:
         return self._fault(r, "exit", now, failure=failure)
 
     def _fault(self, r: RankState, kind: str, now: float, *, failure: WorkerFailure | None = None,
-               **fields: Any) -> dict[str, Any]:
+               at: float | None = None, **fields: Any) -> dict[str, Any]:
+        """``at``: when the failure happened, if known better than ``now`` (when it was seen)."""
+        when = at if at is not None else r.exiting_at if r.exiting_at is not None else now
         fault: dict[str, Any] = {"kind": kind, "rank": r.rank, "local_rank": r.local_rank, "host": self.host,
                                  "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
-                                 "steps_completed": self.steps_completed(r, now), "progress": self.progress(now),
+                                 "steps_completed": self.steps_completed(r, when), "progress": self.progress(when),
                                  "detected_after_s": round(now - self.started_at, 3)}
         if failure is not None:
             fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],

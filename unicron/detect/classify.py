@@ -167,14 +167,16 @@ def _user_error(types: frozenset[str]) -> Callable[[Fault, Evidence], bool]:
 
 
 # The exceptions that are user errors before the first step (the rules below).
-USER_ERROR_TYPES = frozenset({"ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError", "TabError",
-                              "NameError", "UnboundLocalError"})
+IMPORT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError"})
+SYNTAX_ERRORS = frozenset({"SyntaxError", "IndentationError", "TabError"})
+NAME_ERRORS = frozenset({"NameError", "UnboundLocalError"})
+USER_ERROR_TYPES = IMPORT_ERRORS | SYNTAX_ERRORS | NAME_ERRORS
 
 
 def _user_error_unknown_progress(fault: Fault, ev: Evidence) -> bool:
     """A user-error type from a rank whose progress is unknown (past start-up in a script that
     reports no steps): maybe a lazy import that fails once, maybe one that always will. It is
-    restarted; the policy stops the job when the same error comes back (``repeated-user-error``)."""
+    restarted; the policy stops the job when the same error comes back right after (rule 2)."""
     return _failed_process(fault) and fault.steps_completed is None and ev.exception_type in USER_ERROR_TYPES
 
 
@@ -259,11 +261,11 @@ RULES: tuple[Rule, ...] = (
          lambda f, _ev: f"hang: {_short(f.message) or 'no step completed in time'}"
          + (f"; culprit rank(s) {', '.join(map(str, f.culprit_ranks))}" if f.culprit_ranks else "")),
     # User errors: only before the first step, where restarting replays the same failure.
-    Rule("user-import-error", Severity.FATAL, _user_error(frozenset({"ImportError", "ModuleNotFoundError"})),
+    Rule("user-import-error", Severity.FATAL, _user_error(IMPORT_ERRORS),
          lambda f, ev: f"{f.where()} failed to import before the first step ({_error_summary(f, ev)}): fix the environment"),
-    Rule("user-syntax-error", Severity.FATAL, _user_error(frozenset({"SyntaxError", "IndentationError", "TabError"})),
+    Rule("user-syntax-error", Severity.FATAL, _user_error(SYNTAX_ERRORS),
          lambda f, ev: f"{f.where()}: the script does not parse ({_error_summary(f, ev)})"),
-    Rule("user-name-error", Severity.FATAL, _user_error(frozenset({"NameError", "UnboundLocalError"})),
+    Rule("user-name-error", Severity.FATAL, _user_error(NAME_ERRORS),
          lambda f, ev: f"{f.where()}: a bug in the script before the first step ({_error_summary(f, ev)})"),
     Rule("user-missing-script", Severity.FATAL, _missing_script,
          lambda f, ev: f"{f.where()}: the training script cannot be opened ({_error_summary(f, ev)})"),
@@ -344,7 +346,8 @@ def classify(fault: Fault, evidence: Sequence[Fault] = ()) -> Classification:
     ev = _evidence(fault, evidence)
     for rule in RULES:
         if rule.matches(fault, ev):
-            return Classification(rule.severity, DEFAULT_ACTION[rule.severity], rule.reason(fault, ev), rule.name)
+            return Classification(rule.severity, DEFAULT_ACTION[rule.severity], rule.reason(fault, ev), rule.name,
+                                  error=_error_summary(fault, ev))
     raise AssertionError("the 'unknown' rule matches everything")  # pragma: no cover
 
 

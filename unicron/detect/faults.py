@@ -166,9 +166,11 @@ class Classification:
     action: Action
     reason: str
     rule: str
+    error: str = ""  # the error itself ("ImportError: No module named 'x'"), without where it happened
 
     def to_dict(self) -> dict[str, Any]:
-        return {"severity": self.severity.value, "action": self.action.value, "reason": self.reason, "rule": self.rule}
+        return {"severity": self.severity.value, "action": self.action.value, "reason": self.reason, "rule": self.rule,
+                "error": self.error}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Classification:
@@ -180,6 +182,7 @@ class Classification:
                 action=Action(data["action"]),
                 reason=_str(data["reason"], "reason"),
                 rule=_str(data["rule"], "rule"),
+                error=_str(data.get("error", ""), "error"),
             )
         except KeyError as exc:
             raise ValueError(f"classification field {exc.args[0]!r} is missing") from None

@@ -4,7 +4,7 @@ Rules, in order (docs/failures.md explains each):
 1. INFO is not a failure: nothing to do, nothing spent.
 2. FATAL (a user error) stops at once, whatever the budget. A user-error type from a rank of
    unknown progress (a script that reports no steps, failing past start-up) is restarted once;
-   the same error from the same place right after that restart is FATAL.
+   the same error (on any rank) right after that restart is FATAL.
 3. Out of memory before the first step on ``oom_fatal_after`` consecutive attempts is FATAL too.
 4. Crash-loop guard: ``crash_loop_limit`` restarts in a row without one completed step stop.
 5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART; a
@@ -57,12 +57,13 @@ class FailureRecord:
     node: str = ""
     progress: int | None = None  # steps completed in the attempt this failure ended (None: unknown)
     escalated: bool = False
+    error: str = ""  # the classification's error, without where it happened
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ts": self.ts, "attempt": self.attempt, "rule": self.rule, "severity": self.severity.value,
             "action": self.action.value, "cause": self.cause, "rank": self.rank, "node": self.node,
-            "progress": self.progress, "escalated": self.escalated,
+            "progress": self.progress, "escalated": self.escalated, "error": self.error,
         }
 
     @classmethod
@@ -73,7 +74,7 @@ class FailureRecord:
                 severity=Severity(data["severity"]), action=Action(data["action"]), cause=str(data["cause"]),
                 rank=None if data.get("rank") is None else int(data["rank"]), node=str(data.get("node", "")),
                 progress=None if data.get("progress") is None else int(data["progress"]),
-                escalated=bool(data.get("escalated", False)),
+                escalated=bool(data.get("escalated", False)), error=str(data.get("error", "")),
             )
         except KeyError as exc:
             raise ValueError(f"failure record field {exc.args[0]!r} is missing") from None
@@ -108,7 +109,7 @@ class Decision:
         return FailureRecord(
             ts=now, attempt=fault.attempt, rule=classification.rule, severity=classification.severity,
             action=self.action, cause=classification.reason, rank=fault.rank, node=fault.node,
-            progress=progress, escalated=self.escalated,
+            progress=progress, escalated=self.escalated, error=classification.error,
         )
 
 
@@ -210,8 +211,9 @@ class RestartPolicy:
 
         last = history[-1] if history else None
         if (
+            # The same error on any rank (each rank fails alike; which one is seen first is chance).
             classification.rule == "user-error-unknown-progress" and progress is None and last is not None
-            and last.rule == classification.rule and last.cause == cause and last.progress is None
+            and last.rule == classification.rule and last.error == classification.error and last.progress is None
         ):
             return stop(StopReason.FATAL, f"user error, not restarted again: the same error came back after a "
                                           f"restart, with no step reported in between: {cause}")

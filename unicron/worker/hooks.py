@@ -19,7 +19,9 @@
   rank got past its start-up: a script that never reports steps (a loop without ``torch.optim``)
   is then not "before the first step" when it fails, but of unknown progress. ``exc`` and
   ``exiting`` (a non-zero ``SystemExit``, sent before the interpreter tears down, while peers
-  may already see its sockets close) carry the same flag.
+  may already see its sockets close) carry the same flag. ``optim`` says the rank built a
+  ``torch.optim`` optimizer (``Optimizer.__init__`` is wrapped): it will report steps, so it
+  stays "before the first step" until it does.
 - **Hard exits.** ``os._exit`` (common after ``destroy_process_group``) skips atexit, so it is
   wrapped to finish pending snapshot writes, say ``bye`` on code 0 and flush the channel first.
 """
@@ -27,6 +29,7 @@
 from __future__ import annotations
 
 import faulthandler
+import functools
 import importlib.abc
 import importlib.machinery
 import os
@@ -91,6 +94,7 @@ class _Runtime:
         self.installed = False
         self.stack_file: IO[str] | None = None
         self.optimizer_hook: Any = None  # torch RemovableHandle
+        self.optimizer_built = False
         self.reported: set[int] = set()  # id()s of exceptions already sent
         self.hard_exit_callbacks: list[Callable[[int], object]] = []
         self.pid = os.getpid()
@@ -146,6 +150,27 @@ def set_completed_steps(completed: int) -> None:
 def _register_optimizer_hook(optimizer_module: ModuleType) -> None:
     if _rt.optimizer_hook is None:
         _rt.optimizer_hook = optimizer_module.register_optimizer_step_post_hook(_on_optimizer_step)
+    _announce_optimizers(optimizer_module)
+
+
+def _announce_optimizers(optimizer_module: ModuleType) -> None:
+    """Wrap ``Optimizer.__init__`` (once) to send ``optim`` when this rank builds its first
+    optimizer: it will report steps, so until it does it is before its first step (start-up),
+    however long that takes, and never a script of unknown progress."""
+    cls = getattr(optimizer_module, "Optimizer", None)
+    if cls is None or getattr(cls.__init__, "_unicron", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if not _rt.optimizer_built:
+            _rt.optimizer_built = True
+            channel.get().emit("optim")
+
+    __init__._unicron = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
 
 
 def _install_ddp_layouts(ddp_module: ModuleType) -> None:
@@ -238,7 +263,10 @@ def report_exception(
 def exiting(code: object) -> None:
     """Announce a non-zero ``SystemExit`` before the interpreter tears down: the exit code is
     the root cause, and peers may fail on this rank's closed sockets before the agent can reap it."""
-    channel.get().emit("exiting", code=int(code) if isinstance(code, int) else 1, ready=distributed_ready())
+    _rt.frames.stop()
+    # The status the process will have: sys.exit(-1) is 255, sys.exit(256) is 0.
+    status = (int(code) if isinstance(code, int) else 1) & 0xFF
+    channel.get().emit("exiting", code=status, ready=distributed_ready())
 
 
 # -- start-up ---------------------------------------------------------------------------------
@@ -264,6 +292,7 @@ def _watch_ready() -> None:
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     try:
+        _rt.frames.stop()  # the main thread is done: hold none of its frames through shutdown
         report_exception(exc_type, exc, tb)
     finally:
         _prev_excepthook(exc_type, exc, tb)
@@ -286,6 +315,7 @@ def add_hard_exit_callback(callback: Callable[[int], object]) -> None:
 
 
 def finished_cleanly() -> None:
+    _rt.frames.stop()
     channel.get().emit("bye")
 
 

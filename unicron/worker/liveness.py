@@ -17,8 +17,12 @@ frame (at most ``SAMPLE_S`` longer, only while overdue) keeps its address from b
 Polling is not motion. ``while not ready: time.sleep(1)`` stays in one frame; a loop of
 ``queue.get(timeout=5)`` makes a new call only every 5 s, so ``moving`` asks for changes in at
 least ``MIN_CHANGES`` of the last ``WINDOW`` samples. A poller with short timeouts changes calls
-often but burns almost no CPU, so motion also needs the main thread to have used at least
-``MIN_CPU`` of a core over the window (its own CPU clock: other threads do not count).
+often but burns almost no CPU (a 10 ms timeout: well under 1% of a core), so motion also needs
+the main thread to have used at least ``MIN_CPU`` of a core over the window (its own CPU clock:
+other threads do not count). An evaluation that mostly waits for its GPU in a *blocking*
+synchronisation (not CUDA's default spin) can fall under it; it then counts as idle.
+Holding a frame keeps its locals (an activation) alive up to ``SAMPLE_S`` longer; ``stop()`` at
+the script's end drops it.
 
 Costs nothing while steps flow: sampling starts only at 1.5 x the median recent step interval
 (at least ``OVERDUE_S``); before that the thread only compares two clock readings every
@@ -40,7 +44,7 @@ SAMPLE_S = 0.05  # while overdue: one sample
 OVERDUE_S = 0.3  # sampling starts this long after the last step boundary
 WINDOW = 20  # samples (1 s at SAMPLE_S)
 MIN_CHANGES = 2
-MIN_CPU = 0.05  # cores used by the main thread over the window, for motion to count
+MIN_CPU = 0.02  # cores used by the main thread over the window, for motion to count
 SEND_EVERY_S = 0.5
 
 
@@ -117,6 +121,7 @@ class FrameWatch:
         self._overdue_s = OVERDUE_S
         self._pid = os.getpid()
         self._thread: threading.Thread | None = None
+        self._stopped = False
 
     def boundary(self) -> None:
         now = self._clock()
@@ -132,9 +137,14 @@ class FrameWatch:
             except RuntimeError:  # no thread to be had (limits, interpreter exit): go without
                 self._thread = None
 
+    def stop(self) -> None:
+        """No more samples (the script is ending): drop the frame the judge holds."""
+        self._stopped = True
+        self._judge.reset()
+
     def sample(self, now: float) -> bool:
         """One sample (the thread's body, callable from tests); returns whether ``moved`` was sent."""
-        if not self.overdue(now):
+        if self._stopped or not self.overdue(now):
             self._judge.reset()  # drops the frame it holds
             self._cpu_samples.clear()
             return False
