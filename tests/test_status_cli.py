@@ -164,7 +164,9 @@ def test_endpoint_needs_job_and_secret(runs_dir: Path) -> None:
     code, msg = invoke(["status", "-e", "127.0.0.1:1", "--job", JOB])
     assert code == 2 and "UNICRON_SECRET" in msg
     code, msg = invoke(["status", "-e", "nonsense", "--job", JOB], env={"UNICRON_SECRET": "x"})
-    assert code == 5 and "expected HOST:PORT" in msg
+    assert code == 2 and "expected HOST:PORT" in msg  # bad input, not a silent coordinator
+    code, msg = invoke(["status", "-e", "nonsense"])  # said first, before what else is missing
+    assert code == 2 and "expected HOST:PORT" in msg
     code, msg = invoke(["status", "-e", "127.0.0.1:1", "--job", JOB, "--secret-file", str(runs_dir / "none")])
     assert code == 2 and "cannot read secret file" in msg
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import zmq
 
-from unicron.errors import EndpointUnreachableError, ProtocolError
+from unicron.errors import EndpointUnreachableError, ProtocolError, UsageError
 from unicron.proto.messages import Codec, Message
 
 
@@ -17,7 +17,7 @@ def tcp_endpoint(endpoint: str) -> str:
         return endpoint
     host, sep, port = endpoint.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise EndpointUnreachableError(f"bad endpoint {endpoint!r}: expected HOST:PORT")
+        raise UsageError(f"bad endpoint {endpoint!r}: expected HOST:PORT")  # bad input, not a silent peer
     return f"tcp://{host}:{port}"
 
 

@@ -18,7 +18,7 @@ import psutil
 from unicron import runs
 from unicron.errors import ConfigError, EndpointUnreachableError, UsageError
 from unicron.events import EVENTS_FILE, read_events
-from unicron.proto.client import request
+from unicron.proto.client import request, tcp_endpoint
 
 ENDED_STATES = frozenset({"done", "failed"})
 SECRET_ENV = "UNICRON_SECRET"
@@ -140,6 +140,7 @@ def resolve_targets(endpoint: str | None, job: str | None, secret_file: str | No
             raise EndpointUnreachableError(f"no unicron run of job {job!r} found on this machine" if job
                                            else NO_RUN_MESSAGE)
         return [_local_target(r) for r in found]
+    tcp_endpoint(endpoint)  # a malformed endpoint is the first thing to say
     key = _secret(secret_file, env)
     local = [r for r in runs.list_runs() if _same_endpoint(r.endpoint, endpoint) and (job is None or r.job == job)]
     if key is None or job is None:
