@@ -322,21 +322,25 @@ def _wait_gone(
         time.sleep(min(_POLL_SLICE_S, remaining))
 
 
-def _reap_adopted(
-    workers: Sequence[WorkerProcess], seen: Mapping[int, psutil.Process], timeout_s: float = 2.0
+def _reap_dead(
+    workers: Sequence[WorkerProcess], seen: Mapping[int, psutil.Process], survivors: Sequence[int],
+    timeout_s: float = 2.0,
 ) -> None:
-    """Reap descendants that became our children (when the agent is a child subreaper).
+    """Reap every dead worker (through its handle) and every descendant that became our child
+    (when the agent is a child subreaper); ``survivors`` are alive and not waited for.
 
     A dying multi-threaded process shows as a zombie before the kernel lets its parent reap it
     (its other threads are still exiting), and its own children, zombies included, are handed
-    to us only when its last thread is gone. So a descendant that is not reapable yet, or is
-    still the child of another dying descendant, is retried for up to ``timeout_s`` instead of
-    being left a zombie.
+    to us only when its last thread is gone. So a worker or descendant that is not reapable yet,
+    or is still the child of another dying descendant, is retried for up to ``timeout_s``
+    instead of being left a zombie (or a dead worker without its exit code).
     """
     leaders = {w.pid for w in workers}
+    dead_workers = list(workers)  # every worker is polled at least once, survivors too
     pending = [pid for pid in seen if pid not in leaders]
     deadline = time.monotonic() + timeout_s
-    while pending:
+    while True:
+        dead_workers = [w for w in dead_workers if w.poll() is None and w.pid not in survivors]
         waiting = []
         for pid in pending:
             try:
@@ -348,7 +352,7 @@ def _reap_adopted(
             if done == 0:
                 waiting.append(pid)
         pending = waiting
-        if not pending or time.monotonic() > deadline:
+        if (not pending and not dead_workers) or time.monotonic() > deadline:
             return
         time.sleep(0.01)
 
@@ -390,16 +394,5 @@ def terminate_all(
         _send(workers, targets, signal.SIGKILL)
         # Dying after SIGKILL takes real time whatever clock the grace was measured with.
         survivors = _wait_gone(workers, targets, time.monotonic() + kill_wait_s, time.monotonic)
-    _reap_adopted(workers, seen)
-    _reap_dead_workers(workers, survivors)
+    _reap_dead(workers, seen, survivors)
     return TerminationReport(signalled, killed, tuple(survivors), clock() - start)
-
-
-def _reap_dead_workers(workers: Sequence[WorkerProcess], survivors: Sequence[int], timeout_s: float = 2.0) -> None:
-    """Reap every worker that is dead. A multi-threaded process shows as a zombie before the
-    kernel lets its parent reap it (its other threads are still exiting): one poll can miss it,
-    and the caller would see a dead worker without its exit code."""
-    deadline = time.monotonic() + timeout_s
-    for worker in workers:
-        while worker.poll() is None and worker.pid not in survivors and time.monotonic() < deadline:
-            time.sleep(0.005)

@@ -152,17 +152,18 @@ class FrameWatch:
         cpu = self._cpu()
         if cpu is not None:
             self._cpu_samples.append((now, cpu))
-        if not moving or not self._computing() or now - self._last_sent < SEND_EVERY_S:
+        # Without the thread's CPU clock the frames alone decide.
+        computing = cpu is None or self._computing()
+        if not moving or not computing or now - self._last_sent < SEND_EVERY_S:
             return False
         self._last_sent = now
         self._emit()
         return True
 
     def _computing(self) -> bool:
-        """The main thread used at least ``MIN_CPU`` of a core over the window (True when its
-        CPU clock cannot be read: the frames alone decide then)."""
+        """The main thread used at least ``MIN_CPU`` of a core over the window."""
         if len(self._cpu_samples) < 2:
-            return self._cpu() is None
+            return False
         (t0, c0), (t1, c1) = self._cpu_samples[0], self._cpu_samples[-1]
         return t1 > t0 and (c1 - c0) / (t1 - t0) >= MIN_CPU
 
