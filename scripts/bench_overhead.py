@@ -14,6 +14,9 @@ benchmark measures *CPU per step*: the user+system CPU of every process of the j
 agent, coordinator, workers) between the step ``--warmup`` and step ``--steps - 5``, sampled from
 ``/proc`` when rank 0 logs those steps, divided by the steps in between. On a CPU-bound job it is
 what unicron adds, and unlike steps/s it does not move when another tenant takes the cores.
+*Launcher CPU per step* is the part of it spent in the launcher process alone (torchrun's agent;
+unicron's agent and embedded coordinator): the cost of supervision itself, which the ranks pay
+where they share the launcher's cores.
 
 Optional sides split unicron's cost by part: ``unicron-no-state`` (the script's ``--no-state``:
 no per-step snapshot), ``unicron-no-warm`` (``unicron run --no-warm``: workers not forked from a
@@ -68,18 +71,22 @@ class Run:
     rate: float | None  # steps/s of rank 0 after warm-up
     cpu: float  # CPU seconds of the whole job, start-up included
     cpu_per_step: float | None  # CPU seconds of the whole job per step, in the steady window
+    launcher_per_step: float | None = None  # ... of the launcher process alone (agent, coordinator)
 
 
-def tree_cpu(run: Launched) -> float:
-    """user+system CPU seconds of the launcher and every live descendant, now."""
-    total = 0.0
-    for proc in run.tree():
+def tree_cpu(run: Launched) -> tuple[float, float]:
+    """user+system CPU seconds of the launcher and every live descendant, and of the launcher
+    process alone (torchrun's agent; unicron's agent and embedded coordinator), now."""
+    total = launcher = 0.0
+    for i, proc in enumerate(run.tree()):
         try:
             t = proc.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         total += t.user + t.system
-    return total
+        if i == 0:
+            launcher = t.user + t.system
+    return total, launcher
 
 
 def last_step(path: Path) -> int:
@@ -106,7 +113,7 @@ def measure(side: str, args: argparse.Namespace) -> Run:
              "--step-log", str(step_dir), *extra]
     cmd = launcher_cmd(launcher, train, nproc=args.nproc, log_dir=work / "logs", extra=launcher_flags)
     cpu_end_step = args.steps - 5
-    samples: list[tuple[int, float]] = []  # (step rank 0 had logged, job CPU then)
+    samples: list[tuple[int, tuple[float, float]]] = []  # (step rank 0 had logged, tree_cpu then)
     cpu_before = children_cpu()
     with launched([(cmd, work / "launcher.log")]) as (run,):
         deadline = time.monotonic() + args.timeout
@@ -126,10 +133,13 @@ def measure(side: str, args: argparse.Namespace) -> Run:
     if args.warmup not in recs or args.steps not in recs:
         print(f"{side}: step log incomplete", file=sys.stderr)
         return Run(None, cpu, None)
-    per_step = None
+    per_step = launcher_per_step = None
     if len(samples) == 2 and samples[1][0] > samples[0][0]:
-        per_step = (samples[1][1] - samples[0][1]) / (samples[1][0] - samples[0][0])
-    return Run((args.steps - args.warmup) / (recs[args.steps] - recs[args.warmup]), cpu, per_step)
+        steps = samples[1][0] - samples[0][0]
+        per_step = (samples[1][1][0] - samples[0][1][0]) / steps
+        launcher_per_step = (samples[1][1][1] - samples[0][1][1]) / steps
+    return Run((args.steps - args.warmup) / (recs[args.steps] - recs[args.warmup]), cpu, per_step,
+               launcher_per_step)
 
 
 def paired(runs: dict[str, list[Run]], side: str, field: str, invert: bool = False) -> list[float]:
@@ -166,6 +176,8 @@ def main() -> None:
             run = measure(side, args)
             runs[side].append(run)
             per_step = "n/a" if run.cpu_per_step is None else f"{run.cpu_per_step * 1e3:.1f} ms"
+            if run.launcher_per_step is not None:
+                per_step += f" (launcher {run.launcher_per_step * 1e3:.2f} ms)"
             print(f"run {i + 1}/{args.repeat} {side}: "
                   f"{'failed' if run.rate is None else f'{run.rate:.2f} steps/s'}, job CPU {run.cpu:.1f} s, "
                   f"CPU per step {per_step}", file=sys.stderr, flush=True)
@@ -178,15 +190,17 @@ def main() -> None:
         r = [x.rate for x in runs[side] if x.rate is not None]
         c = [x.cpu for x in runs[side] if x.rate is not None]
         p = [x.cpu_per_step for x in runs[side] if x.cpu_per_step is not None]
+        lp = [x.launcher_per_step for x in runs[side] if x.launcher_per_step is not None]
         rows.append([side, f"{len(r)}/{args.repeat}", med(r, ".2f"),
                      f"{min(r):.2f} .. {max(r):.2f}" if r else "n/a",
                      f"{1e3 / statistics.median(r):.1f} ms" if r else "n/a",
-                     med(p, ".1f", 1e3) + (" ms" if p else ""), med(c, ".1f") + (" s" if c else "")])
+                     med(p, ".1f", 1e3) + (" ms" if p else ""), med(lp, ".2f", 1e3) + (" ms" if lp else ""),
+                     med(c, ".1f") + (" s" if c else "")])
     print(f"Command: `{command_line()}`  \nMachine: {machine_line()}; {args.nproc} workers, "
           f"steps {args.warmup}..{args.steps} of batch {args.batch_size} x {args.seq_len} chars; "
           f"{args.repeat} repeat(s), sides back to back in each\n")
     print(markdown_table(["side", "ok runs", "median steps/s", "range", "median step", "job CPU per step",
-                          "job CPU (whole run)"], rows))
+                          "launcher CPU per step", "job CPU (whole run)"], rows))
     if "torchrun" not in sides:
         return
     for side in [x for x in sides if x != "torchrun"]:

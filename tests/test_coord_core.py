@@ -255,3 +255,30 @@ def test_job_activity_is_announced_to_every_agent_when_it_rises() -> None:
     assert sends(core.on_heartbeat("a", dict(beat, attempt=-1, activity="working"), 4), "ack")["a"]["activity"] == "idle"
     core.on_finished("b", {"attempt": 0}, 5)
     assert sends(core.on_heartbeat("b", dict(beat, activity="working"), 5.1), "ack")["b"]["activity"] == "idle"
+
+
+def test_next_tick_s_is_the_first_heartbeat_deadline_while_running() -> None:
+    """The coordinator sleeps next_tick_s between messages: a loss must not fall inside it."""
+    core = JobCore(spec(1, 2), ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
+    assert core.next_tick_s(0) == 0.0  # waiting for nodes: tick at the shell's pace
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 2.0)
+    core.on_heartbeat("b", {"workers": [], "health": {}}, 1.5)
+    wait = core.next_tick_s(2.0)
+    assert wait == pytest.approx(2.5, abs=0.01)  # b's deadline: 1.5 + 3
+    assert not [o for o in core.tick(2.0 + wait - 0.002) if isinstance(o, Emit) and o.kind == "node_lost"]
+    lost = [o for o in core.tick(2.0 + wait) if isinstance(o, Emit) and o.kind == "node_lost"]
+    assert [o.fields["node_id"] for o in lost] == ["b"]
+    assert core.next_tick_s(4.6) == 0.0  # restarting without b: tick at the shell's pace
+
+
+def test_next_tick_s_is_unbounded_once_the_job_ended() -> None:
+    core = JobCore(spec(1, 1), ScriptedDecider(Decision("stop", 0, "user error", "FATAL", "import", 1)), now=0)
+    core.on_join("a", join("a", mn=1, mx=1), 0)
+    started(core, 0)
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "exit", "rank": 0, "ts": 1}}, 1)
+    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 1.5)
+    assert core.phase in (Phase.DONE, Phase.FAILED)
+    assert core.next_tick_s(2.0) == float("inf")

@@ -240,3 +240,43 @@ def test_idle_threshold_runs_from_the_end_of_a_busy_phase() -> None:
     assert verdict is not None and verdict.stalled_s == pytest.approx(1.6)
     # While busy, the busy threshold runs from the last step, not from the busy phase itself.
     assert det.check(now + 30.5, busy=True, busy_at=now + 30.5) is not None
+
+
+@given(
+    intervals=st.lists(st.floats(min_value=0.001, max_value=5.0), min_size=0, max_size=20),
+    ranks=st.integers(min_value=1, max_value=3),
+    later=st.floats(min_value=0.0, max_value=20.0),
+    busy=st.booleans(),
+    mark=st.one_of(st.none(), st.floats(min_value=0.0, max_value=20.0)),
+)
+def test_no_verdict_comes_before_quiet_s_runs_out(intervals: list[float], ranks: int, later: float, busy: bool,
+                                                  mark: float | None) -> None:
+    """The agent sleeps ``quiet_s`` between events: no verdict may fall inside that sleep,
+    whatever the job is doing (busy, working) when it is checked."""
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=2, first_step_timeout_s=30.0)
+    det.start(0.0, range(ranks))
+    now = 0.0
+    for step, dt in enumerate(intervals, start=1):
+        now += dt
+        for r in range(ranks):
+            det.observe(r, step, now)
+    at = now + later
+    quiet = det.quiet_s(at)
+    assert quiet >= 0.0
+    check_at = at + quiet * 0.999
+    working_at = None if mark is None else min(check_at, mark)
+    if quiet > 0:  # (0: a verdict is due already)
+        assert det.check(check_at, busy=busy, working_at=working_at, busy_at=working_at) is None
+    if not busy and mark is None:
+        # and once it has run out, an idle job is hung
+        assert det.check(at + quiet + 1e-6) is not None
+
+
+def test_quiet_s_with_no_ranks_is_unbounded_and_falls_to_zero_when_overdue() -> None:
+    det = HangDetector(k=3.0, floor_s=2.0, warmup_steps=1, first_step_timeout_s=60.0)
+    assert det.quiet_s(5.0) == float("inf")
+    det.start(0.0, [0, 1])
+    now = run_steps(det, [0, 1], 20, dt=0.1, t0=1.0)
+    assert det.quiet_s(now) == pytest.approx(2.0)
+    assert det.quiet_s(now + 1.5) == pytest.approx(0.5)
+    assert det.quiet_s(now + 9.0) == 0.0

@@ -72,12 +72,14 @@ def test_argv_main_and_path_like_python(probe: Path) -> None:
 
 def test_module_mode_like_python_m(probe: Path) -> None:
     cwd = probe.parent.parent
-    (probe.parent / "__init__.py").write_text("")
+    # What the package sees while it imports: python says "-m" there.
+    (probe.parent / "__init__.py").write_text("import sys\nprint('INIT argv0', sys.argv[0], flush=True)\n")
     rc, out, err = run_boot("pkg.probe", "x", env=base_env(), cwd=cwd, module=True)
     assert rc == 0, err
     plain = subprocess.run([PYTHON, "-u", "-m", "pkg.probe", "x"], cwd=cwd, capture_output=True,
                            text=True, env=base_env(), timeout=60)
     assert _report(out) == _report(plain.stdout)
+    assert "INIT argv0 -m\n" in out and "INIT argv0 -m\n" in plain.stdout
     assert _report(out)["spec"] == "pkg.probe" and _report(out)["argv"][1:] == ["x"]
 
 

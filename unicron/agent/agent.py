@@ -1,14 +1,17 @@
 """The node agent: joins the job, runs each attempt's workers, reports, obeys.
 
-One thread, one poll loop over two sockets (the coordinator DEALER and the workers' PULL)
-with a short timeout, so an exit is seen within ``monitor_interval_s`` and heartbeats keep
-their pace. Decisions are the coordinator's; the agent only observes and carries out.
+One thread, one poll loop over the coordinator DEALER, the workers' PULL, each worker's pidfd
+and the launcher's signal pipe: an exit, a message or a signal wakes it at once. Between events
+it sleeps until something falls due (a heartbeat, the hang clock), not on a fixed tick, since
+every wake-up takes CPU from the ranks; without pidfds it ticks every ``monitor_interval_s``
+(at most 50 ms). Decisions are the coordinator's; the agent only observes and carries out.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -36,6 +39,9 @@ from unicron.proto.messages import Codec
 log = logging.getLogger(__name__)
 
 JOIN_RETRY_S = 1.0
+TICK_S = 0.05  # the loop's pace while something is due soon (an attempt starting, a job overdue)
+IDLE_WAKE_S = 0.5  # the longest sleep between events
+CHORES_EVERY_S = 0.5
 
 
 class Agent:
@@ -62,6 +68,8 @@ class Agent:
         self.last_from_coordinator = time.monotonic()
         self.last_heartbeat = 0.0
         self.last_orphan_reap = 0.0
+        self.next_watch = 0.0  # monotonic time the workers are next looked at without an event
+        self.next_chores = 0.0  # ... and the zygote refilled, orphans reaped
         self.sent_level = Activity.IDLE
         self.job_level = (Activity.IDLE, 0.0)  # the job's activity (from the last ack), when heard
         self.health = HealthWatch()
@@ -91,9 +99,6 @@ class Agent:
         pull.bind(self.agent_addr)
         self.dealer = dealer
         self.pull = pull
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
         joined_at = time.monotonic()
         welcomed = False
         last_join = 0.0
@@ -107,19 +112,32 @@ class Agent:
                                               f"{self.s.join_timeout_s:g} s")
                     self._send("join", self._join_body())
                     last_join = now_m
-                timeout_ms = int(min(self.s.monitor_interval_s, 0.05) * 1000)
-                for sock, _ in poller.poll(timeout_ms):
-                    if sock is dealer:
-                        result = self._drain_coordinator(dealer)
-                        if result is not None:
-                            return result
-                        welcomed = True
-                    else:
-                        self._drain_workers(pull)
+                exit_fds = self.group.exit_fds() if self.group is not None else {}
+                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (pull, zmq.POLLIN),
+                                                (self.signals.fileno(), zmq.POLLIN)]
+                items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
+                wait_s = self._wait_s(now_m, welcomed, exit_fds is not None)
+                fired = {sock for sock, _ in zmq.zmq_poll(items, math.ceil(wait_s * 1000))}
+                if dealer in fired:
+                    result = self._drain_coordinator(dealer)
+                    if result is not None:
+                        return result
+                    welcomed = True
+                if pull in fired:
+                    self._drain_workers(pull)
                 self._start_pending()
-                self._watch_workers()
-                self._refill_pool()
-                self._reap_orphans()
+                now_m = time.monotonic()
+                group = self.group
+                # Each wake-up takes CPU from the ranks: between events the loop sleeps until
+                # something is due (_wait_s) and, woken, does only what is due or was signalled.
+                if (fired & set(exit_fds or ()) or now_m >= self.next_watch
+                        or (group is not None and group.level is not Activity.IDLE)):
+                    self._watch_workers()
+                    self.next_watch = now_m + self._watch_wait_s(now_m, exit_fds is not None)
+                if now_m >= self.next_chores:
+                    self.next_chores = now_m + CHORES_EVERY_S
+                    self._refill_pool()
+                    self._reap_orphans()
                 self._heartbeat()
                 if welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
                     raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
@@ -142,6 +160,26 @@ class Agent:
             pull.close(0)
             shutil.rmtree(self.work_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    def _tick_s(self) -> float:
+        return min(self.s.monitor_interval_s, TICK_S)
+
+    def _watch_wait_s(self, now_m: float, exits_wake: bool) -> float:
+        """How long the workers need no look: exits wake the loop (pidfds), steps and worker
+        reports are messages, so only the hang clock is left (see WorkerGroup.next_check_s)."""
+        group = self.group
+        if group is None or group.finished_reported:
+            return IDLE_WAKE_S
+        if not exits_wake:
+            return self._tick_s()
+        return min(max(group.next_check_s(now_m), self._tick_s()), IDLE_WAKE_S)
+
+    def _wait_s(self, now_m: float, welcomed: bool, exits_wake: bool) -> float:
+        """How long the loop may sleep when nothing arrives: until the next thing falls due."""
+        if not welcomed or self.pending_assign is not None or not exits_wake:
+            return self._tick_s()
+        due = min(self.next_watch, self.next_chores, self.last_heartbeat + self.s.heartbeat_interval_s)
+        return min(max(due - now_m, 0.0), IDLE_WAKE_S)
 
     def _coordinator_timeout(self) -> float:
         # Generous: the coordinator answers every heartbeat, so silence this long means it is gone
@@ -216,6 +254,7 @@ class Agent:
                             tee=self.tee, host=self.host, hang=hang, role=self.s.role, stack_dir=self.stack_dir,
                             pool=self.pool, expect_steps=self.steps_seen)
         self.group = group
+        self.next_watch = 0.0
         group.start(time.time())
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
                          ranks=sorted(group.ranks), world_size=spec.world_size,

@@ -69,7 +69,7 @@ class ConsoleTee:
         stdout: Console | None = None,
         stderr: Console | None = None,
         *,
-        interval_s: float = 0.05,
+        interval_s: float = 0.1,  # torchrun's tail interval: lines show as soon as under torchrun
         max_line_bytes: int = 64 * 1024,
     ) -> None:
         self._stdout = stdout

@@ -233,13 +233,7 @@ class WorkerGroup:
     def sample_activity(self, mono: float) -> Activity:
         """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns what
         they are doing (``self.level``). Nothing is read while steps flow."""
-        stats = self.hang.stats
-        median = stats.job_median()
-        idle_threshold, _ = self.hang.threshold_s(busy=False)
-        # Late enough that a healthy step never pays for it, early enough that the evidence
-        # (one window) reaches every agent before the idle threshold runs out.
-        start = min(max(0.3, 1.5 * median if median else 0.3), 0.4 * idle_threshold)
-        if not stats.started_all() or self.hang.overdue_s(mono) < start:
+        if not self.hang.stats.started_all() or self.hang.overdue_s(mono) < self._sampling_starts_s():
             self.activity.reset()
             self.level = Activity.IDLE
             return self.level
@@ -248,6 +242,37 @@ class WorkerGroup:
                                      for r in self.ranks.values()})
         self.level = self.activity.level(mono) or Activity.IDLE
         return self.level
+
+    def _sampling_starts_s(self) -> float:
+        """How overdue the job must be before its ranks' CPU and I/O are sampled."""
+        median = self.hang.stats.job_median()
+        idle_threshold, _ = self.hang.threshold_s(busy=False)
+        # Late enough that a healthy step never pays for it, early enough that the evidence
+        # (one window) reaches every agent before the idle threshold runs out.
+        return min(max(0.3, 1.5 * median if median else 0.3), 0.4 * idle_threshold)
+
+    def next_check_s(self, mono: float) -> float:
+        """How long ``check_hang`` has nothing to do unless a message comes first: until the
+        activity sampling or the earliest hang verdict is due (0 while sampling: check every
+        tick; inf when no hang can be called)."""
+        if self.hang_reported or (not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values())):
+            return float("inf")
+        wait = self.hang.quiet_s(mono)
+        if self.hang.stats.started_all():
+            wait = min(wait, self._sampling_starts_s() - self.hang.overdue_s(mono))
+        return max(0.0, wait)
+
+    def exit_fds(self) -> dict[int, int] | None:
+        """pidfd -> rank of every live worker (readable once it exits); None if some worker
+        has none (kernel before 5.3): then only polling sees its exit."""
+        fds = {}
+        for r in self.ranks.values():
+            if r.exitcode is None:
+                fd = r.proc.fileno()
+                if fd is None:
+                    return None
+                fds[fd] = r.rank
+        return fds
 
     def check_hang(self, now: float, elsewhere: Activity = Activity.IDLE) -> dict[str, Any] | None:
         """A hang fault once no step came for too long. ``elsewhere``: what the other nodes'

@@ -210,6 +210,18 @@ class JobCore:
                                        f"node(s) joined within {self.spec.join_timeout_s:g} s", now)
         return out
 
+    def next_tick_s(self, now: float) -> float:
+        """How long ``tick`` has nothing to do unless a message comes first: 0 while waiting or
+        stopping (their deadlines are short-lived: tick at the shell's pace), the first node's
+        heartbeat deadline while running, inf once the job ended."""
+        if self.phase in (Phase.DONE, Phase.FAILED):
+            return float("inf")
+        if self.phase is not Phase.RUNNING:
+            return 0.0
+        deadlines = [n.last_heartbeat + self.members.heartbeat_timeout_s for n in self.members.active()]
+        # expire() wants silence longer than the timeout: a hair past the deadline, not on it.
+        return max(0.0, min(deadlines, default=float("inf")) - now + 0.001)
+
     def start_attempt(self, master_addr: str, master_port: int, now: float) -> list[Out]:
         """Called by the shell once a fresh store for ``self.next_attempt`` is listening."""
         self.store_pending = False

@@ -8,6 +8,7 @@ asks: sends, a fresh TCPStore per attempt, event records, the end of a job.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -27,7 +28,8 @@ from unicron.proto.messages import Codec, Message
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.05
+TICK_S = 0.05  # the pace while a job forms or restarts
+IDLE_WAKE_S = 0.5  # the longest sleep between messages
 
 
 @dataclass
@@ -86,6 +88,7 @@ class CoordinatorServer:
             self.sock.close(0)
             raise
         self._stop = threading.Event()
+        self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
         self._stores_ready: queue.Queue[tuple[str, int, Any, str]] = queue.Queue()
         self.thread: threading.Thread | None = None
 
@@ -98,13 +101,31 @@ class CoordinatorServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        # Wake the serving thread now rather than at its next deadline (a socket of our own:
+        # zmq sockets are not shared between threads).
+        poke = self.ctx.socket(zmq.PUSH)
+        poke.setsockopt(zmq.LINGER, 0)
+        poke.connect(self._wake_addr)
+        try:
+            poke.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # not serving (yet, or any more): nothing to wake
+        poke.close(0)
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
     def serve(self) -> None:
+        wake = self.ctx.socket(zmq.PULL)
+        wake.bind(self._wake_addr)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if self.sock.poll(int(TICK_S * 1000), zmq.POLLIN):
+                events = dict(poller.poll(math.ceil(self._wait_s() * 1000)))
+                if wake in events:
+                    wake.recv(zmq.NOBLOCK)
+                if self.sock in events:
                     # Drain what is queued, bounded so ticks (loss detection) keep their pace.
                     for _ in range(256):
                         try:
@@ -122,7 +143,17 @@ class CoordinatorServer:
         finally:
             for slot in self.slots.values():
                 slot.stores.clear()
+            wake.close(0)
             self.sock.close(linger=2000)
+
+    def _wait_s(self) -> float:
+        """How long to sleep when no message comes: until some job's next deadline (each
+        wake-up takes CPU from the ranks on this host), at the fast pace while a store opens."""
+        if not self._stores_ready.empty():
+            return 0.0
+        now = self.clock()
+        due = min((slot.core.next_tick_s(now) for slot in self.slots.values()), default=IDLE_WAKE_S)
+        return min(max(due, TICK_S), IDLE_WAKE_S)
 
     def metrics(self) -> dict[str, Any]:
         """Every job's metrics (``format_metrics`` input); called from the HTTP thread."""

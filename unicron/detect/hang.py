@@ -223,6 +223,15 @@ class HangDetector:
         last = self.stats.last_progress_all()
         return max(0.0, now - min(last.values())) if last else 0.0
 
+    def quiet_s(self, now: float) -> float:
+        """How long from ``now`` ``check`` cannot return a verdict unless a step or some rank's
+        activity changes it first (inf with no ranks): the idle threshold less the time the
+        slowest rank is overdue. The busy threshold is never shorter and activity marks only move
+        progress later, so a caller may sleep this long (see the agent's loop)."""
+        if not self.stats.ranks:
+            return float("inf")
+        return max(0.0, self.threshold_s(busy=False)[0] - self.overdue_s(now))
+
     def check(self, now: float, busy: bool = False, working_at: float | None = None,
               busy_at: float | None = None) -> HangVerdict | None:
         """A verdict while the job is hung (every call, until ``start`` begins a new attempt).

@@ -64,6 +64,9 @@ def run_target(target: Target) -> None:
     """Run the script or module as ``__main__`` with python's argv and path conventions."""
     sys.argv = [target.script, *target.args]
     if target.module:
+        # python -m: argv[0] is "-m" while the package imports, the module's file once it runs
+        # (run_module's alter_sys sets that).
+        sys.argv[0] = "-m"
         sys.path[0] = os.getcwd()
         runpy.run_module(target.script, run_name="__main__", alter_sys=True)
     else:
