@@ -218,3 +218,16 @@ def test_unicron_run_copies_matching_lines_of_both_ranks(workdir: Path) -> None:
     assert not (attempt / FILTERED_STDOUT).exists()
     assert sorted((attempt / FILTERED_STDERR).read_text().splitlines()) == [
         "[default0]:apple on stderr from 0", "[default1]:apple on stderr from 1"]
+
+
+def test_tee_of_stdout_leaves_stderr_as_the_worker_wrote_it(workdir: Path) -> None:
+    """--tee 1 prefixes stdout only: stderr is not teed, so (as under torchrun) it reaches the
+    console unprefixed, though unicron keeps a copy of it for the classifier."""
+    (workdir / "fruit.py").write_text(FRUIT_SCRIPT)
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--tee", "1",
+                                  "--log-dir", str(workdir / "logs"), str(workdir / "fruit.py")], workdir, timeout=90)
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"[default{rank}]:banana from {rank}" in out.splitlines()
+        assert f"apple on stderr from {rank}" in err.splitlines()
+    assert "]:apple on stderr" not in err

@@ -394,6 +394,17 @@ def test_missing_script(script: str, argv: list[str], message: str) -> None:
         parse(argv)
 
 
+def test_a_directory_is_a_script_only_with_a_main(tmp_path, monkeypatch) -> None:
+    """python DIR runs DIR/__main__.py, so torchrun accepts such a directory; one without it is
+    refused up front, in words that say what is wrong."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "app").mkdir()
+    with pytest.raises(UsageError, match="training script app is a directory without a __main__.py"):
+        parse(["app"])
+    (tmp_path / "app" / "__main__.py").write_text("print('hi')\n")
+    assert parse(["--nproc-per-node", "1", "app"]).nproc_per_node == 1
+
+
 BAD_ENV = [
     ({"UNICRON_HANG_FACTOR": "x"}, "UNICRON_HANG_FACTOR: not a number: 'x'"),
     ({"PET_NNODES": "2:1"}, "PET_NNODES: need 0 < MIN <= MAX"),

@@ -421,6 +421,18 @@ def test_sigterm_ignorer_is_killed_after_the_grace(tmp_path: Path, workers: list
     wait_until(lambda: gone(child), what="the stubborn child to be gone")
 
 
+def test_a_stopped_worker_is_continued_so_it_exits_on_sigterm(tmp_path: Path, workers: list[WorkerProcess]) -> None:
+    """A SIGSTOPped process holds SIGTERM until continued: without SIGCONT it would only go at
+    SIGKILL, after the whole grace period."""
+    worker = spawn([PY, "-c", "import time; time.sleep(300)"], {}, local_rank=0)
+    workers.append(worker)
+    os.kill(worker.pid, signal.SIGSTOP)
+    wait_until(lambda: psutil.Process(worker.pid).status() == psutil.STATUS_STOPPED, what="the worker to stop")
+    report = terminate_all([worker], grace_s=60)
+    print(f"terminate_all: {report}")
+    assert worker.returncode == -signal.SIGTERM and report.killed == ()
+
+
 def test_terminate_all_uses_the_clock_for_the_grace(tmp_path: Path, workers: list[WorkerProcess]) -> None:
     script = write_script(tmp_path, "stubborn.py", IGNORES_TERM)
     ready = tmp_path / "ready"

@@ -3,6 +3,8 @@ final model compared bit for bit with a failure-free run."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from e2e import read_events, run_unicron
 
@@ -64,6 +66,22 @@ def test_hang_is_detected_culprit_named_and_healed(workdir, reference_hash) -> N
     decision = next(e for e in events if e["kind"] == "decision")
     assert decision["culprits"] == [1], decision
     assert "idle" in hang[0]["message"], hang[0]
+
+
+def test_a_frozen_rank_is_named_and_the_job_heals(workdir, reference_hash) -> None:
+    """A SIGSTOPped rank gives no stack dump while its peer waits in the all-reduce: it is the
+    suspect, and stopping it does not wait out the grace period (it is continued)."""
+    code, out, err = _train(workdir, "healed.txt", "--inject", "freeze@1:6", "--grace-period", "60",
+                            steps=12, sleep=0.05)
+    assert code == 0, err
+    assert (workdir / "healed.txt").read_text() == reference_hash
+    events = read_events(workdir / "logs")
+    decision = next(e for e in events if e["kind"] == "decision")
+    assert decision["culprits"] == [1], decision
+    assert "suspect rank(s) 1, which gave no stack" in decision["reason"], decision
+    # The frozen rank exited on SIGTERM once continued: no SIGKILL after the 60 s grace.
+    stopped = next(e for e in events if e["kind"] == "workers_stopped")
+    assert stopped["killed_ranks"] == [], stopped
 
 
 @pytest.mark.parametrize(("kind", "seconds", "flags"), [
@@ -181,3 +199,36 @@ def test_orphan_that_exits_during_the_run_is_reaped_at_once(workdir) -> None:
     assert code == 0, out + err
     reaped = [e for e in read_events(workdir / "logs") if e["kind"] == "orphans_reaped"]
     assert reaped, "the agent did not reap the orphan"
+
+
+LEAVES_HELPERS = """\
+import os, signal, subprocess, sys, time
+# Each attempt's rank starts a helper in a session of its own (out of the worker's process
+# group), records its pid, and then: attempt 0 is SIGKILLed, attempt 1 finishes cleanly.
+pids = sys.argv[1]
+helper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+with open(pids, "a") as f:
+    f.write(f"{helper.pid}\\n")
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    os.kill(os.getpid(), signal.SIGKILL)
+print("done", flush=True)
+"""
+
+
+def test_helpers_a_worker_left_behind_are_stopped_at_restart_and_at_the_end(workdir) -> None:
+    """What a worker started in a session of its own outlives it, re-parented to the agent: it
+    goes with its attempt, after a crash and after a clean finish alike."""
+    import psutil
+
+    (workdir / "helpers.py").write_text(LEAVES_HELPERS)
+    pids = workdir / "pids.txt"
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+                                  "--log-dir", str(workdir / "logs"), str(workdir / "helpers.py"), str(pids)],
+                                 workdir, timeout=90)
+    assert code == 0, out + err
+    helpers = [int(x) for x in pids.read_text().split()]
+    assert len(helpers) == 2, helpers
+    left = [p for p in helpers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for pid in left:  # don't leave them behind for the next test either
+        os.kill(pid, 9)
+    assert not left, f"helpers left running: {left}"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -249,3 +251,30 @@ def test_syntax_error_printed_as_python_and_forwarded(tmp_path: Path) -> None:
     plain = subprocess.run([PYTHON, "-u", str(script)], capture_output=True, text=True, env=base_env(), timeout=60)
     assert rc == 1 and err == plain.stderr and err.rstrip().endswith("SyntaxError: invalid syntax")
     assert exc["type"] == "SyntaxError" and exc["tb"] == plain.stderr
+
+
+@pytest.mark.parametrize("kind", ["dir", "zip"])
+def test_a_directory_or_zip_with_main_runs_like_python(tmp_path: Path, kind: str) -> None:
+    """python DIR (or APP.zip) runs its __main__.py with the path itself first on sys.path
+    (torchrun passes such a script on to python)."""
+    files = {"helper.py": "VALUE = 42\n",
+             "__main__.py": "import json, sys\nimport helper\n"
+                            "print('REPORT ' + json.dumps({'name': __name__, 'argv': sys.argv, "
+                            "'path0': sys.path[0], 'file': __file__, 'value': helper.VALUE}))\n"}
+    app = tmp_path / ("app" if kind == "dir" else "app.zip")
+    if kind == "dir":
+        app.mkdir()
+        for name, text in files.items():
+            (app / name).write_text(text)
+    else:
+        with zipfile.ZipFile(app, "w") as zf:
+            for name, text in files.items():
+                zf.writestr(name, text)
+    rc, out, err = run_boot(app.name, "a", env=base_env(), cwd=tmp_path)
+    assert rc == 0, err
+    plain = subprocess.run([PYTHON, "-u", app.name, "a"], cwd=tmp_path, capture_output=True, text=True,
+                           env=base_env(), timeout=60)
+    assert _report(out) == _report(plain.stdout)
+    got = _report(out)
+    assert got["name"] == "__main__" and got["argv"] == [app.name, "a"] and got["value"] == 42
+    assert os.path.samefile(got["path0"], app)

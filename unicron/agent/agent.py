@@ -24,6 +24,7 @@ import zmq
 from unicron.agent.healthwatch import HealthWatch
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import REAP_EVERY_S, reap_orphans
+from unicron.agent.proctree import children_of
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
@@ -304,7 +305,8 @@ class Agent:
             if body["want_stacks"]:
                 stacks = group.dump_stacks()
             self._stop_group(reason=body["reason"])
-        self.ui.warn(f"stopping attempt {body['attempt']}: {body['reason']}")
+        # The first report, not the verdict: the decision that follows names the root cause.
+        self.ui.warn(f"stopping attempt {body['attempt']} (first report: {body['reason']})")
         snapshots, sizes = scan_snapshots(self.shm_dir)
         self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],
                                "snapshots": snapshots, "stacks": stacks, "snapshot_bytes": sizes})
@@ -368,6 +370,13 @@ class Agent:
             if reaped:
                 self.events.emit("orphans_reaped", pids=reaped)
 
+    def _adopted_orphans(self) -> list[int]:
+        """Our children but the zygote: the workers, and what workers left behind that outlived
+        its parent (the agent is their subreaper), such as a helper in a session of its own.
+        They go with the attempt that made them."""
+        known = set(self.pool.pids()) if self.pool is not None else set()
+        return [pid for pid in children_of(os.getpid()) if pid not in known]
+
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group
         if fault.get("kind") in ("exit", "exception") and self.health.evidence:
@@ -388,8 +397,8 @@ class Agent:
             return
         self.group = None
         self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
-        group.stop(self.s.grace_s, sig)
-        self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason)
+        killed = group.stop(self.s.grace_s, sig, adopted=self._adopted_orphans)
+        self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     # ---- heartbeats ----------------------------------------------------------------
     def _heartbeat(self) -> None:

@@ -161,6 +161,7 @@ class RankLogs:
     prefix: str
     copy_stdout: LineCopy | None = None
     copy_stderr: LineCopy | None = None
+    stderr_prefixed: bool = True  # False: stderr is echoed as the worker wrote it (not teed by the user)
 
 
 def plan_rank_logs(

@@ -253,12 +253,22 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-def _collect(workers: Sequence[WorkerProcess], found: dict[int, psutil.Process]) -> dict[int, psutil.Process]:
-    """Every live process of the workers' trees: leaders, descendants, and members of their groups.
+def _collect(workers: Sequence[WorkerProcess], found: dict[int, psutil.Process],
+             adopted: Callable[[], Iterable[int]] | None = None) -> dict[int, psutil.Process]:
+    """Every live process of the workers' trees: leaders, descendants, and members of their
+    groups, and the trees of the ``adopted`` pids (see ``terminate_all``).
 
     ``found`` accumulates everything seen, zombies included (they are reaped at the end).
     """
     me = os.getpid()
+    for pid in adopted() if adopted is not None else ():
+        try:
+            orphan = psutil.Process(pid)
+            found.setdefault(pid, orphan)
+            for proc in orphan.children(recursive=True):
+                found.setdefault(proc.pid, proc)
+        except psutil.Error:
+            continue
     groups: dict[int, WorkerProcess] = {w.pgid: w for w in workers}
     for worker in workers:
         worker.poll()
@@ -373,23 +383,30 @@ def terminate_all(
     clock: Callable[[], float] = time.monotonic,
     kill_wait_s: float = 5.0,
     abort: Callable[[], bool] | None = None,
+    adopted: Callable[[], Iterable[int]] | None = None,
 ) -> TerminationReport:
     """Stop every worker's whole tree: ``sig``, up to ``grace_s`` to exit, then SIGKILL; reap all.
 
     Also cleans up after workers that already exited (their leftover children). ``abort()``
-    returning True ends the grace period early (a second Ctrl-C).
+    returning True ends the grace period early (a second Ctrl-C). ``adopted()``: pids of
+    orphans re-parented to this process (a child subreaper) to stop with their trees: what a
+    worker left behind in a session of its own after it exited is no longer in its tree.
     """
     start = clock()
     seen: dict[int, psutil.Process] = {}
-    targets = _collect(workers, seen)
+    targets = _collect(workers, seen, adopted)
     signalled = tuple(sorted(targets))
     _send(workers, targets, sig)
+    if sig not in (signal.SIGKILL, signal.SIGCONT):
+        # A stopped process (SIGSTOP, a debugger, a job-control suspend) holds the signal until
+        # it is continued: continue it, so it exits now rather than at SIGKILL after the grace.
+        _send(workers, targets, signal.SIGCONT)
     alive = _wait_gone(workers, targets, start + grace_s, clock, abort)
     killed: tuple[int, ...] = ()
     survivors: list[int] = []
     if alive:
         # Re-walk: the grace period may have forked new processes.
-        targets = _collect(workers, seen)
+        targets = _collect(workers, seen, adopted)
         killed = tuple(sorted(targets))
         _send(workers, targets, signal.SIGKILL)
         # Dying after SIGKILL takes real time whatever clock the grace was measured with.

@@ -110,7 +110,8 @@ class ConsoleTee:
         if logs.tee_stdout and logs.stdout_path:
             finishers.append(self.follow(logs.stdout_path, logs.prefix, stream="stdout", copy=logs.copy_stdout))
         if logs.tee_stderr and logs.stderr_path:
-            finishers.append(self.follow(logs.stderr_path, logs.prefix, stream="stderr", copy=logs.copy_stderr))
+            prefix = logs.prefix if logs.stderr_prefixed else ""
+            finishers.append(self.follow(logs.stderr_path, prefix, stream="stderr", copy=logs.copy_stderr))
 
         def finish_all() -> None:
             for finish in finishers:

@@ -84,7 +84,8 @@ def shadowed_preloads(argv: Sequence[str], cwd: str) -> list[str]:
         first = cwd
     else:
         script = argv[1] if argv and argv[0] == "--" and len(argv) > 1 else (argv[0] if argv else "")
-        first = os.path.dirname(os.path.realpath(os.path.join(cwd, script)))
+        path = os.path.realpath(os.path.join(cwd, script))
+        first = path if os.path.isdir(path) else os.path.dirname(path)  # python DIR: DIR is first
     found = []
     for root in PRELOADED_ROOTS:
         base = os.path.join(first, root)

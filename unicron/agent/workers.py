@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,15 +118,20 @@ class WorkerGroup:
         # not look like a stall.
         self.hang.start(time.monotonic(), list(self.ranks))
 
-    def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> None:
+    def stop(self, grace_s: float, sig: int = signal.SIGTERM, *,
+             adopted: Callable[[], Iterable[int]] | None = None) -> list[int]:
+        """Stop every rank's process tree, and the trees of the ``adopted`` orphans; returns the
+        ranks that had to be SIGKILLed (still running at the end of the grace period)."""
         # Every worker, dead ones too: a dead worker's children (data loaders) may still run.
-        terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig)
+        report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted)
+        killed = sorted(r.rank for r in self.ranks.values() if r.proc.pid in report.killed)
         now = time.time()
         for r in self.ranks.values():
             if r.exitcode is None:
                 r.exitcode = r.proc.poll()
                 r.exited_at = now
                 r.state = "stopped"
+        return killed
 
     # ---- inputs --------------------------------------------------------------------
     def on_message(self, msg: dict[str, Any], now: float) -> dict[str, Any] | None:
@@ -297,7 +303,9 @@ class WorkerGroup:
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
-        """SIGUSR1 every live worker (faulthandler dumps, even inside a C++ collective) and read the dumps."""
+        """SIGUSR1 every live worker (faulthandler dumps, even inside a C++ collective) and read the
+        dumps; "" for a rank that was asked and gave none (stopped, or stuck where no Python
+        runs): a suspect when the others all wait in a collective."""
         paths = {}
         for r in self.ranks.values():
             # SIGUSR1 would kill a worker without the handler (--no-inject, or still starting).
@@ -318,6 +326,7 @@ class WorkerGroup:
                     stacks[str(rank)] = path.read_bytes()[size:].decode(errors="replace")[-20000:]
                     del paths[rank]
             time.sleep(0.02)
+        stacks.update({str(rank): "" for rank in paths})
         return stacks
 
     def progress(self, now: float) -> int | None:
@@ -396,11 +405,12 @@ def _capture_stderr(plan: RankLogs, run_logs: RunLogDir, attempt: int) -> RankLo
     """Always keep a worker's stderr in a file (the classifier reads its tail).
 
     When the user did not redirect it, the file is echoed to the console unprefixed, so the
-    console shows what torchrun would show.
+    console shows what torchrun would show: a stream that is not teed is the worker's own, even
+    when its stdout is teed with a prefix (``--tee 1``).
     """
     if plan.stderr_path is not None or plan.directory is None:
         return plan
     from dataclasses import replace
 
-    prefix = plan.prefix if plan.tee_stdout else ""
-    return replace(plan, stderr_path=os.path.join(plan.directory, "stderr.log"), tee_stderr=True, prefix=prefix)
+    return replace(plan, stderr_path=os.path.join(plan.directory, "stderr.log"), tee_stderr=True,
+                   stderr_prefixed=False)

@@ -308,7 +308,7 @@ class JobCore:
         out: list[Out] = []
         stacks = {int(r): s for body in attempt.stopped.values() for r, s in body.get("stacks", {}).items()}
         if stacks:
-            out.append(Emit("stacks", {"attempt": attempt.number, "ranks": sorted(stacks)}))
+            out.append(Emit("stacks", {"attempt": attempt.number, "ranks": sorted(r for r, s in stacks.items() if s)}))
         active = len(self.members.active())
         if not attempt.faults:  # a planned re-formation (late joiner): no fault, no budget spent
             decision = Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up", 0)

@@ -152,7 +152,7 @@ class CulpritReport:
         def ranks(rs: tuple[int, ...]) -> str:
             return ", ".join(map(str, rs))
 
-        missing = f"; no stack from rank(s) {ranks(self.missing)}" if self.missing else ""
+        missing = f"; no stack from rank(s) {ranks(self.missing)}" if self.missing and self.missing != self.culprits else ""
         if self.verdict == "culprits":
             detail = "; ".join(f"rank {r} at {self.where[r]}" for r in self.outside)
             return f"rank(s) {ranks(self.outside)} not in the collective that rank(s) " \

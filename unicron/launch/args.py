@@ -140,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
        int_at_least(0), None, metavar="SEC", more_envs=("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",)),
     _t("virtual-local-rank", "LOCAL_RANK=0 for every worker, each seeing only its own GPU."),
     # unicron's own options
-    _u("inject", "Fault injection KIND@RANK:STEP, KIND one of kill, hang, exception, exit[=CODE], "
+    _u("inject", "Fault injection KIND@RANK:STEP, KIND one of kill, hang, freeze, exception, exit[=CODE], "
        "slow[=SECONDS]; repeatable.", to_inject, (), metavar="SPEC", repeat=True),
     _u("no-inject", "Start workers exactly as torchrun does (no unicron worker hooks)."),
     _u("grace-period", "Seconds between SIGTERM and SIGKILL when stopping workers.", float_at_least(0.0),

@@ -168,6 +168,16 @@ class _Resolver:
         return default, "default", _DEFAULT
 
 
+def _check_script(script: str) -> None:
+    """What python itself would refuse to run, said before any node starts a worker."""
+    if os.path.isdir(script):
+        # python runs a directory by its __main__ module (python DIR, like a zip application)
+        if not any(os.path.isfile(os.path.join(script, f"__main__.{ext}")) for ext in ("py", "pyc")):
+            raise UsageError(f"training script {script} is a directory without a __main__.py")
+    elif not os.path.isfile(script):
+        raise UsageError(f"training script not found: {script}")
+
+
 def _convert(convert: Callable[[str], object], text: str, label: str, error: type[UsageError]) -> Any:
     try:
         return convert(text)
@@ -323,8 +333,8 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
     if v["run_path"] and v["module"]:
         raise UsageError(f"{label['run_path']} runs a file; it cannot be combined with {label['module']}")
     script = split.script
-    if not (v["module"] or (v["no_python"] and not v["run_path"])) and not os.path.isfile(script):
-        raise UsageError(f"training script not found: {script}")
+    if not (v["module"] or (v["no_python"] and not v["run_path"])):
+        _check_script(script)
 
     # Rendezvous, with torchrun's rewrites.
     backend, endpoint, rdzv_id = v["rdzv_backend"], v["rdzv_endpoint"].strip(), v["rdzv_id"]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 _RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
-_INJECT_KINDS = ("kill", "hang", "exception", "exit", "slow")
+_INJECT_KINDS = ("kill", "hang", "freeze", "exception", "exit", "slow")
 _HOST = re.compile(r"^[\w.:\[\]-]+$")
 _RUN_ID = re.compile(r"^[\w.:@+-]+$")
 
@@ -264,7 +264,7 @@ def to_signals(text: str) -> tuple[str, ...]:
 
 
 def to_inject(text: str) -> InjectSpec:
-    usage = "expected KIND@RANK:STEP (RANK a number or *) with KIND kill, hang, exception, exit[=CODE] or slow[=SECONDS]"
+    usage = "expected KIND@RANK:STEP (RANK a number or *) with KIND kill, hang, freeze, exception, exit[=CODE] or slow[=SECONDS]"
     match = re.match(r"^([a-z]+)(?:=([^@]*))?@(\*|\d+):(\d+)$", text.strip())
     if not match:
         raise ValueError(f"{usage}; got {text!r}")

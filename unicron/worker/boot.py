@@ -69,12 +69,11 @@ def run_target(target: Target) -> None:
         sys.argv[0] = "-m"
         sys.path[0] = os.getcwd()
         runpy.run_module(target.script, run_name="__main__", alter_sys=True)
-    else:
+    elif os.path.isfile(target.script) and not zipfile.is_zipfile(target.script):
         sys.path[0] = os.path.dirname(os.path.realpath(target.script))
-        if os.path.isfile(target.script) and not zipfile.is_zipfile(target.script):
-            run_file_as_main(target.script)
-        else:  # a directory or zip with __main__.py
-            runpy.run_path(target.script, run_name="__main__")
+        run_file_as_main(target.script)
+    else:
+        run_dir_as_main(target.script)
 
 
 def run_file_as_main(script: str) -> None:
@@ -94,6 +93,28 @@ def run_file_as_main(script: str) -> None:
         __package__=None,
         __spec__=None,
         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+        __builtins__=builtins,
+    )
+    sys.modules["__main__"] = main_module
+    exec(code, main_module.__dict__)
+
+
+def run_dir_as_main(script: str) -> None:
+    """What ``python DIR`` (or ``python APP.zip``) does: DIR first on ``sys.path``, its
+    ``__main__`` module run as ``__main__`` (argv[0] stays as given)."""
+    path = os.path.abspath(script)
+    sys.path[0] = path
+    spec = importlib.machinery.PathFinder.find_spec("__main__", [path])
+    code = spec.loader.get_code("__main__") if spec is not None and spec.loader is not None else None  # type: ignore[attr-defined]
+    if spec is None or code is None:
+        raise SystemExit(f"{sys.executable}: can't find '__main__' module in {script!r}")
+    main_module = types.ModuleType("__main__")
+    main_module.__dict__.update(
+        __file__=spec.origin,
+        __cached__=spec.cached,
+        __package__="",
+        __spec__=spec,
+        __loader__=spec.loader,
         __builtins__=builtins,
     )
     sys.modules["__main__"] = main_module

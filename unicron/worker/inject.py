@@ -2,7 +2,7 @@
 
 Spec grammar (several specs separated by ``;``)::
 
-    KIND@RANK:STEP        KIND  = kill | hang | exception | exit[=CODE] | slow[=SECONDS]
+    KIND@RANK:STEP        KIND  = kill | hang | freeze | exception | exit[=CODE] | slow[=SECONDS]
                           RANK  = global rank, or * for every rank
                           STEP  = completed steps at which the fault fires
 
@@ -11,6 +11,8 @@ STEP steps have completed (STEP 0: at worker start, before the script runs):
 
 - ``kill``       SIGKILL to itself (no Python cleanup, like the OOM killer)
 - ``hang``       blocks forever in Python (a stack dump shows this module's ``hang_forever``)
+- ``freeze``     SIGSTOP to itself: the process stops whole, gives no stack dump and ignores
+                 SIGTERM until continued (a debugger's stop, a job-control suspend, a node frozen)
 - ``exception``  raises RuntimeError("CUDA error: an illegal memory access was encountered ...")
 - ``exit=CODE``  ``os._exit(CODE)`` (default 1)
 - ``slow=S``     spins on a CPU for S seconds (default 1.0) at every boundary from STEP on (a straggler)
@@ -30,13 +32,13 @@ from dataclasses import dataclass
 
 from unicron.errors import UsageError
 
-KINDS = ("kill", "hang", "exception", "exit", "slow")
+KINDS = ("kill", "hang", "freeze", "exception", "exit", "slow")
 DEFAULT_EXIT_CODE = 1
 DEFAULT_SLOW_S = 1.0
 INJECTED_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected by unicron)"
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)(?:=(?P<value>[^@]*))?@(?P<rank>\*|\d+):(?P<step>\d+)$")
-_GRAMMAR = "expected KIND@RANK:STEP with KIND in kill, hang, exception, exit[=CODE], slow[=SECONDS]"
+_GRAMMAR = "expected KIND@RANK:STEP with KIND in kill, hang, freeze, exception, exit[=CODE], slow[=SECONDS]"
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,8 @@ def fire(fault: Fault) -> None:
         hang_forever()  # SIGKILL is delivered asynchronously; never run on past the fault
     elif fault.kind == "hang":
         hang_forever()
+    elif fault.kind == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "exception":
         raise RuntimeError(INJECTED_CUDA_ERROR)
     elif fault.kind == "exit":
