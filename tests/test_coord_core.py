@@ -282,3 +282,34 @@ def test_next_tick_s_is_unbounded_once_the_job_ended() -> None:
     core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 1.5)
     assert core.phase in (Phase.DONE, Phase.FAILED)
     assert core.next_tick_s(2.0) == float("inf")
+
+
+CONNECTION_LOST = {"kind": "exception", "rank": 0, "error_type": "RuntimeError", "ts": 1.0, "progress": 9,
+                   "message": "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                              "Connection closed by peer [127.0.0.1]:29500"}
+
+
+def test_a_rank_that_left_early_is_named_when_its_peers_lost_it() -> None:
+    decision = DetectDecider().decide([CONNECTION_LOST], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,
+                                      finished=[(1, 10)])
+    assert decision.action == "reattempt"
+    assert "rank 1 after step 10 had already exited with code 0" in decision.reason, decision.reason
+    # A rank that finished says nothing about a failure of its own kind (a crash, an exception).
+    crash = {"kind": "exit", "rank": 0, "exitcode": -11, "ts": 1.0, "progress": 9}
+    decision = DetectDecider().decide([crash], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,
+                                      finished=[(1, 10)])
+    assert "exited with code 0" not in decision.reason
+
+
+def test_the_core_passes_the_ranks_that_finished_and_skips_garbage() -> None:
+    decider = ScriptedDecider(RESTART)
+    seen: list[object] = []
+    decide = decider.decide
+    decider.decide = lambda *a, **kw: (seen.append(kw.get("finished")), decide(*a, **kw))[1]  # type: ignore[method-assign]
+    core = JobCore(spec(1, 1), decider, now=0)
+    core.on_join("a", join("a", mn=1, mx=1), 0)
+    started(core, 0)
+    core.on_fault("a", {"attempt": 0, "fault": dict(CONNECTION_LOST)}, 1)
+    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {},
+                          "finished": [{"rank": 1, "step": 10}, {"rank": "x"}, 7, {"rank": 2, "step": None}]}, 1.5)
+    assert seen == [[(1, 10), (2, None)]]

@@ -232,3 +232,35 @@ def test_helpers_a_worker_left_behind_are_stopped_at_restart_and_at_the_end(work
     for pid in left:  # don't leave them behind for the next test either
         os.kill(pid, 9)
     assert not left, f"helpers left running: {left}"
+
+
+LEAVES_EARLY = """\
+import os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, first = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+w = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.SGD([w], lr=0.1)
+for step in range(1, 31):
+    loss = (w * w).sum()
+    loss.backward()
+    dist.all_reduce(w.grad)
+    opt.step()
+    opt.zero_grad()
+    if first and rank == 1 and step == 10:
+        os._exit(0)  # a bug: this rank thinks it is done
+dist.destroy_process_group()
+print("done", rank, flush=True)
+"""
+
+
+def test_a_rank_that_exits_0_early_is_named_as_why_its_peer_failed(workdir) -> None:
+    """Rank 1 ends cleanly mid-job; rank 0 then loses its peer. torchrun blames rank 0; unicron
+    still classifies rank 0's failure, and says that rank 1 had left."""
+    (workdir / "early.py").write_text(LEAVES_EARLY)
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                                  "--log-dir", str(workdir / "logs"), str(workdir / "early.py")], workdir, timeout=90)
+    assert code == 0, out + err
+    decision = next(e for e in read_events(workdir / "logs") if e["kind"] == "decision")
+    assert "rank 1 after step 10 had already exited with code 0" in decision["reason"], decision

@@ -294,6 +294,7 @@ class Agent:
             self.pending_assign = None
         group = self.group
         stacks: dict[str, str] = {}
+        finished: list[dict[str, Any]] = []
         if group is not None and group.spec.attempt == body["attempt"]:
             # What the workers said before the stop came (an `exiting` may be queued behind it).
             if self.pull is not None:
@@ -302,6 +303,9 @@ class Agent:
             # among them (a SIGKILLed rank), while its peers' exceptions only echo it.
             for fault in group.settle_dying():
                 self._report(fault)
+            # Ranks that had ended cleanly before the stop: when the others then lost their
+            # peers, that is why (the decision says so).
+            finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values() if r.exitcode == 0]
             if body["want_stacks"]:
                 stacks = group.dump_stacks()
             self._stop_group(reason=body["reason"])
@@ -309,7 +313,8 @@ class Agent:
         self.ui.warn(f"stopping attempt {body['attempt']} (first report: {body['reason']})")
         snapshots, sizes = scan_snapshots(self.shm_dir)
         self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],
-                               "snapshots": snapshots, "stacks": stacks, "snapshot_bytes": sizes})
+                               "snapshots": snapshots, "stacks": stacks, "snapshot_bytes": sizes,
+                               "finished": finished})
 
     # ---- workers -------------------------------------------------------------------
     def _drain_workers(self, pull: zmq.Socket) -> None:

@@ -7,10 +7,11 @@ restart policy (which keeps the job-wide history).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
-from unicron.detect.classify import classify, root_cause
+from unicron.detect.classify import classify, is_victim, root_cause
 from unicron.detect.faults import Fault
 from unicron.detect.policy import FailureRecord, RestartPolicy
 from unicron.detect.stacks import name_culprits
@@ -31,7 +32,8 @@ class Decision:
 
 class Decider(Protocol):
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
-               max_restarts: int, active_nodes: int, min_nodes: int) -> Decision: ...
+               max_restarts: int, active_nodes: int, min_nodes: int,
+               finished: Sequence[tuple[int, int | None]] = ...) -> Decision: ...
 
 
 def to_fault(raw: dict[str, Any]) -> Fault:
@@ -55,7 +57,9 @@ class DetectDecider:
         self.history: list[FailureRecord] = []
 
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
-               max_restarts: int, active_nodes: int, min_nodes: int) -> Decision:
+               max_restarts: int, active_nodes: int, min_nodes: int,
+               finished: Sequence[tuple[int, int | None]] = ()) -> Decision:
+        """``finished``: (rank, last step) of ranks that exited 0 before the others failed."""
         parsed = [to_fault(f) for f in faults]
         culprits: list[int] = []
         report_text = ""
@@ -73,6 +77,11 @@ class DetectDecider:
                                       and any(f.kind == "node_lost" for f in parsed))
         self.history.append(decision.record(cause, classification, progress, now))
         reason = decision.reason
+        if finished and is_victim(cause, classification):
+            # torchrun, too, would blame the rank that lost its peer; the peer that left is why.
+            left = ", ".join(f"rank {rank}" + (f" after step {step}" if step else "") for rank, step in finished[:4])
+            reason += (f" [{left} had already exited with code 0: a rank that ends while the others "
+                       "still train leaves them without a peer]")
         if report_text:
             reason += f" [{report_text}]"
         error = decision.to_error()

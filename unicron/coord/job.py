@@ -314,7 +314,8 @@ class JobCore:
             decision = Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up", 0)
         else:
             decision = self.decider.decide(attempt.faults, stacks, now, max_restarts=self.spec.max_restarts,
-                                           active_nodes=active, min_nodes=self.spec.min_nodes)
+                                           active_nodes=active, min_nodes=self.spec.min_nodes,
+                                           finished=_finished_ranks(attempt.stopped.values()))
             self.history.append(decision)
         out.append(Emit("decision", {"attempt": attempt.number, "action": decision.action,
                                      "severity": decision.severity, "rule": decision.rule,
@@ -369,6 +370,20 @@ class JobCore:
                      "transition": attempt.stop_reason if self.phase is Phase.STOPPING and attempt else ""},
             "events": list(self.recent_events),
         }
+
+
+def _finished_ranks(stopped: Any) -> list[tuple[int, int | None]]:
+    """(rank, its last step) of every rank the agents saw exit 0 before the stop; entries that
+    are not that shape (a peer's garbage) are skipped."""
+    out = []
+    for body in stopped:
+        for item in body.get("finished", ()):
+            if not isinstance(item, dict):
+                continue
+            rank, step = item.get("rank"), item.get("step")
+            if type(rank) is int and (step is None or type(step) is int):
+                out.append((rank, step))
+    return sorted(out)
 
 
 def _common_snapshot_step(stopped: Any, old_world: int, new_world: int) -> int | None:
