@@ -27,6 +27,8 @@ def test_version_and_help() -> None:
     (["run", "--nnodes", "3:2", "x.py"], "--nnodes"),
     (["run", "--bogus-flag", "x.py"], "--bogus-flag"),
     (["coordinator", "--port", "70000"], "port"),
+    (["coordinator", "--port", "0", "--log-dir", "/etc/passwd"], "--log-dir: /etc/passwd is a file"),
+    ([], "missing command"),
 ])
 def test_misuse_is_one_line_and_nonzero(args, message) -> None:
     proc = _run(*args)

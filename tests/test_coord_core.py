@@ -313,3 +313,16 @@ def test_the_core_passes_the_ranks_that_finished_and_skips_garbage() -> None:
     core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {},
                           "finished": [{"rank": 1, "step": 10}, {"rank": "x"}, 7, {"rank": 2, "step": None}]}, 1.5)
     assert seen == [[(1, 10), (2, None)]]
+
+
+def test_a_coordinator_that_was_itself_stopped_does_not_count_the_silence() -> None:
+    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 2.0)
+    core.on_heartbeat("b", {"workers": [], "health": {}}, 2.0)
+    core.paused(5.0)  # the coordinator's process was stopped for 5 s
+    assert not [o for o in core.tick(7.5) if isinstance(o, Emit) and o.kind == "node_lost"]
+    assert [o.fields["node_id"] for o in core.tick(10.1) if isinstance(o, Emit) and o.kind == "node_lost"] \
+        == ["a", "b"]  # still silent 3 s after the pause: lost

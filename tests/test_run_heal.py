@@ -264,3 +264,30 @@ def test_a_rank_that_exits_0_early_is_named_as_why_its_peer_failed(workdir) -> N
     assert code == 0, out + err
     decision = next(e for e in read_events(workdir / "logs") if e["kind"] == "decision")
     assert "rank 1 after step 10 had already exited with code 0" in decision["reason"], decision
+
+
+def test_a_launcher_stalled_for_seconds_keeps_its_job(workdir) -> None:
+    """A stall of the launcher process itself (SIGSTOP here; a VM pause or swap in life) longer
+    than the heartbeat timeout: its embedded coordinator heard nobody meanwhile, which says
+    nothing about the node, so the job goes on (torchrun's does)."""
+    import shutil
+    import signal
+    import time
+
+    from e2e import SCRIPTS, Launched, wait_for
+
+    shutil.copy(SCRIPTS / "train_state.py", workdir)
+    logs = workdir / "logs"
+    job = Launched(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(logs), str(workdir / "train_state.py"),
+                    "--steps", "60", "--out", str(workdir / "out.txt"), "--sleep", "0.1"], workdir)
+    try:
+        wait_for(lambda: any(e["kind"] == "workers_started" for e in read_events(logs)) if list(logs.glob("*"))
+                 else False, 60, "the workers to start")
+        job.proc.send_signal(signal.SIGSTOP)
+        time.sleep(4.5)  # the stall itself, longer than the 3 s heartbeat timeout
+        job.proc.send_signal(signal.SIGCONT)
+        code, out, err = job.wait(90)
+    finally:
+        job.kill()
+    assert code == 0, out + err
+    assert not [e for e in read_events(logs) if e["kind"] in ("node_lost", "fault")]

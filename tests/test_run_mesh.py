@@ -166,3 +166,23 @@ def test_standalone_coordinator_serves_two_jobs(workdir, launch) -> None:
     coord.proc.send_signal(signal.SIGTERM)
     code, _, err = coord.wait(20)
     assert code == 0, err
+
+
+
+def test_losing_the_coordinators_node_stops_the_other_cleanly_without_a_false_hang(workdir, launch) -> None:
+    """Node a (hosting the coordinator) is SIGKILLed: node b's rank fails on its lost peer, no
+    decision can come, and b stops on its own once the coordinator is silent. Its failed rank is
+    not called hung meanwhile (that verdict would be about a process already gone)."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    a = launch(agent_args(workdir, port, "2", "--redirects", "1", steps=100000, sleep=0.05), workdir, env)
+    wait_for(lambda: (workdir / "logs").exists() and any((workdir / "logs").glob("*/events.jsonl")), 60,
+             "node a to host the coordinator")
+    b = launch(agent_args(workdir, port, "2", "--redirects", "1", steps=100000, sleep=0.05), workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"], 90, "the attempt")
+    _wait_for_output(workdir, "starts at step", 2)
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    code, out, err = b.wait(90)
+    assert code != 0 and "lost the coordinator" in err, err
+    assert "hang on node" not in err, err

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "Exit" and isinstance(code, int):
             return code
         if hasattr(exc, "format_message") and isinstance(code, int):
-            error_line(exc.format_message())
+            # No command at all: the help just printed says it (click's message is empty there).
+            error_line(exc.format_message() or "missing command; see the commands above")
             return code
         if type(exc).__name__ == "Abort":
             error_line("aborted")

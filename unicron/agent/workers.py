@@ -257,11 +257,17 @@ class WorkerGroup:
         # (one window) reaches every agent before the idle threshold runs out.
         return min(max(0.3, 1.5 * median if median else 0.3), 0.4 * idle_threshold)
 
+    def failure_reported(self) -> bool:
+        """Some rank already failed (a non-zero exit, a fatal exception): the coordinator is
+        deciding; the others waiting on it are not a hang of their own."""
+        return bool(self.reported_exc) or any(r.exitcode not in (None, 0) for r in self.ranks.values())
+
     def next_check_s(self, mono: float) -> float:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the
         activity sampling or the earliest hang verdict is due (0 while sampling: check every
         tick; inf when no hang can be called)."""
-        if self.hang_reported or (not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values())):
+        if self.hang_reported or self.failure_reported() or (
+                not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values())):
             return float("inf")
         wait = self.hang.quiet_s(mono)
         if self.hang.stats.started_all():
@@ -283,6 +289,8 @@ class WorkerGroup:
     def check_hang(self, now: float, elsewhere: Activity = Activity.IDLE) -> dict[str, Any] | None:
         """A hang fault once no step came for too long. ``elsewhere``: what the other nodes'
         ranks are doing (from the coordinator); the job's level is the highest."""
+        if self.failure_reported():
+            return None
         if not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values()):
             return None
         mono = time.monotonic()

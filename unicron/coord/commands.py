@@ -34,6 +34,8 @@ def register(app: typer.Typer) -> None:
 
         if not 0 <= port <= 65535:
             raise UsageError(f"--port: {port} is not a TCP port")
+        if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise UsageError(f"--log-dir: {log_dir} is a file, not a directory")
         secret = _secret(secret_file)
         base = Path(log_dir) if log_dir else Path(os.environ.get("TMPDIR", "/tmp")) / f"unicron-coordinator-{os.getpid()}"
         logs: dict[str, EventLog] = {}

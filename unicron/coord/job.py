@@ -210,6 +210,16 @@ class JobCore:
                                        f"node(s) joined within {self.spec.join_timeout_s:g} s", now)
         return out
 
+    def paused(self, gap_s: float) -> None:
+        """The coordinator itself was not running for ``gap_s``: nobody's silence in that time
+        counts (heartbeat and stop deadlines move on by it)."""
+        if gap_s <= 0:
+            return
+        for node in self.members.active():
+            node.last_heartbeat += gap_s
+        if self.attempt is not None and self.attempt.stop_sent_at is not None:
+            self.attempt.stop_sent_at += gap_s
+
     def next_tick_s(self, now: float) -> float:
         """How long ``tick`` has nothing to do unless a message comes first: 0 while waiting or
         stopping (their deadlines are short-lived: tick at the shell's pace), the first node's

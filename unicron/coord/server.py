@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the pace while a job forms or restarts
 IDLE_WAKE_S = 0.5  # the longest sleep between messages
+PAUSED_AFTER_S = 2.0  # a turn of the loop this late means the coordinator itself was stopped
 
 
 @dataclass
@@ -120,9 +121,17 @@ class CoordinatorServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        last_turn = self.clock()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(math.ceil(self._wait_s() * 1000)))
+                turn = self.clock()
+                if turn - last_turn > PAUSED_AFTER_S:
+                    # This process was not running (SIGSTOP, a VM or swap stall, a clock step):
+                    # it heard nobody meanwhile, which says nothing about the nodes.
+                    for slot in self.slots.values():
+                        slot.core.paused(turn - last_turn - IDLE_WAKE_S)
+                last_turn = turn
                 if wake in events:
                     wake.recv(zmq.NOBLOCK)
                 if self.sock in events:
