@@ -315,6 +315,19 @@ def test_the_core_passes_the_ranks_that_finished_and_skips_garbage() -> None:
     assert seen == [[(1, 10), (2, None)]]
 
 
+def test_a_lost_nodes_workers_are_not_shown_running() -> None:
+    core = JobCore(spec(1, 2), ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    core.on_heartbeat("a", {"workers": [{"rank": 0, "state": "running"}], "health": {}}, 3.5)
+    core.on_heartbeat("b", {"workers": [{"rank": 1, "state": "running"}], "health": {}}, 1.2)
+    core.tick(4.5)  # b silent: lost
+    nodes = {n["node_id"]: n for n in core.snapshot(4.5)["nodes"]}
+    assert nodes["b"]["state"] == "lost" and [w["state"] for w in nodes["b"]["workers"]] == ["lost"]
+    assert [w["state"] for w in nodes["a"]["workers"]] == ["running"]
+
+
 def test_a_coordinator_that_was_itself_stopped_does_not_count_the_silence() -> None:
     core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
     core.on_join("a", join("a", mn=1, mx=2), 0)

@@ -167,8 +167,22 @@ def test_endpoint_needs_job_and_secret(runs_dir: Path) -> None:
     assert code == 2 and "expected HOST:PORT" in msg  # bad input, not a silent coordinator
     code, msg = invoke(["status", "-e", "nonsense"])  # said first, before what else is missing
     assert code == 2 and "expected HOST:PORT" in msg
+    for port in ("99999", "0"):
+        code, msg = invoke(["status", "-e", f"127.0.0.1:{port}", "--job", JOB], env={"UNICRON_SECRET": "x"})
+        assert code == 2 and "port must be 1..65535" in msg
     code, msg = invoke(["status", "-e", "127.0.0.1:1", "--job", JOB, "--secret-file", str(runs_dir / "none")])
     assert code == 2 and "cannot read secret file" in msg
+
+
+def test_this_machines_name_finds_a_run_registered_by_address() -> None:
+    import socket
+
+    from unicron.status.client import _same_endpoint
+
+    assert _same_endpoint(f"{socket.gethostname()}:36599", "127.0.0.1:36599")
+    assert _same_endpoint("localhost:36599", "tcp://127.0.1.1:36599")
+    assert not _same_endpoint(f"{socket.gethostname()}:36599", "127.0.0.1:36600")
+    assert not _same_endpoint("10.9.8.7:36599", "127.0.0.1:36599")
 
 
 def test_wrong_secret_is_dropped_and_reported_as_no_answer(runs_dir: Path, coordinator) -> None:

@@ -364,7 +364,10 @@ class JobCore:
             nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
                           "state": node.state.value, "last_heartbeat": node.last_heartbeat,
                           "activity": node.activity.name.lower(),
-                          "health": node.health, "workers": node.workers})
+                          "health": node.health,
+                          # a node that is gone has no running workers, whatever it last said
+                          "workers": node.workers if node.state is NodeState.ACTIVE else
+                          [dict(w, state=node.state.value) for w in node.workers if isinstance(w, dict)]})
         return {
             "job": {"id": self.spec.job_id, "state": self.phase.value,
                     "attempt": attempt.number if attempt else 0, "restarts": self.restarts_used,

@@ -18,6 +18,8 @@ def tcp_endpoint(endpoint: str) -> str:
     host, sep, port = endpoint.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise UsageError(f"bad endpoint {endpoint!r}: expected HOST:PORT")  # bad input, not a silent peer
+    if not 0 < int(port) <= 65535:
+        raise UsageError(f"bad endpoint {endpoint!r}: port must be 1..65535")
     return f"tcp://{host}:{port}"
 
 

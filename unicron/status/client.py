@@ -8,6 +8,7 @@ answered, and whether the run has ended.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,10 +118,13 @@ def _local_target(info: runs.RunInfo) -> Target:
 
 
 def _same_endpoint(a: str, b: str) -> bool:
+    """Whether two HOST:PORT name the same endpoint on this machine: the registry keeps the
+    address a run listens on, a user may write this machine's name (as the status view shows it)."""
     def norm(ep: str) -> str:
         ep = ep.removeprefix("tcp://")
         host, _, port = ep.rpartition(":")
-        return f"{'127.0.0.1' if host in ('localhost', '0.0.0.0', '::', '[::]', '') else host}:{port}"
+        local = host in ("localhost", "0.0.0.0", "::", "[::]", "", socket.gethostname()) or host.startswith("127.")
+        return f"{'127.0.0.1' if local else host}:{port}"
 
     return norm(a) == norm(b)
 
