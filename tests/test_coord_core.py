@@ -48,6 +48,15 @@ def started(core: JobCore, now: float) -> dict[str, dict[str, Any]]:
     return sends(core.start_attempt("", 1234, now), "assign")
 
 
+def two_nodes_running(decider: Any) -> JobCore:
+    """An elastic 1..2-node job whose nodes a and b joined at 0 and whose attempt 0 started at 1."""
+    core = JobCore(spec(1, 2), decider, now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 1)
+    return core
+
+
 def test_membership_honours_requested_ranks_and_keeps_layout() -> None:
     m = Membership(1, 3, last_call_s=1, heartbeat_timeout_s=3)
     assert m.join("a", "ha", 1, None, 0).accepted
@@ -121,10 +130,7 @@ def test_all_finished_ends_the_job() -> None:
 
 
 def test_lost_node_in_elastic_job_reforms_with_survivors() -> None:
-    core = JobCore(spec(1, 2), ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
-    core.on_join("a", join("a", mn=1, mx=2), 0)
-    core.on_join("b", join("b", mn=1, mx=2), 0)
-    started(core, 1)
+    core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
     core.on_heartbeat("a", {"workers": [], "health": {}}, 3.5)
     outs = core.tick(4.5)  # b silent for 4.5 s > 3 s
     assert any(isinstance(o, Emit) and o.kind == "node_lost" for o in outs)
@@ -150,10 +156,7 @@ def test_stop_decision_finishes_with_code_and_stale_messages_are_ignored() -> No
 
 
 def test_unacknowledged_stop_times_out_and_node_is_dropped() -> None:
-    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
-    core.on_join("a", join("a", mn=1, mx=2), 0)
-    core.on_join("b", join("b", mn=1, mx=2), 0)
-    started(core, 1)
+    core = two_nodes_running(ScriptedDecider(RESTART))
     core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 2}}, 2)
     core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 2.5)
     for t in (3, 4, 5, 6, 7, 8, 9, 10, 11):
@@ -201,10 +204,7 @@ def test_detect_decider_on_real_fault_shapes(fault, action) -> None:
 
 
 def test_node_busy_stopping_its_workers_is_judged_by_the_stop_timeout() -> None:
-    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
-    core.on_join("a", join("a", mn=1, mx=2), 0)
-    core.on_join("b", join("b", mn=1, mx=2), 0)
-    started(core, 1)
+    core = two_nodes_running(ScriptedDecider(RESTART))
     core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 2}}, 2)
     # Both agents answer the stop at once, then are silent for 7 s while they stop hung workers
     # (heartbeat timeout is 3 s).
@@ -219,10 +219,7 @@ def test_node_busy_stopping_its_workers_is_judged_by_the_stop_timeout() -> None:
 
 def test_node_frozen_before_the_stop_is_lost_at_the_heartbeat_timeout() -> None:
     # b freezes at 1.5; a's idle rank is called hung at 3; b never answers the stop.
-    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
-    core.on_join("a", join("a", mn=1, mx=2), 0)
-    core.on_join("b", join("b", mn=1, mx=2), 0)
-    started(core, 1)
+    core = two_nodes_running(ScriptedDecider(RESTART))
     core.on_heartbeat("b", {"workers": [], "health": {}}, 1.5)
     core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 3}}, 3)
     core.on_heartbeat("a", {"workers": [], "health": {}}, 3)
@@ -261,9 +258,7 @@ def test_next_tick_s_is_the_first_heartbeat_deadline_while_running() -> None:
     """The coordinator sleeps next_tick_s between messages: a loss must not fall inside it."""
     core = JobCore(spec(1, 2), ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
     assert core.next_tick_s(0) == 0.0  # waiting for nodes: tick at the shell's pace
-    core.on_join("a", join("a", mn=1, mx=2), 0)
-    core.on_join("b", join("b", mn=1, mx=2), 0)
-    started(core, 1)
+    core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
     core.on_heartbeat("a", {"workers": [], "health": {}}, 2.0)
     core.on_heartbeat("b", {"workers": [], "health": {}}, 1.5)
     wait = core.next_tick_s(2.0)
@@ -316,10 +311,7 @@ def test_the_core_passes_the_ranks_that_finished_and_skips_garbage() -> None:
 
 
 def test_a_lost_nodes_workers_are_not_shown_running() -> None:
-    core = JobCore(spec(1, 2), ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
-    core.on_join("a", join("a", mn=1, mx=2), 0)
-    core.on_join("b", join("b", mn=1, mx=2), 0)
-    started(core, 1)
+    core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
     core.on_heartbeat("a", {"workers": [{"rank": 0, "state": "running"}], "health": {}}, 3.5)
     core.on_heartbeat("b", {"workers": [{"rank": 1, "state": "running"}], "health": {}}, 1.2)
     core.tick(4.5)  # b silent: lost
@@ -329,10 +321,7 @@ def test_a_lost_nodes_workers_are_not_shown_running() -> None:
 
 
 def test_a_coordinator_that_was_itself_stopped_does_not_count_the_silence() -> None:
-    core = JobCore(spec(1, 2), ScriptedDecider(RESTART), now=0)
-    core.on_join("a", join("a", mn=1, mx=2), 0)
-    core.on_join("b", join("b", mn=1, mx=2), 0)
-    started(core, 1)
+    core = two_nodes_running(ScriptedDecider(RESTART))
     core.on_heartbeat("a", {"workers": [], "health": {}}, 2.0)
     core.on_heartbeat("b", {"workers": [], "health": {}}, 2.0)
     core.paused(5.0)  # the coordinator's process was stopped for 5 s
