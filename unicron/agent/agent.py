@@ -23,8 +23,7 @@ import zmq
 
 from unicron.agent.healthwatch import HealthWatch
 from unicron.agent.logs import RunLogDir
-from unicron.agent.orphans import REAP_EVERY_S, reap_orphans
-from unicron.agent.proctree import children_of
+from unicron.agent.orphans import REAP_EVERY_S, children_except, reap_orphans
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
@@ -379,8 +378,7 @@ class Agent:
         """Our children but the zygote: the workers, and what workers left behind that outlived
         its parent (the agent is their subreaper), such as a helper in a session of its own.
         They go with the attempt that made them."""
-        known = set(self.pool.pids()) if self.pool is not None else set()
-        return [pid for pid in children_of(os.getpid()) if pid not in known]
+        return children_except(self.pool.pids() if self.pool is not None else ())
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group

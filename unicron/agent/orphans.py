@@ -19,6 +19,12 @@ from unicron.agent.proctree import children_of
 REAP_EVERY_S = 2.0
 
 
+def children_except(known: Collection[int]) -> list[int]:
+    """This process's children whose pids are not in ``known``: what it adopted as a subreaper,
+    once its own workers and zygote are in ``known``."""
+    return [child for child in children_of(os.getpid()) if child not in known]
+
+
 def reap_orphans(known: Collection[int]) -> list[int]:
     """Reap every exited child of this process whose pid is not in ``known``; return their pids.
 
@@ -26,9 +32,7 @@ def reap_orphans(known: Collection[int]) -> list[int]:
     zygote, adopted warm workers): reaping one of those would lose its exit code.
     """
     reaped: list[int] = []
-    for child in children_of(os.getpid()):
-        if child in known:
-            continue
+    for child in children_except(known):
         try:
             if psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
                 continue

@@ -262,12 +262,18 @@ class WorkerGroup:
         deciding; the others waiting on it are not a hang of their own."""
         return bool(self.reported_exc) or any(r.exitcode not in (None, 0) for r in self.ranks.values())
 
+    def _hang_possible(self) -> bool:
+        """No verdict once some rank failed, nor for ranks that report no steps (none expected,
+        none seen: they cannot be overdue)."""
+        if self.failure_reported():
+            return False
+        return self.expect_steps or any(r.steps_in_attempt for r in self.ranks.values())
+
     def next_check_s(self, mono: float) -> float:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the
         activity sampling or the earliest hang verdict is due (0 while sampling: check every
         tick; inf when no hang can be called)."""
-        if self.hang_reported or self.failure_reported() or (
-                not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values())):
+        if self.hang_reported or not self._hang_possible():
             return float("inf")
         wait = self.hang.quiet_s(mono)
         if self.hang.stats.started_all():
@@ -289,9 +295,7 @@ class WorkerGroup:
     def check_hang(self, now: float, elsewhere: Activity = Activity.IDLE) -> dict[str, Any] | None:
         """A hang fault once no step came for too long. ``elsewhere``: what the other nodes'
         ranks are doing (from the coordinator); the job's level is the highest."""
-        if self.failure_reported():
-            return None
-        if not self.expect_steps and not any(r.steps_in_attempt for r in self.ranks.values()):
+        if not self._hang_possible():
             return None
         mono = time.monotonic()
         level = max(self.sample_activity(mono), elsewhere)

@@ -12,8 +12,9 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from unicron.worker.inject import KINDS as INJECT_KINDS  # one list of fault kinds
+
 _RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
-_INJECT_KINDS = ("kill", "hang", "freeze", "exception", "exit", "slow")
 _HOST = re.compile(r"^[\w.:\[\]-]+$")
 _RUN_ID = re.compile(r"^[\w.:@+-]+$")
 
@@ -269,7 +270,7 @@ def to_inject(text: str) -> InjectSpec:
     if not match:
         raise ValueError(f"{usage}; got {text!r}")
     kind, arg_text, rank, step = match.groups()
-    if kind not in _INJECT_KINDS:
+    if kind not in INJECT_KINDS:
         raise ValueError(f"unknown fault kind {kind!r} in {text!r}; {usage}")
     arg: float | None = None
     if arg_text is not None:
