@@ -328,3 +328,17 @@ def test_a_coordinator_that_was_itself_stopped_does_not_count_the_silence() -> N
     assert not [o for o in core.tick(7.5) if isinstance(o, Emit) and o.kind == "node_lost"]
     assert [o.fields["node_id"] for o in core.tick(10.1) if isinstance(o, Emit) and o.kind == "node_lost"] \
         == ["a", "b"]  # still silent 3 s after the pause: lost
+
+
+def test_a_join_timeout_shorter_than_the_last_call_starts_with_the_nodes_there() -> None:
+    """MIN nodes are there, the last call (5 s) waits for more, the join timeout (2 s) ends the
+    wait: the job starts with what it has rather than failing with enough nodes."""
+    core = JobCore(JobSpec("job", 1, 3, max_restarts=0, last_call_s=5, heartbeat_timeout_s=3, join_timeout_s=2),
+                   ScriptedDecider(), now=0)
+    core.on_join("a", join("a", mn=1, mx=3), 0)
+    assert not core.tick(1.9)
+    assert [o for o in core.tick(2.1) if isinstance(o, OpenStore)]
+    empty = JobCore(JobSpec("job", 1, 3, max_restarts=0, last_call_s=5, heartbeat_timeout_s=3, join_timeout_s=2),
+                    ScriptedDecider(), now=0)
+    assert [o for o in empty.tick(2.1) if isinstance(o, Finish)] == [
+        Finish(4, "rendezvous timed out: 0 of at least 1 node(s) joined within 2 s")]

@@ -302,6 +302,17 @@ def test_root_cause_hang_culprit_beats_blocked_ranks() -> None:
     assert root_cause([*blocked, culprit]) == culprit
 
 
+def test_root_cause_of_a_hang_without_culprit_is_the_node_that_went_silent() -> None:
+    """The answering ranks all wait in a collective; the ranks they wait for are on a node that
+    stopped answering. The hang is seen first (its threshold is shorter) but is the victim."""
+    hang = F("hang", rank=None, node="a", ts=1.5)
+    lost = F("node_lost", rank=None, node="b", ts=3.0)
+    assert root_cause([hang, lost]) == lost
+    named = F("hang", rank=None, node="a", ts=1.5, culprit_ranks=(0,))  # a culprit that answered
+    assert root_cause([named, lost]) == named
+    assert root_cause([hang]) == hang
+
+
 def test_root_cause_same_time_prefers_worse_severity_then_lower_rank() -> None:
     lost = F("node_lost", rank=None, node="n1", ts=2.0)
     crash = F(rank=1, ts=2.0, exitcode=-11)

@@ -124,3 +124,34 @@ def test_partition_leaves_one_job_going_forward(two_hosts, workdir) -> None:
         assert a.poll() is None  # the job goes on, once, on node a
     finally:
         _reap(a, b)
+
+
+def test_a_healed_partition_lets_the_cut_off_node_join_again(two_hosts, workdir) -> None:
+    """A fixed-size job: node b is cut off for longer than the heartbeat timeout, then the link
+    comes back. The coordinator declared b lost and waits for a second node; b, fenced when its
+    heartbeats get through again, stops its workers and joins again, and the job finishes."""
+    ns_a, ns_b, addr_a, addr_b = two_hosts
+    endpoint = f"{addr_a}:{_free_port_in(ns_a)}"
+    a = _agent(ns_a, addr_a, endpoint, workdir, "2", 150, "logs_a")
+    b = _agent(ns_b, addr_b, endpoint, workdir, "2", 150, "logs_b")
+    logs = workdir / "logs_a"
+    link = f"{ns_b[:-1]}vb"
+    try:
+        wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start"], 90, "the attempt")
+        wait_for(lambda: [e for e in read_events(workdir / "logs_b") if e["kind"] == "workers_started"], 60,
+                 "node b's worker")
+        _ip("-n", ns_b, "link", "set", link, "down")  # the partition
+        try:
+            wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "node_lost"], 30, "node b declared lost")
+        finally:
+            _ip("-n", ns_b, "link", "set", link, "up")
+        out_a, err_a = a.communicate(timeout=90)
+        out_b, err_b = b.communicate(timeout=30)
+        assert a.returncode == 0, err_a
+        assert b.returncode == 0, err_b
+        assert "fenced by the coordinator" in err_b, err_b
+        starts = [e for e in read_events(logs) if e["kind"] == "attempt_start"]
+        assert [s["nnodes"] for s in starts] == [2, 2]
+        assert [e["rejoin_attempt"] for e in read_events(logs) if e["kind"] == "join" and "rejoin_attempt" in e] == [0]
+    finally:
+        _reap(a, b)

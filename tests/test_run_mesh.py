@@ -186,3 +186,62 @@ def test_losing_the_coordinators_node_stops_the_other_cleanly_without_a_false_ha
     code, out, err = b.wait(90)
     assert code != 0 and "lost the coordinator" in err, err
     assert "hang on node" not in err, err
+
+
+def _snapshot_steps_of(pid: int) -> list[int]:
+    """Steps of which the agent with ``pid`` holds a complete snapshot in shared memory."""
+    from pathlib import Path
+
+    steps = []
+    for owner in Path("/dev/shm").glob("unicron-meshjob-*/agent.owner"):
+        try:
+            if owner.read_text().split()[0] != str(pid):
+                continue
+        except (OSError, IndexError):
+            continue
+        steps += [int(p.name[4:-3]) for p in owner.parent.glob("rank*/step*.pt")]
+    return steps
+
+
+def test_a_node_stalled_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost(workdir, launch) -> None:
+    """Node b (not the coordinator's) stops whole, launcher and workers (a VM pause), for longer
+    than the 3 s heartbeat timeout. The coordinator declares it lost and stops a; when b runs
+    again it is fenced, stops its workers, joins again in its old place, and the job restores
+    every rank from memory: the final model equals a failure-free run's."""
+    import psutil
+    from e2e import run_unicron
+
+    steps = ["--steps", "50"]
+    code, _, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "ref"),
+                                str(workdir / "train_state.py"), *steps, "--out", str(workdir / "ref.txt")], workdir)
+    assert code == 0, err
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = [a for a in agent_args(workdir, port, "2", steps=50, sleep=0.1) if a != "--no-state"]
+    a = launch(args, workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "node a to host the coordinator")
+    b = launch(args, workdir, env)
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 5], 90, "node b to snapshot step 5")
+    tree = [psutil.Process(b.proc.pid), *psutil.Process(b.proc.pid).children(recursive=True)]
+    for proc in tree:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(4.5)  # the stall itself, longer than the 3 s heartbeat timeout
+    finally:
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+    results = [item.wait(90) for item in (a, b)]
+    for code, out, err in results:
+        assert code == 0, out + err
+    assert "fenced by the coordinator" in results[1][2], results[1][2]
+    assert (workdir / "out.txt").read_text() == (workdir / "ref.txt").read_text()
+    events = read_events(workdir / "logs")
+    kinds = [e["kind"] for e in events]
+    assert "node_lost" in kinds and "fenced" in kinds and "rejoined" in kinds, kinds
+    starts = [e for e in events if e["kind"] == "attempt_start"]
+    assert len(starts) == 2 and starts[1]["nnodes"] == 2
+    assert starts[1]["restore_step"] is not None and starts[1]["restore_step"] >= 5, starts[1]

@@ -135,3 +135,24 @@ def test_bad_inputs_are_one_clear_error(tmp_path: Path, run_log: Path) -> None:
     assert code == 2 and "is after --until" in msg
     code, msg = invoke(["events", str(_empty_dir(tmp_path))])
     assert code == 2 and msg.startswith("no events.jsonl under")
+
+
+def test_a_file_that_is_no_event_log_is_named_as_such(tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n[1, 2]\n{\"kind\": \"fault\"}\n\n")
+    code, msg = invoke(["events", str(text)])
+    assert (code, msg) == (2, f"{text}: not an event log (none of its 3 line(s) is a unicron event)")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\xff\xfe\x00garbage\n")
+    code, msg = invoke(["events", str(binary)])
+    assert code == 2 and "not an event log" in msg
+    empty = tmp_path / "events.jsonl"
+    empty.write_text("")
+    assert invoke(["events", str(empty), "--json"]) == (0, "")  # a run that logged nothing yet
+
+
+def test_events_of_odd_shapes_are_filtered_without_error(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"ts": 1, "kind": "a", "ranks": 5}\n{"ts": true, "kind": "b"}\n{"ts": 2, "kind": "c", "ranks": [5]}\n')
+    code, out = invoke(["events", str(path), "--rank", "5", "--json"])
+    assert code == 0 and [json.loads(line)["kind"] for line in out.splitlines()] == ["c"]

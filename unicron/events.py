@@ -61,25 +61,36 @@ def read_events(
     rank: int | None = None,
     since: float | None = None,
     until: float | None = None,
+    counts: dict[str, int] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield the events of a JSONL file that pass every given filter.
 
-    A line that is not a JSON object (a torn last line after a crash) is skipped.
+    A line that is not an event (a JSON object with a ``kind`` and a numeric ``ts``; a torn last
+    line after a crash) is skipped. ``counts``, if given, gets ``lines`` (non-blank) and
+    ``events`` (before the filters), so a caller can tell a file that holds no events at all.
     """
-    with open(path, encoding="utf-8") as fh:
+    counts = counts if counts is not None else {}
+    counts.setdefault("lines", 0)
+    counts.setdefault("events", 0)
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:
+            if not line.strip():
+                continue
+            counts["lines"] += 1
             try:
                 event = json.loads(line)
             except ValueError:
                 continue
-            if not isinstance(event, dict):
-                continue
-            if kinds is not None and event.get("kind") not in kinds:
-                continue
-            if rank is not None and event.get("rank") != rank and rank not in event.get("ranks", ()):
+            if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
                 continue
             ts = event.get("ts")
-            if not isinstance(ts, (int, float)):
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+                continue
+            counts["events"] += 1
+            if kinds is not None and event.get("kind") not in kinds:
+                continue
+            ranks = event.get("ranks")
+            if rank is not None and event.get("rank") != rank and not (isinstance(ranks, list) and rank in ranks):
                 continue
             if since is not None and ts < since:
                 continue

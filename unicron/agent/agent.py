@@ -21,16 +21,18 @@ from typing import Any
 
 import zmq
 
-from unicron.agent.healthwatch import HealthWatch
+from unicron.agent.attempt import group_spec, hang_detector, worker_env_factory
+from unicron.agent.healthwatch import HealthWatch, read_health_safely
+from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import REAP_EVERY_S, children_except, reap_orphans
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
+from unicron.agent.ui import fault_line
 from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
-from unicron.agent.workers import GroupSpec, WorkerGroup
+from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
-from unicron.detect.hang import HangDetector
 from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
@@ -38,7 +40,6 @@ from unicron.proto.messages import Codec
 
 log = logging.getLogger(__name__)
 
-JOIN_RETRY_S = 1.0
 TICK_S = 0.05  # the loop's pace while something is due soon (an attempt starting, a job overdue)
 IDLE_WAKE_S = 0.5  # the longest sleep between events
 CHORES_EVERY_S = 0.5
@@ -85,6 +86,8 @@ class Agent:
         if self.pool is not None:
             self.pool.refill()
         self.pending_assign: dict[str, Any] | None = None
+        self.joining = JoinState(endpoint, s.join_timeout_s, time.monotonic())
+        self.last_attempt: int | None = None  # the attempt of the last workers, once any started
 
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -99,30 +102,23 @@ class Agent:
         pull.bind(self.agent_addr)
         self.dealer = dealer
         self.pull = pull
-        joined_at = time.monotonic()
-        welcomed = False
-        last_join = 0.0
         try:
             while True:
                 now_m = time.monotonic()
                 self.signals.raise_if_received()
-                if not welcomed and now_m - last_join >= JOIN_RETRY_S:
-                    if now_m - joined_at > self.s.join_timeout_s:
-                        raise RendezvousError(f"no coordinator answered at {self.endpoint} within "
-                                              f"{self.s.join_timeout_s:g} s")
-                    self._send("join", self._join_body())
-                    last_join = now_m
+                if self.joining.join_due(now_m):
+                    self._send("join", join_body(self.s, self.node_id, self.host, os.getpid(),
+                                                 self.joining.join_fields()))
                 exit_fds = self.group.exit_fds() if self.group is not None else {}
                 items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (pull, zmq.POLLIN),
                                                 (self.signals.fileno(), zmq.POLLIN)]
                 items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
-                wait_s = self._wait_s(now_m, welcomed, exit_fds is not None)
+                wait_s = self._wait_s(now_m, self.joining.welcomed, exit_fds is not None)
                 fired = {sock for sock, _ in zmq.zmq_poll(items, math.ceil(wait_s * 1000))}
                 if dealer in fired:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
                         return result
-                    welcomed = True
                 if pull in fired:
                     self._drain_workers(pull)
                 self._start_pending()
@@ -139,7 +135,7 @@ class Agent:
                     self._refill_pool()
                     self._reap_orphans()
                 self._heartbeat()
-                if welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
+                if self.joining.welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
                     raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
                                           f"{self._coordinator_timeout():g} s")
         except (Interrupted, UnicronError) as err:
@@ -202,6 +198,10 @@ class Agent:
             body = msg.body
             if msg.kind == "welcome":
                 self.epoch = body["epoch"]
+                ended = self.joining.on_welcome()
+                if ended is not None:
+                    self.events.emit("rejoined", epoch=self.epoch, attempt=ended.attempt)
+                    self.ui.info("joined the job again; it re-forms with this node")
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
                 self.job_level = (Activity.parse(body.get("activity")), time.monotonic())
@@ -217,7 +217,19 @@ class Agent:
                 self.ui.info("job finished: all workers exited 0")
                 return 0
             elif msg.kind == "reject":
-                raise RendezvousError(f"the coordinator refused this node: {body['reason']}")
+                if self.joining.on_reject(body) is Refusal.FENCED:
+                    self._fenced(body["reason"])
+
+    def _fenced(self, reason: str) -> None:
+        """The coordinator no longer counts this node (see ``unicron.agent.joining``). Its
+        workers' peers are gone: stop them, keep their snapshots, and join again. A job that is
+        over, or full, refuses the join, and the agent ends as before."""
+        attempt = self.group.spec.attempt if self.group is not None else self.last_attempt
+        self.ui.warn(f"fenced by the coordinator ({reason}); stopping this node's workers and joining again")
+        self._stop_group(reason="fenced: " + reason)
+        snapshots, sizes = scan_snapshots(self.shm_dir)
+        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic())
+        self.events.emit("fenced", reason=reason, attempt=attempt)
 
     def _start_attempt(self, body: dict[str, Any]) -> None:
         self._stop_group(reason="new attempt")
@@ -239,21 +251,14 @@ class Agent:
             self._launch(body)
 
     def _launch(self, body: dict[str, Any]) -> None:
-        inject = self.s.inject if body["inject"] else ""
-        spec = GroupSpec(attempt=body["attempt"], restart_count=body["restart_count"],
-                         rank_offset=body["rank_offset"], world_size=body["world_size"],
-                         node_rank=body["node_rank"], nnodes=body["nnodes"],
-                         local_world_sizes=tuple(body["local_world_sizes"]),
-                         master_addr=body["master_addr"] or self.s.rdzv_host, master_port=body["master_port"],
-                         restore_step=body.get("restore_step"), inject=inject)
-        hang = HangDetector(k=self.s.hang_factor, floor_s=self.s.hang_floor_s,
-                            warmup_steps=self.s.hang_warmup_steps,
-                            first_step_timeout_s=self.s.first_step_timeout_s,
-                            busy_k=self.s.hang_busy_factor, busy_floor_s=self.s.hang_busy_floor_s)
-        group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=self._env_factory(spec), run_logs=self.run_logs,
-                            tee=self.tee, host=self.host, hang=hang, role=self.s.role, stack_dir=self.stack_dir,
-                            pool=self.pool, expect_steps=self.steps_seen)
+        spec = group_spec(body, self.s)
+        env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
+                                     shm_dir=self.shm_dir)
+        group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
+                            tee=self.tee, host=self.host, hang=hang_detector(self.s), role=self.s.role,
+                            stack_dir=self.stack_dir, pool=self.pool, expect_steps=self.steps_seen)
         self.group = group
+        self.last_attempt = spec.attempt
         self.next_watch = 0.0
         group.start(time.time())
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
@@ -263,26 +268,6 @@ class Agent:
         if spec.restore_step is not None:
             what += f", restoring step {spec.restore_step} from memory"
         self.ui.info(what)
-
-    def _env_factory(self, spec: GroupSpec) -> Any:
-        s = self.s
-        nproc = spec.local_world_sizes[spec.node_rank]
-
-        def env_for(local_rank: int, rank: int, error_file: str) -> dict[str, str]:
-            env = dict(s.worker_env(local_rank=local_rank, rank=rank, world_size=spec.world_size,
-                                    group_rank=spec.node_rank, group_world_size=spec.nnodes,
-                                    local_world_size=nproc, role_rank=rank, role_world_size=spec.world_size,
-                                    master_addr=spec.master_addr, master_port=spec.master_port,
-                                    restart_count=spec.restart_count, error_file=error_file))
-            env.update({"UNICRON_AGENT_ADDR": self.agent_addr, "UNICRON_STACK_DIR": self.stack_dir,
-                        "UNICRON_SNAPSHOT_DIR": self.shm_dir, "UNICRON_AGENT_PID": str(os.getpid())})
-            if spec.restore_step is not None:
-                env["UNICRON_RESTORE_STEP"] = str(spec.restore_step)
-            if spec.inject:
-                env["UNICRON_INJECT"] = spec.inject
-            return env
-
-        return env_for
 
     def _on_stop(self, body: dict[str, Any]) -> None:
         # Answer at once: the coordinator then knows this node is alive and busy stopping (it
@@ -389,7 +374,7 @@ class Agent:
                                      "fault": dict(item, attempt=group.spec.attempt if group else -1)})
         fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
         self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)
-        self.ui.warn(_fault_line(fault, self.node_id))
+        self.ui.warn(fault_line(fault, self.node_id))
         self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
                              "fault": fault})
 
@@ -405,6 +390,8 @@ class Agent:
 
     # ---- heartbeats ----------------------------------------------------------------
     def _heartbeat(self) -> None:
+        if not self.joining.welcomed:
+            return  # not a member (yet, or again): the coordinator would refuse it
         now = time.monotonic()
         group = self.group
         # A group that finished or reported a hang samples no more: its last level is stale.
@@ -415,7 +402,7 @@ class Agent:
             return
         self.last_heartbeat, self.sent_level = now, level
         if self.health.due(now):
-            self._check_health(_read_health())
+            self._check_health(read_health_safely())
         workers = group.summary() if group is not None else []
         self._send("heartbeat", {"node_id": self.node_id, "epoch": self.epoch,
                                  "attempt": group.spec.attempt if group else -1,
@@ -432,14 +419,6 @@ class Agent:
         for f in kept:
             self.events.emit("health", error_type=f.error_type, message=f.message, gpu=f.gpu)
 
-    def _join_body(self) -> dict[str, Any]:
-        s = self.s
-        return {"node_id": self.node_id, "host": self.host, "nproc": s.nproc, "node_rank": s.node_rank,
-                "pid": os.getpid(), "weight": s.weight, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes,
-                "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,
-                "heartbeat_timeout_s": s.heartbeat_timeout_s, "join_timeout_s": s.join_timeout_s,
-                "stop_timeout_s": s.grace_s + STACK_STOP_MARGIN_S}
-
     def _send(self, kind: str, body: dict[str, Any]) -> None:
         try:
             self.dealer.send(self.codec.encode(kind, body), zmq.NOBLOCK)
@@ -447,30 +426,7 @@ class Agent:
             log.debug("coordinator queue full; %s dropped", kind)
 
 
-STACK_STOP_MARGIN_S = 10.0
-
-
 def _coded(body: dict[str, Any]) -> UnicronError:
     err = WorkerFailedError(body["reason"])
     err.exit_code = int(body["exit_code"])
     return err
-
-
-def _fault_line(fault: dict[str, Any], node_id: str) -> str:
-    node = fault.get("node_id") or node_id
-    who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {node}"
-    what = fault.get("summary") or fault.get("message") or ""
-    if fault.get("error_type") and not fault.get("summary"):
-        what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
-    step = fault.get("steps_completed")
-    at = f" at step {step}" if isinstance(step, int) else ""  # unknown for scripts that report no steps
-    return f"{fault.get('kind')} on {who}{at}: {what or fault.get('kind')}"
-
-
-def _read_health() -> dict[str, Any]:
-    try:
-        from unicron.detect.health import read_health
-
-        return dict(read_health())
-    except Exception as err:  # health is best effort; never stop the agent for it
-        return {"error": str(err)}

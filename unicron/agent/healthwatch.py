@@ -58,3 +58,14 @@ class HealthWatch:
     def take_evidence(self) -> list[dict[str, Any]]:
         evidence, self.evidence = self.evidence, []
         return evidence
+
+
+def read_health_safely() -> dict[str, Any]:
+    """This host's health reading, or the error that prevented it (health is best effort: it
+    never stops the agent)."""
+    try:
+        from unicron.detect.health import read_health
+
+        return dict(read_health())
+    except Exception as err:
+        return {"error": str(err)}

@@ -71,3 +71,15 @@ class AgentUI:
                 self._line.close()
             except Exception:
                 pass
+
+
+def fault_line(fault: dict[str, Any], node_id: str) -> str:
+    """One line for a fault a node reports: who, at which step, what."""
+    node = fault.get("node_id") or node_id
+    who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {node}"
+    what = fault.get("summary") or fault.get("message") or ""
+    if fault.get("error_type") and not fault.get("summary"):
+        what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
+    step = fault.get("steps_completed")
+    at = f" at step {step}" if isinstance(step, int) else ""  # unknown for scripts that report no steps
+    return f"{fault.get('kind')} on {who}{at}: {what or fault.get('kind')}"

@@ -19,6 +19,7 @@ from typing import Any
 from unicron.coord.decide import Decider, Decision
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
+from unicron.coord.restore import Holdings, finished_ranks
 from unicron.detect.activity import Activity
 
 
@@ -70,6 +71,7 @@ class JobCore:
         self.next_attempt = 0
         self.restarts_used = 0
         self.restore_step: int | None = None
+        self.holdings: Holdings | None = None  # the snapshots nodes hold since the last stop
         self.history: list[Decision] = []
         self.restarts: list[dict[str, Any]] = []
         self.store_pending = False
@@ -99,7 +101,10 @@ class JobCore:
         if known:
             return out
         out.append(Emit("join", {"node_id": node_id, "host": body["host"], "nproc": body["nproc"],
-                                 "epoch": self.members.epoch}))
+                                 "epoch": self.members.epoch,
+                                 **({"rejoin_attempt": body["attempt"]} if "attempt" in body else {})}))
+        if isinstance(body.get("attempt"), int):
+            out += self._rejoined(node_id, body, now)
         if self.phase is Phase.RUNNING and self.attempt is not None:
             # A late joiner below MAX: re-form the job with it (torchrun re-rendezvouses too).
             self.attempt.scale_up = True
@@ -107,10 +112,27 @@ class JobCore:
                                       f"{len(self.members.active())} nodes", now, want_stacks=False)
         return out
 
+    def _rejoined(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        """A fenced node is back, its workers stopped and its snapshots kept: what it holds of
+        the attempt it was lost from counts as its stop of that attempt."""
+        attempt = self.attempt
+        if attempt is None or body["attempt"] != attempt.number or node_id not in attempt.nodes:
+            return []
+        if self.phase is Phase.STOPPING and node_id not in attempt.stopped:
+            attempt.stopped[node_id] = {"snapshots": body.get("snapshots", {}),
+                                        "snapshot_bytes": body.get("snapshot_bytes", {})}
+            return self._after_stop(now) if self._all_stopped() else []
+        if self.phase is Phase.WAITING and self.holdings is not None and self.holdings.attempt == attempt.number:
+            self.holdings.add(node_id, body)
+        return []
+
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         before = self.job_activity()
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
-            return [Send(node_id, "reject", {"reason": "not a member of the job (fenced)"})]
+            node = self.members.nodes.get(node_id)
+            why = ("declared lost: silent past the heartbeat timeout" if node and node.state is NodeState.LOST
+                   else "not a member of the job")
+            return [Send(node_id, "reject", {"reason": why, "fenced": True})]
         # Only a node still running the current attempt has a say: one that finished (or an
         # old attempt's word) must not hold the others to a longer threshold.
         attempt = self.attempt
@@ -201,11 +223,13 @@ class JobCore:
                 if self._all_stopped():
                     out += self._after_stop(now)
         if self.phase is Phase.WAITING and not self.store_pending:
-            if now >= self.not_before and self.members.ready(now):
+            have = len(self.members.active())
+            waited_out = now - self.waiting_since > self.spec.join_timeout_s
+            # With MIN nodes the join timeout ends the wait for more (a last call longer than it).
+            if now >= self.not_before and (self.members.ready(now) or (waited_out and have >= self.spec.min_nodes)):
                 self.store_pending = True
                 out.append(OpenStore(self.next_attempt))
-            elif now - self.waiting_since > self.spec.join_timeout_s:
-                have = len(self.members.active())
+            elif waited_out and have < self.spec.min_nodes:
                 out += self._finish(4, f"rendezvous timed out: {have} of at least {self.spec.min_nodes} "
                                        f"node(s) joined within {self.spec.join_timeout_s:g} s", now)
         return out
@@ -246,6 +270,7 @@ class JobCore:
             node.workers = []  # the previous attempt's ranks are gone; heartbeats bring the new ones
         sizes = [n.nproc for n in nodes]
         world = sum(sizes)
+        self._choose_restore(nodes)
         self.attempt = Attempt(number, now, [n.node_id for n in nodes], world)
         self.phase = Phase.RUNNING
         if self._down_since is not None:
@@ -325,7 +350,7 @@ class JobCore:
         else:
             decision = self.decider.decide(attempt.faults, stacks, now, max_restarts=self.spec.max_restarts,
                                            active_nodes=active, min_nodes=self.spec.min_nodes,
-                                           finished=_finished_ranks(attempt.stopped.values()))
+                                           finished=finished_ranks(attempt.stopped.values()))
             self.history.append(decision)
         out.append(Emit("decision", {"attempt": attempt.number, "action": decision.action,
                                      "severity": decision.severity, "rule": decision.rule,
@@ -338,15 +363,24 @@ class JobCore:
             self.restarts.append({"attempt": attempt.number + 1, "ts": now, "cause": decision.reason,
                                   "severity": decision.severity, "action": decision.action,
                                   "rule": decision.rule})
-        self.restore_step = _common_snapshot_step(attempt.stopped.values(), attempt.world_size,
-                                                  sum(n.nproc for n in self.members.active()))
-        if self.restore_step is not None:
-            self.transfer_bytes += sum(int(b.get("snapshot_bytes", {}).get(str(self.restore_step), 0))
-                                       for b in attempt.stopped.values())
+        self.holdings = Holdings(attempt.number, attempt.world_size)
+        for node_id, body in attempt.stopped.items():
+            self.holdings.add(node_id, body)
         self.phase = Phase.WAITING
         self.waiting_since = now
         self.not_before = now + decision.backoff_s
         return out + self.tick(now)
+
+    def _choose_restore(self, nodes: list[Any]) -> None:
+        """The step the next attempt restores from memory, for its layout (none without holdings)."""
+        holdings, self.holdings = self.holdings, None
+        layout, first = [], 0
+        for node in nodes:
+            layout.append((node.node_id, first, node.nproc))
+            first += node.nproc
+        self.restore_step = holdings.restorable_step(layout) if holdings is not None else None
+        if holdings is not None and self.restore_step is not None:
+            self.transfer_bytes += holdings.restored_bytes(self.restore_step)
 
     def _finish(self, exit_code: int, reason: str, now: float) -> list[Out]:
         self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED
@@ -383,34 +417,6 @@ class JobCore:
                      "transition": attempt.stop_reason if self.phase is Phase.STOPPING and attempt else ""},
             "events": list(self.recent_events),
         }
-
-
-def _finished_ranks(stopped: Any) -> list[tuple[int, int | None]]:
-    """(rank, its last step) of every rank the agents saw exit 0 before the stop; entries that
-    are not that shape (a peer's garbage) are skipped."""
-    out = []
-    for body in stopped:
-        for item in body.get("finished", ()):
-            if not isinstance(item, dict):
-                continue
-            rank, step = item.get("rank"), item.get("step")
-            if type(rank) is int and (step is None or type(step) is int):
-                out.append((rank, step))
-    return sorted(out)
-
-
-def _common_snapshot_step(stopped: Any, old_world: int, new_world: int) -> int | None:
-    """The newest step that every rank has a snapshot of, if the world size is unchanged."""
-    if old_world != new_world or old_world == 0:
-        return None
-    per_rank: dict[int, set[int]] = {}
-    for body in stopped:
-        for rank, steps in body.get("snapshots", {}).items():
-            per_rank[int(rank)] = {int(s) for s in steps}
-    if set(per_rank) != set(range(old_world)):
-        return None
-    common = set.intersection(*per_rank.values())
-    return max(common) if common else None
 
 
 def _describe(fault: dict[str, Any]) -> str:

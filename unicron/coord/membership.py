@@ -86,7 +86,12 @@ class Membership:
             taken = [n for n in self.active() if n.requested_rank == requested_rank]
             if taken:
                 return JoinResult(False, f"node rank {requested_rank} is already taken by {taken[0].host}")
-        self.nodes[node_id] = NodeRecord(node_id, host, nproc, requested_rank, now, now)
+        record = NodeRecord(node_id, host, nproc, requested_rank, now, now)
+        if existing is not None:
+            # A fenced node back (same agent): it asks for its old place, so the ranks it holds
+            # snapshots of stay with it, unless another node took that place meanwhile.
+            record.node_rank = existing.node_rank
+        self.nodes[node_id] = record
         self.epoch += 1
         if self._min_reached_at is None and len(self.active()) >= self.min_nodes:
             self._min_reached_at = now

@@ -367,10 +367,15 @@ def root_cause(faults: Sequence[Fault], evidence: Sequence[Fault] = ()) -> Fault
     """
     if not faults:
         raise ValueError("root_cause needs at least one fault")
+    # Every rank that answered waits in a collective, and a node went silent: its ranks are
+    # what the others wait for. The hang is seen first (an idle threshold is shorter than the
+    # heartbeat timeout) but is the node's victim.
+    node_lost = any(f.kind == "node_lost" for f in faults)
 
     def key(fault: Fault) -> tuple[bool, bool, float, int, int, str]:
         c = classify(fault, evidence)
         rank = fault.rank if fault.rank is not None else -1
-        return (c.severity is Severity.INFO, is_victim(fault, c), fault.ts, -c.severity.order, rank, fault.node)
+        victim = is_victim(fault, c) or (node_lost and fault.kind == "hang" and not fault.culprit_ranks)
+        return (c.severity is Severity.INFO, victim, fault.ts, -c.severity.order, rank, fault.node)
 
     return min(faults, key=key)

@@ -172,3 +172,17 @@ OPTIONS: tuple[Option, ...] = (
 
 BY_DEST: dict[str, Option] = {o.dest: o for o in OPTIONS}
 BY_FLAG: dict[str, Option] = {f: o for o in OPTIONS for f in o.flags}
+
+
+def closest_flag(name: str) -> str | None:
+    """The long flag a misspelt or shortened ``--name`` most likely meant: the one flag it begins
+    (``--nproc`` is ``--nproc-per-node``), else the nearest by spelling, else None."""
+    import difflib
+
+    wanted = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+    names = sorted(o.name for o in OPTIONS if o.name.startswith("--"))
+    starts = [n for n in names if n.startswith(wanted)]
+    if len(starts) == 1:
+        return starts[0]
+    close = difflib.get_close_matches(wanted, names, n=1)
+    return close[0] if close else None

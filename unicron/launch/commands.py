@@ -10,7 +10,6 @@ script. Here everything after the script path belongs to the script, verbatim.
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 import typer
 
 from unicron.errors import UsageError
-from unicron.launch.args import BY_FLAG, OPTIONS, TORCHRUN, UNICRON, Option
+from unicron.launch.args import BY_FLAG, OPTIONS, TORCHRUN, UNICRON, Option, closest_flag
 
 _HELP_FLAGS = ("-h", "--help")
 _NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d*)?$")
@@ -54,8 +53,8 @@ def _resolve_long(name: str) -> Option:
     if matches:
         names = ", ".join(sorted(o.name for o in matches.values()))
         raise UsageError(f"ambiguous option {name}: could be {names}")
-    close = difflib.get_close_matches(name, [f for f in BY_FLAG if f.startswith("--")], n=1)
-    hint = f" (did you mean {close[0]}?)" if close else " (see `unicron run --help`)"
+    close = closest_flag(name)
+    hint = f" (did you mean {close}?)" if close else " (see `unicron run --help`)"
     raise UsageError(f"unrecognized option {name}{hint}")
 
 

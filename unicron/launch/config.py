@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from unicron.errors import ConfigError, UsageError
-from unicron.launch.args import BY_DEST, BY_FLAG, InjectSpec, RdzvConf, StdSpec, split_endpoint
+from unicron.launch.args import BY_DEST, BY_FLAG, InjectSpec, RdzvConf, StdSpec, closest_flag, split_endpoint
 from unicron.launch.commands import split_argv
 from unicron.launch.slurm import slurm_info
 
@@ -249,10 +249,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     for key, value in data.items():
         name = "--" + str(key).replace("_", "-")
         if name not in BY_FLAG or name == "--config":
-            import difflib
-
-            close = difflib.get_close_matches(name, [f for f in BY_FLAG if f.startswith("--")], n=1)
-            hint = f" (did you mean {close[0][2:]}?)" if close else ""
+            close = closest_flag(name) if name != "--config" else None
+            hint = f" (did you mean {close[2:]}?)" if close else ""
             raise ConfigError(f"{path}: unknown setting {key!r}{hint}")
         settings[BY_FLAG[name].name[2:]] = value
     return settings

@@ -12,7 +12,8 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from unicron.worker.inject import KINDS as INJECT_KINDS  # one list of fault kinds
+from unicron.errors import UsageError
+from unicron.worker.inject import parse_fault
 
 _RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
 _HOST = re.compile(r"^[\w.:\[\]-]+$")
@@ -265,28 +266,10 @@ def to_signals(text: str) -> tuple[str, ...]:
 
 
 def to_inject(text: str) -> InjectSpec:
-    usage = "expected KIND@RANK:STEP (RANK a number or *) with KIND kill, hang, freeze, exception, exit[=CODE] or slow[=SECONDS]"
-    match = re.match(r"^([a-z]+)(?:=([^@]*))?@(\*|\d+):(\d+)$", text.strip())
-    if not match:
-        raise ValueError(f"{usage}; got {text!r}")
-    kind, arg_text, rank, step = match.groups()
-    if kind not in INJECT_KINDS:
-        raise ValueError(f"unknown fault kind {kind!r} in {text!r}; {usage}")
-    arg: float | None = None
-    if arg_text is not None:
-        if kind == "exit":
-            code = _int(arg_text)
-            if not 0 <= code <= 255:
-                raise ValueError(f"exit code must be 0..255 in {text!r}")
-            arg = float(code)
-        elif kind == "slow":
-            arg = float_above(0.0)(arg_text)
-            if arg >= 1e6:
-                raise ValueError(f"slow needs fewer than 1e6 seconds in {text!r}")
-        else:
-            raise ValueError(f"{kind} takes no value in {text!r}; {usage}")
-    elif kind == "exit":
-        arg = 1.0
-    elif kind == "slow":
-        arg = 1.0
-    return InjectSpec(kind, None if rank == "*" else int(rank), int(step), arg)
+    """One ``--inject`` spec, parsed by the worker's own grammar (``unicron.worker.inject``), so
+    what the launcher accepts is exactly what its workers will fire."""
+    try:
+        fault = parse_fault(text.strip())
+    except UsageError as err:
+        raise ValueError(str(err)) from None
+    return InjectSpec(fault.kind, fault.rank, fault.step, None if fault.value is None else float(fault.value))

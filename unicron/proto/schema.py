@@ -18,7 +18,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "join": {"node_id": str, "host": str, "nproc": int, "node_rank?": OPT_INT, "pid": int,
              "weight?": NUM, "min_nodes": int, "max_nodes": int, "max_restarts": int,
              "last_call_s": NUM, "heartbeat_timeout_s": NUM, "join_timeout_s": NUM,
-             "stop_timeout_s": NUM},
+             "stop_timeout_s": NUM,
+             # a fenced node re-joining: the attempt it was lost from and the snapshots it kept
+             "attempt?": int, "snapshots?": dict, "snapshot_bytes?": dict},
     "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict, "activity?": str},
     "fault": {"node_id": str, "attempt": int, "fault": dict},
     "stopped": {"node_id": str, "attempt": int, "snapshots": dict, "stacks": dict, "snapshot_bytes?": dict,
@@ -35,7 +37,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "inject": bool},
     "stop": {"attempt": int, "reason": str, "want_stacks": bool},
     "shutdown": {"exit_code": int, "reason": str},
-    "reject": {"reason": str},
+    "reject": {"reason": str, "fenced?": bool},  # fenced: no longer a member (re-join)
     "status": {"snapshot": dict},
 }
 

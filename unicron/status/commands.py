@@ -87,10 +87,14 @@ def events(
     if last is not None and last <= 0:
         raise UsageError("--last must be positive")
     source = find_events_file(path)
+    counts: dict[str, int] = {}
     try:
-        found = list(read_events(source, kinds=set(kind) if kind else None, rank=rank, since=since_ts, until=until_ts))
+        found = list(read_events(source, kinds=set(kind) if kind else None, rank=rank, since=since_ts,
+                                 until=until_ts, counts=counts))
     except OSError as err:
         raise InputError(f"cannot read {source}: {err.strerror or err}") from None
+    if counts["lines"] and not counts["events"]:
+        raise InputError(f"{source}: not an event log (none of its {counts['lines']} line(s) is a unicron event)")
     if last is not None:
         found = found[-last:]
     if as_json:

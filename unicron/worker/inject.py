@@ -38,7 +38,8 @@ DEFAULT_SLOW_S = 1.0
 INJECTED_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected by unicron)"
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)(?:=(?P<value>[^@]*))?@(?P<rank>\*|\d+):(?P<step>\d+)$")
-_GRAMMAR = "expected KIND@RANK:STEP with KIND in kill, hang, freeze, exception, exit[=CODE], slow[=SECONDS]"
+_GRAMMAR = ("expected KIND@RANK:STEP (RANK a global rank or *) with KIND in kill, hang, freeze, exception, "
+            "exit[=CODE], slow[=SECONDS]")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Fault:
         return self.rank is None or self.rank == rank
 
 
-def _parse_one(part: str) -> Fault:
+def parse_fault(part: str) -> Fault:
+    """One ``KIND@RANK:STEP`` spec; raises UsageError naming it and what is wrong."""
     m = _SPEC.match(part)
     if m is None:
         raise UsageError(f"bad fault spec {part!r}: {_GRAMMAR}")
@@ -78,7 +80,7 @@ def _parse_one(part: str) -> Fault:
         except ValueError:
             seconds = -1.0
         if not 0 < seconds < 1e6:
-            raise UsageError(f"bad fault spec {part!r}: slow needs a positive number of seconds")
+            raise UsageError(f"bad fault spec {part!r}: slow needs a number of seconds above 0 and below 1e6")
         return Fault(kind, rank, step, seconds)
     raise UsageError(f"bad fault spec {part!r}: {kind} takes no value")
 
@@ -86,7 +88,7 @@ def _parse_one(part: str) -> Fault:
 def parse_inject_spec(spec: str) -> list[Fault]:
     """Parse ``KIND@RANK:STEP[;...]``; raises UsageError naming the bad part."""
     parts = [p.strip() for p in spec.split(";")]
-    faults = [_parse_one(p) for p in parts if p]
+    faults = [parse_fault(p) for p in parts if p]
     if not faults:
         raise UsageError(f"empty fault spec {spec!r}: {_GRAMMAR}")
     return faults

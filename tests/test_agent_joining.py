@@ -1,0 +1,56 @@
+"""The agent's side of membership (``unicron.agent.joining``), driven with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from unicron.agent.joining import JOIN_RETRY_S, JoinState, Refusal, Rejoin
+from unicron.errors import RendezvousError
+
+
+def test_a_join_goes_out_at_once_then_every_retry_until_welcomed() -> None:
+    j = JoinState("tcp://h:1", join_timeout_s=10, now=100.0)
+    assert j.join_due(100.0)
+    assert not j.join_due(100.0 + JOIN_RETRY_S / 2)
+    assert j.join_due(100.0 + JOIN_RETRY_S)
+    assert j.on_welcome() is None and j.welcomed
+    assert not j.join_due(200.0)  # a member joins no more, whatever the time
+
+
+def test_no_answer_within_the_join_timeout_ends_the_agent() -> None:
+    j = JoinState("tcp://h:1", join_timeout_s=3, now=0.0)
+    assert j.join_due(0.0)
+    with pytest.raises(RendezvousError, match="no coordinator answered at tcp://h:1 within 3 s"):
+        j.join_due(3.5)
+
+
+def test_refusals_of_a_join_end_the_agent_with_the_reason() -> None:
+    j = JoinState("tcp://h:1", join_timeout_s=3, now=0.0)
+    with pytest.raises(RendezvousError, match="job is full"):
+        j.on_reject({"reason": "job is full: 2 node(s) already joined"})
+    # "fenced" from a node that never was a member is a refusal like any other
+    with pytest.raises(RendezvousError, match="not a member"):
+        j.on_reject({"reason": "not a member of the job", "fenced": True})
+
+
+def test_a_fenced_member_joins_again_at_once_carrying_what_it_kept() -> None:
+    j = JoinState("tcp://h:1", join_timeout_s=5, now=0.0)
+    j.join_due(0.0)
+    j.on_welcome()
+    assert j.on_reject({"reason": "declared lost", "fenced": True}) is Refusal.FENCED
+    kept = Rejoin(3, {"1": [6, 7]}, {"7": 4096})
+    j.fenced(kept, now=50.0)
+    assert not j.welcomed and j.join_due(50.0)
+    assert j.join_fields() == {"attempt": 3, "snapshots": {"1": [6, 7]}, "snapshot_bytes": {"7": 4096}}
+    # A heartbeat sent before the fence is answered "fenced" again: stale, not a second fence.
+    assert j.on_reject({"reason": "declared lost", "fenced": True}) is Refusal.STALE
+    with pytest.raises(RendezvousError, match="is over"):  # the job ended meanwhile
+        j.on_reject({"reason": "job x is over"})
+    assert j.on_welcome() == kept and j.join_fields() == {}
+    # The join timeout starts over with the re-join.
+    j2 = JoinState("tcp://h:1", join_timeout_s=5, now=0.0)
+    j2.on_welcome()
+    j2.fenced(Rejoin(None, {}, {}), now=100.0)
+    assert j2.join_due(104.0) and j2.join_fields() == {"snapshots": {}, "snapshot_bytes": {}}
+    with pytest.raises(RendezvousError):
+        j2.join_due(106.0)

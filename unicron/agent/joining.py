@@ -1,0 +1,90 @@
+"""The agent's side of membership: joining, being fenced, joining again (pure: clock passed in).
+
+An agent joins by sending ``join`` every ``JOIN_RETRY_S`` until the coordinator welcomes it or
+``join_timeout_s`` passes. Once a member, it may be fenced: it was silent past the heartbeat
+timeout (a stall, a VM pause, a partition), the job went on without it, and its heartbeats are
+refused with ``fenced``. It then joins again as torchrun's rendezvous re-admits a node back from
+a stall, telling the coordinator the attempt it was lost from and the snapshots it kept, so the
+job can re-form with it and restore every rank from memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from unicron.errors import RendezvousError
+
+JOIN_RETRY_S = 1.0
+STACK_STOP_MARGIN_S = 10.0  # the coordinator's stop timeout beyond the grace period (stack dumps)
+
+
+class Refusal(enum.Enum):
+    FENCED = "fenced"  # a member no more: stop the workers and join again
+    STALE = "stale"  # the answer to a heartbeat sent before the re-join: the join's answer decides
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """What a fenced agent tells the coordinator when it joins again."""
+
+    attempt: int | None
+    snapshots: dict[str, list[int]]
+    snapshot_bytes: dict[str, int]
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"snapshots": self.snapshots, "snapshot_bytes": self.snapshot_bytes}
+        if self.attempt is not None:
+            out["attempt"] = self.attempt
+        return out
+
+
+class JoinState:
+    def __init__(self, endpoint: str, join_timeout_s: float, now: float) -> None:
+        self.endpoint = endpoint
+        self.join_timeout_s = join_timeout_s
+        self.welcomed = False
+        self.started = now
+        self.last_sent: float | None = None
+        self.rejoin: Rejoin | None = None
+
+    def join_due(self, now: float) -> bool:
+        """Whether a join should go out now; raises once the join has waited too long."""
+        if self.welcomed or (self.last_sent is not None and now - self.last_sent < JOIN_RETRY_S):
+            return False
+        if now - self.started > self.join_timeout_s:
+            raise RendezvousError(f"no coordinator answered at {self.endpoint} within {self.join_timeout_s:g} s")
+        self.last_sent = now
+        return True
+
+    def on_welcome(self) -> Rejoin | None:
+        """Now a member; returns the re-join this ends, if it was one."""
+        ended, self.welcomed, self.rejoin = self.rejoin, True, None
+        return ended
+
+    def on_reject(self, body: dict[str, Any]) -> Refusal:
+        """A refusal of a join (the job is over, full, or of another shape) ends the agent."""
+        if body.get("fenced") is True:
+            if self.welcomed:
+                return Refusal.FENCED
+            if self.rejoin is not None:
+                return Refusal.STALE
+        raise RendezvousError(f"the coordinator refused this node: {body['reason']}")
+
+    def fenced(self, rejoin: Rejoin, now: float) -> None:
+        """Join again at once, carrying ``rejoin``; the join timeout starts over."""
+        self.welcomed, self.rejoin = False, rejoin
+        self.started, self.last_sent = now, None
+
+    def join_fields(self) -> dict[str, Any]:
+        return self.rejoin.fields() if self.rejoin is not None else {}
+
+
+def join_body(s: Any, node_id: str, host: str, pid: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``join`` message of an agent with settings ``s`` (``AgentSettings``)."""
+    return {"node_id": node_id, "host": host, "nproc": s.nproc, "node_rank": s.node_rank,
+            "pid": pid, "weight": s.weight, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes,
+            "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,
+            "heartbeat_timeout_s": s.heartbeat_timeout_s, "join_timeout_s": s.join_timeout_s,
+            "stop_timeout_s": s.grace_s + STACK_STOP_MARGIN_S, **extra}

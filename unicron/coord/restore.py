@@ -1,0 +1,87 @@
+"""Which in-memory snapshot a new attempt restores (pure).
+
+Each agent holds its own ranks' snapshots in shared memory it owns, and says what it holds when
+it stops an attempt, or when it re-joins after being fenced (its workers stopped, its memory
+kept). A new attempt restores step S only if every rank's new node holds that rank's snapshot
+of S, and the world size is unchanged: snapshots do not move between nodes, so a changed layout
+means a fresh start from the script's own checkpoint, never ranks resuming from different steps.
+
+Only what was said about the attempt that just stopped counts: snapshots older than that belong
+to a line of training that a later attempt may already have left (an elastic job that went on
+without a node, then grew back to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeSnapshots:
+    steps: dict[int, frozenset[int]]  # global rank -> steps with a complete snapshot on this node
+    nbytes: dict[int, int]  # step -> bytes held for it over this node's ranks
+
+
+@dataclass
+class Holdings:
+    """What every node said it holds after ``attempt`` (of ``world_size`` ranks) stopped."""
+
+    attempt: int
+    world_size: int
+    nodes: dict[str, NodeSnapshots] = field(default_factory=dict)
+
+    def add(self, node_id: str, body: Mapping[str, Any]) -> None:
+        self.nodes[node_id] = parse_snapshots(body)
+
+    def restorable_step(self, layout: Iterable[tuple[str, int, int]]) -> int | None:
+        """The newest step every rank's node holds, for ``layout`` (node id, first global rank,
+        rank count) of the next attempt; None when there is none or the world size changed."""
+        layout = list(layout)
+        if sum(count for _, _, count in layout) != self.world_size or self.world_size == 0:
+            return None
+        common: frozenset[int] | None = None
+        for node_id, first, count in layout:
+            held = self.nodes.get(node_id)
+            for rank in range(first, first + count):
+                steps = held.steps.get(rank, frozenset()) if held is not None else frozenset()
+                common = steps if common is None else common & steps
+        return max(common) if common else None
+
+    def restored_bytes(self, step: int) -> int:
+        return sum(n.nbytes.get(step, 0) for n in self.nodes.values())
+
+
+def parse_snapshots(body: Mapping[str, Any]) -> NodeSnapshots:
+    """``snapshots`` ({"rank": [steps]}) and ``snapshot_bytes`` ({"step": n}) of an agent's
+    message; entries of another shape (a peer's garbage) are skipped, never raised on."""
+    steps: dict[int, frozenset[int]] = {}
+    raw = body.get("snapshots")
+    for rank, values in (raw.items() if isinstance(raw, dict) else ()):
+        if _is_count(rank) and isinstance(values, list):
+            steps[int(rank)] = frozenset(int(s) for s in values if type(s) is int and s >= 0)
+    nbytes: dict[int, int] = {}
+    sizes = body.get("snapshot_bytes")
+    for step, size in (sizes.items() if isinstance(sizes, dict) else ()):
+        if _is_count(step) and type(size) is int and size >= 0:
+            nbytes[int(step)] = size
+    return NodeSnapshots(steps, nbytes)
+
+
+def _is_count(text: Any) -> bool:
+    return isinstance(text, str) and text.isascii() and text.isdigit()
+
+
+def finished_ranks(stopped: Iterable[Mapping[str, Any]]) -> list[tuple[int, int | None]]:
+    """(rank, its last step) of every rank the agents saw exit 0 before the stop; entries that
+    are not that shape (a peer's garbage) are skipped."""
+    out = []
+    for body in stopped:
+        for item in body.get("finished", ()):
+            if not isinstance(item, dict):
+                continue
+            rank, step = item.get("rank"), item.get("step")
+            if type(rank) is int and (step is None or type(step) is int):
+                out.append((rank, step))
+    return sorted(out)
