@@ -39,7 +39,7 @@ def test_a_fenced_member_joins_again_at_once_carrying_what_it_kept() -> None:
     j.on_welcome()
     assert j.on_reject({"reason": "declared lost", "fenced": True}) is Refusal.FENCED
     kept = Rejoin(3, {"1": [6, 7]}, {"7": 4096})
-    j.fenced(kept, now=50.0)
+    j.fenced(kept, now=50.0, timeout_s=15.0)
     assert not j.welcomed and j.join_due(50.0)
     assert j.join_fields() == {"attempt": 3, "snapshots": {"1": [6, 7]}, "snapshot_bytes": {"7": 4096}}
     # A heartbeat sent before the fence is answered "fenced" again: stale, not a second fence.
@@ -48,9 +48,10 @@ def test_a_fenced_member_joins_again_at_once_carrying_what_it_kept() -> None:
         j.on_reject({"reason": "job x is over"})
     assert j.on_welcome() == kept and j.join_fields() == {}
     # The join timeout starts over with the re-join.
-    j2 = JoinState("tcp://h:1", join_timeout_s=5, now=0.0)
+    # The re-join waits as long as a live coordinator could take to answer, not a job's start.
+    j2 = JoinState("tcp://h:1", join_timeout_s=600, now=0.0)
     j2.on_welcome()
-    j2.fenced(Rejoin(None, {}, {}), now=100.0)
-    assert j2.join_due(104.0) and j2.join_fields() == {"snapshots": {}, "snapshot_bytes": {}}
-    with pytest.raises(RendezvousError):
-        j2.join_due(106.0)
+    j2.fenced(Rejoin(None, {}, {}), now=100.0, timeout_s=15.0)
+    assert j2.join_due(114.0) and j2.join_fields() == {"snapshots": {}, "snapshot_bytes": {}}
+    with pytest.raises(RendezvousError, match="within 15 s"):
+        j2.join_due(116.0)

@@ -7,7 +7,7 @@ from typing import Any
 
 from test_coord_core import RESTART, ScriptedDecider, join, sends, spec, started, two_nodes_running
 
-from unicron.coord.decide import Decision
+from unicron.coord.decide import Decision, DetectDecider
 from unicron.coord.job import JobCore, Phase
 from unicron.coord.membership import Membership
 from unicron.coord.outbox import Emit, OpenStore
@@ -76,6 +76,32 @@ def test_a_node_back_while_the_others_still_stop_counts_as_stopped() -> None:
     assert {a["restore_step"] for a in assigns.values()} == {5}
 
 
+def test_a_node_back_from_an_attempt_it_never_started_is_not_waited_for() -> None:
+    """b stalled while its workers of attempt 0 were still to start (the zygote importing): it
+    says no attempt when it joins again. It is still counted as stopped, with nothing held."""
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "exit", "rank": 0, "exitcode": 1, "ts": 2}}, 2)
+    core.on_heartbeat("a", HB, 4.6)
+    core.tick(5.5)
+    body = dict(join("b"), snapshots={"2": [5]}, snapshot_bytes={})  # no "attempt"
+    core.on_join("b", body, 6)
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": {"0": [5], "1": [5]}, "stacks": {}}, 7)
+    assert any(isinstance(o, OpenStore) for o in outs)  # not held up until the stop timeout
+    assigns = sends(core.start_attempt("", 1, 7), "assign")
+    assert {a["restore_step"] for a in assigns.values()} == {None}
+
+
+def test_a_fixed_size_job_whose_lost_node_is_back_restarts_and_does_not_reconfigure() -> None:
+    lost = {"kind": "node_lost", "node_id": "b", "host": "hb", "message": "silent", "ts": 3.0, "attempt": 0}
+    fixed = DetectDecider().decide([lost], {}, 5.0, max_restarts=3, active_nodes=2, min_nodes=2, max_nodes=2)
+    assert fixed.action == "restart" and fixed.severity == "SEV1"
+    elastic = DetectDecider().decide([lost], {}, 5.0, max_restarts=3, active_nodes=2, min_nodes=1, max_nodes=2)
+    assert elastic.action == "reconfigure"
+
+
 def test_snapshots_of_an_attempt_the_job_has_left_are_not_restored() -> None:
     """An elastic job re-formed without b and trained on; b's snapshots are of the old line."""
     core = two_nodes_running(ScriptedDecider(RECONFIGURE))
@@ -120,7 +146,7 @@ def test_holdings_need_every_rank_on_its_own_node() -> None:
     h.add("a", {"snapshots": {"0": [4, 5], "1": [5]}, "snapshot_bytes": {"5": 10}})
     h.add("b", {"snapshots": {"2": [5, 6], "3": [3, 5]}, "snapshot_bytes": {"5": 20, "6": 1}})
     assert h.restorable_step([("a", 0, 2), ("b", 2, 2)]) == 5
-    assert h.restored_bytes(5) == 30
+    assert h.restored_bytes(5, ["a", "b"]) == 30 and h.restored_bytes(5, ["b", "c"]) == 20
     assert h.restorable_step([("b", 0, 2), ("a", 2, 2)]) is None  # swapped: each holds the other's ranks
     assert h.restorable_step([("a", 0, 2), ("c", 2, 2)]) is None  # c holds nothing
     assert h.restorable_step([("a", 0, 2)]) is None  # world size changed

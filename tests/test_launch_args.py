@@ -341,6 +341,7 @@ BAD_FLAGS = [
     (["--inject", "kill"], "--inject: bad fault spec 'kill': expected KIND@RANK:STEP (RANK a global rank or *)"),
     (["--inject", "boom@0:1"], "--inject: bad fault spec 'boom@0:1': unknown kind 'boom'"),
     (["--inject", "kill=2@0:1"], "--inject: bad fault spec 'kill=2@0:1': kill takes no value"),
+    (["--inject", "exit=\u00b3@0:1"], "exit code must be an integer 0..255"),
     (["--inject", "exit=300@0:1"], "exit code must be an integer 0..255"),
     (["--inject", "slow=-1@0:1"], "slow needs a number of seconds above 0 and below 1e6"),
     (["--inject", "slow=1e7@0:1"], "slow needs a number of seconds above 0 and below 1e6"),

@@ -156,3 +156,9 @@ def test_events_of_odd_shapes_are_filtered_without_error(tmp_path: Path) -> None
     path.write_text('{"ts": 1, "kind": "a", "ranks": 5}\n{"ts": true, "kind": "b"}\n{"ts": 2, "kind": "c", "ranks": [5]}\n')
     code, out = invoke(["events", str(path), "--rank", "5", "--json"])
     assert code == 0 and [json.loads(line)["kind"] for line in out.splitlines()] == ["c"]
+
+
+def test_a_log_whose_only_line_is_torn_is_empty_not_foreign(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"ts": 1, "kind": "agent_st')  # the launcher died writing its first event
+    assert invoke(["events", str(path), "--json"]) == (0, "")

@@ -66,8 +66,9 @@ def read_events(
     """Yield the events of a JSONL file that pass every given filter.
 
     A line that is not an event (a JSON object with a ``kind`` and a numeric ``ts``; a torn last
-    line after a crash) is skipped. ``counts``, if given, gets ``lines`` (non-blank) and
-    ``events`` (before the filters), so a caller can tell a file that holds no events at all.
+    line after a crash) is skipped. ``counts``, if given, gets ``lines`` (complete non-blank
+    lines: a torn last line has no newline) and ``events`` (before the filters), so a caller can
+    tell a file that holds no events at all.
     """
     counts = counts if counts is not None else {}
     counts.setdefault("lines", 0)
@@ -76,7 +77,7 @@ def read_events(
         for line in fh:
             if not line.strip():
                 continue
-            counts["lines"] += 1
+            counts["lines"] += line.endswith("\n")
             try:
                 event = json.loads(line)
             except ValueError:

@@ -225,10 +225,12 @@ class Agent:
         workers' peers are gone: stop them, keep their snapshots, and join again. A job that is
         over, or full, refuses the join, and the agent ends as before."""
         attempt = self.group.spec.attempt if self.group is not None else self.last_attempt
+        if self.pending_assign is not None:  # assigned, its workers not started yet: lost from that one
+            attempt = self.pending_assign["attempt"]
         self.ui.warn(f"fenced by the coordinator ({reason}); stopping this node's workers and joining again")
         self._stop_group(reason="fenced: " + reason)
         snapshots, sizes = scan_snapshots(self.shm_dir)
-        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic())
+        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(), self._coordinator_timeout())
         self.events.emit("fenced", reason=reason, attempt=attempt)
 
     def _start_attempt(self, body: dict[str, Any]) -> None:

@@ -72,10 +72,13 @@ class JoinState:
                 return Refusal.STALE
         raise RendezvousError(f"the coordinator refused this node: {body['reason']}")
 
-    def fenced(self, rejoin: Rejoin, now: float) -> None:
-        """Join again at once, carrying ``rejoin``; the join timeout starts over."""
+    def fenced(self, rejoin: Rejoin, now: float, timeout_s: float) -> None:
+        """Join again at once, carrying ``rejoin``, for at most ``timeout_s``: the coordinator
+        that just answered answers a join at once, so a long silence now means it is gone (it
+        is not the start of a job, when nodes may come minutes apart)."""
         self.welcomed, self.rejoin = False, rejoin
         self.started, self.last_sent = now, None
+        self.join_timeout_s = min(self.join_timeout_s, timeout_s)
 
     def join_fields(self) -> dict[str, Any]:
         return self.rejoin.fields() if self.rejoin is not None else {}

@@ -32,7 +32,7 @@ class Decision:
 
 class Decider(Protocol):
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
-               max_restarts: int, active_nodes: int, min_nodes: int,
+               max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = ...,
                finished: Sequence[tuple[int, int | None]] = ...) -> Decision: ...
 
 
@@ -57,9 +57,11 @@ class DetectDecider:
         self.history: list[FailureRecord] = []
 
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
-               max_restarts: int, active_nodes: int, min_nodes: int,
+               max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = None,
                finished: Sequence[tuple[int, int | None]] = ()) -> Decision:
-        """``finished``: (rank, last step) of ranks that exited 0 before the others failed."""
+        """``finished``: (rank, last step) of ranks that exited 0 before the others failed.
+        ``max_nodes`` (None: unknown) tells a fixed-size job, which cannot go on without a node
+        even when the lost one is back already."""
         parsed = [to_fault(f) for f in faults]
         culprits: list[int] = []
         report_text = ""
@@ -74,6 +76,7 @@ class DetectDecider:
         decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
                                       steps_completed_since_last_restart=progress,
                                       elastic=active_nodes >= min_nodes and active_nodes > 0
+                                      and (max_nodes is None or min_nodes < max_nodes)
                                       and any(f.kind == "node_lost" for f in parsed))
         self.history.append(decision.record(cause, classification, progress, now))
         reason = decision.reason

@@ -103,8 +103,7 @@ class JobCore:
         out.append(Emit("join", {"node_id": node_id, "host": body["host"], "nproc": body["nproc"],
                                  "epoch": self.members.epoch,
                                  **({"rejoin_attempt": body["attempt"]} if "attempt" in body else {})}))
-        if isinstance(body.get("attempt"), int):
-            out += self._rejoined(node_id, body, now)
+        out += self._rejoined(node_id, body, now)
         if self.phase is Phase.RUNNING and self.attempt is not None:
             # A late joiner below MAX: re-form the job with it (torchrun re-rendezvouses too).
             self.attempt.scale_up = True
@@ -113,24 +112,27 @@ class JobCore:
         return out
 
     def _rejoined(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
-        """A fenced node is back, its workers stopped and its snapshots kept: what it holds of
-        the attempt it was lost from counts as its stop of that attempt."""
+        """A node of the current attempt is back (fenced, its workers stopped, its snapshots
+        kept): its join counts as its stop of that attempt, no ``stop`` having reached it. What
+        it holds counts only if it says it was lost from this very attempt."""
         attempt = self.attempt
-        if attempt is None or body["attempt"] != attempt.number or node_id not in attempt.nodes:
+        if attempt is None or node_id not in attempt.nodes:
             return []
+        held = body if body.get("attempt") == attempt.number else {}
         if self.phase is Phase.STOPPING and node_id not in attempt.stopped:
-            attempt.stopped[node_id] = {"snapshots": body.get("snapshots", {}),
-                                        "snapshot_bytes": body.get("snapshot_bytes", {})}
+            attempt.stopped[node_id] = {"snapshots": held.get("snapshots", {}),
+                                        "snapshot_bytes": held.get("snapshot_bytes", {})}
             return self._after_stop(now) if self._all_stopped() else []
-        if self.phase is Phase.WAITING and self.holdings is not None and self.holdings.attempt == attempt.number:
-            self.holdings.add(node_id, body)
+        if held and self.phase is Phase.WAITING and self.holdings is not None \
+                and self.holdings.attempt == attempt.number:
+            self.holdings.add(node_id, held)
         return []
 
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         before = self.job_activity()
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             node = self.members.nodes.get(node_id)
-            why = ("declared lost: silent past the heartbeat timeout" if node and node.state is NodeState.LOST
+            why = ("declared lost: it went silent" if node and node.state is NodeState.LOST
                    else "not a member of the job")
             return [Send(node_id, "reject", {"reason": why, "fenced": True})]
         # Only a node still running the current attempt has a say: one that finished (or an
@@ -349,6 +351,7 @@ class JobCore:
             decision = Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up", 0)
         else:
             decision = self.decider.decide(attempt.faults, stacks, now, max_restarts=self.spec.max_restarts,
+                                           max_nodes=self.spec.max_nodes,
                                            active_nodes=active, min_nodes=self.spec.min_nodes,
                                            finished=finished_ranks(attempt.stopped.values()))
             self.history.append(decision)
@@ -380,7 +383,7 @@ class JobCore:
             first += node.nproc
         self.restore_step = holdings.restorable_step(layout) if holdings is not None else None
         if holdings is not None and self.restore_step is not None:
-            self.transfer_bytes += holdings.restored_bytes(self.restore_step)
+            self.transfer_bytes += holdings.restored_bytes(self.restore_step, [n.node_id for n in nodes])
 
     def _finish(self, exit_code: int, reason: str, now: float) -> list[Out]:
         self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED

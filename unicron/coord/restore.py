@@ -49,8 +49,9 @@ class Holdings:
                 common = steps if common is None else common & steps
         return max(common) if common else None
 
-    def restored_bytes(self, step: int) -> int:
-        return sum(n.nbytes.get(step, 0) for n in self.nodes.values())
+    def restored_bytes(self, step: int, node_ids: Iterable[str]) -> int:
+        """Bytes of ``step`` held on ``node_ids`` (those of the new layout)."""
+        return sum(self.nodes[n].nbytes.get(step, 0) for n in set(node_ids) if n in self.nodes)
 
 
 def parse_snapshots(body: Mapping[str, Any]) -> NodeSnapshots:

@@ -71,7 +71,7 @@ def parse_fault(part: str) -> Fault:
         value: float | int | None = {"exit": DEFAULT_EXIT_CODE, "slow": DEFAULT_SLOW_S}.get(kind)
         return Fault(kind, rank, step, value)
     if kind == "exit":
-        if not raw.isdigit() or not 0 <= int(raw) <= 255:
+        if not (raw.isascii() and raw.isdigit()) or not 0 <= int(raw) <= 255:
             raise UsageError(f"bad fault spec {part!r}: exit code must be an integer 0..255")
         return Fault(kind, rank, step, int(raw))
     if kind == "slow":
