@@ -33,9 +33,9 @@ def join(node: str, nproc: int = 2, node_rank: int | None = None, mn: int = 2, m
             "join_timeout_s": 60, "stop_timeout_s": 10}
 
 
-def spec(mn: int = 2, mx: int = 2) -> JobSpec:
+def spec(mn: int = 2, mx: int = 2, interval: float = 0.5) -> JobSpec:
     return JobSpec("job", mn, mx, max_restarts=3, last_call_s=5, heartbeat_timeout_s=3, join_timeout_s=60,
-                   stop_timeout_s=10)
+                   stop_timeout_s=10, heartbeat_interval_s=interval)
 
 
 def sends(outs, kind: str) -> dict[str, dict[str, Any]]:
@@ -48,9 +48,9 @@ def started(core: JobCore, now: float) -> dict[str, dict[str, Any]]:
     return sends(core.start_attempt("", 1234, now), "assign")
 
 
-def two_nodes_running(decider: Any) -> JobCore:
+def two_nodes_running(decider: Any, interval: float = 0.5) -> JobCore:
     """An elastic 1..2-node job whose nodes a and b joined at 0 and whose attempt 0 started at 1."""
-    core = JobCore(spec(1, 2), decider, now=0)
+    core = JobCore(spec(1, 2, interval), decider, now=0)
     core.on_join("a", join("a", mn=1, mx=2), 0)
     core.on_join("b", join("b", mn=1, mx=2), 0)
     started(core, 1)
@@ -229,7 +229,7 @@ def test_node_frozen_before_the_stop_is_lost_at_the_heartbeat_timeout() -> None:
 
 
 def test_job_activity_is_announced_to_every_agent_when_it_rises() -> None:
-    core = JobCore(spec(), ScriptedDecider(), now=0)
+    core = JobCore(spec(interval=2.0), ScriptedDecider(), now=0)  # no node falls silent here
     core.on_join("a", join("a"), 0)
     core.on_join("b", join("b"), 0)
     started(core, 0)
@@ -258,7 +258,8 @@ def test_next_tick_s_is_the_first_heartbeat_deadline_while_running() -> None:
     """The coordinator sleeps next_tick_s between messages: a loss must not fall inside it."""
     core = JobCore(spec(1, 2), ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
     assert core.next_tick_s(0) == 0.0  # waiting for nodes: tick at the shell's pace
-    core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
+    core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")),
+                             interval=2.0)  # silent after 4 s: later than lost
     core.on_heartbeat("a", {"workers": [], "health": {}}, 2.0)
     core.on_heartbeat("b", {"workers": [], "health": {}}, 1.5)
     wait = core.next_tick_s(2.0)

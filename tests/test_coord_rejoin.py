@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from test_coord_core import RESTART, ScriptedDecider, join, sends, spec, started, two_nodes_running
 
 from unicron.coord.decide import Decision, DetectDecider
@@ -159,3 +160,23 @@ def test_snapshot_reports_of_the_wrong_shape_are_skipped() -> None:
     assert parsed.steps == {0: frozenset({1, 4})} and parsed.nbytes == {4: 5}
     assert parse_snapshots({"snapshots": [], "snapshot_bytes": None}).steps == {}
     assert finished_ranks([{"finished": [{"rank": 1, "step": 3}, "x", {"rank": "0"}]}, {}]) == [(1, 3)]
+
+
+def test_a_silent_node_holds_the_others_to_the_busy_threshold_until_heard_again() -> None:
+    """b misses two heartbeats (0.5 s interval): a hears at once that the job is at least busy,
+    so its idle ranks, waiting on b's, are not called hung before b is back or declared lost."""
+    core = JobCore(spec(), ScriptedDecider(), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_heartbeat("a", HB, 1.0)
+    core.on_heartbeat("b", HB, 1.0)
+    assert core.next_tick_s(1.2) == pytest.approx(0.801)  # b's (and a's) silence deadline: 2 x 0.5 s
+    core.on_heartbeat("a", HB, 1.5)
+    acks = sends(core.tick(2.01), "ack")  # b silent for 1.01 s
+    assert acks["a"]["activity"] == "busy" and set(acks) == {"a", "b"}
+    assert not sends(core.tick(2.2), "ack")  # said once
+    assert sends(core.on_heartbeat("a", HB, 2.3), "ack")["a"]["activity"] == "busy"
+    assert sends(core.on_heartbeat("b", HB, 2.6), "ack")["b"]["activity"] == "idle"  # b is back
+    assert sends(core.on_heartbeat("a", HB, 2.7), "ack")["a"]["activity"] == "idle"
+    assert core.phase is Phase.RUNNING and not core.attempt.faults

@@ -280,3 +280,16 @@ def test_quiet_s_with_no_ranks_is_unbounded_and_falls_to_zero_when_overdue() -> 
     assert det.quiet_s(now) == pytest.approx(2.0)
     assert det.quiet_s(now + 1.5) == pytest.approx(0.5)
     assert det.quiet_s(now + 9.0) == 0.0
+
+
+def test_a_pause_of_the_observer_does_not_count_as_the_ranks_silence() -> None:
+    """The agent was stopped (SIGSTOP, a VM pause) for 10 s: its ranks' silence in that time
+    is not theirs to answer for; the hang clock runs on from where it was."""
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=2, first_step_timeout_s=60.0)
+    det.start(0.0, [0, 1])
+    now = run_steps(det, [0, 1], 30, dt=1.0, t0=5.0)
+    det.paused(10.0)
+    assert det.check(now + 10.0 + 2.9) is None
+    assert det.check(now + 10.0 + 3.1) is not None
+    det.observe(0, 31, now + 13.5)  # the next step's interval is what ran, not the pause
+    assert det.stats.iter_times(0)[-1] == pytest.approx(3.5)

@@ -203,12 +203,30 @@ def _snapshot_steps_of(pid: int) -> list[int]:
     return steps
 
 
-def test_a_node_stalled_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost(workdir, launch) -> None:
-    """Node b (not the coordinator's) stops whole, launcher and workers (a VM pause), for longer
-    than the 3 s heartbeat timeout. The coordinator declares it lost and stops a; when b runs
-    again it is fenced, stops its workers, joins again in its old place, and the job restores
-    every rank from memory: the final model equals a failure-free run's."""
+def _stop_tree(pid: int, seconds: float) -> None:
+    """SIGSTOP a launcher and every process under it (a VM pause), for ``seconds``."""
     import psutil
+
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for proc in tree:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)  # the stall itself
+    finally:
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_a_node_stalled_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost(workdir, launch) -> None:
+    """Node b (not the coordinator's) stops whole, launcher and workers (a VM pause), for 16 s:
+    longer than the heartbeat timeout (3 s) and than the coordinator's silence that would end an
+    agent (15 s), which b must not count against the coordinator, since b was not running. The
+    coordinator declares b lost and stops a; when b runs again it is fenced, stops its workers,
+    joins again in its old place, and the job restores every rank from memory: the final model
+    equals a failure-free run's."""
     from e2e import run_unicron
 
     steps = ["--steps", "50"]
@@ -223,17 +241,7 @@ def test_a_node_stalled_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost(w
              60, "node a to host the coordinator")
     b = launch(args, workdir, env)
     wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 5], 90, "node b to snapshot step 5")
-    tree = [psutil.Process(b.proc.pid), *psutil.Process(b.proc.pid).children(recursive=True)]
-    for proc in tree:
-        proc.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(4.5)  # the stall itself, longer than the 3 s heartbeat timeout
-    finally:
-        for proc in tree:
-            try:
-                proc.send_signal(signal.SIGCONT)
-            except psutil.NoSuchProcess:
-                pass
+    _stop_tree(b.proc.pid, 16)
     results = [item.wait(90) for item in (a, b)]
     for code, out, err in results:
         assert code == 0, out + err
@@ -245,3 +253,48 @@ def test_a_node_stalled_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost(w
     starts = [e for e in events if e["kind"] == "attempt_start"]
     assert len(starts) == 2 and starts[1]["nnodes"] == 2
     assert starts[1]["restore_step"] is not None and starts[1]["restore_step"] >= 5, starts[1]
+
+
+def test_a_node_stalled_briefly_costs_no_restart_and_no_blame(workdir, launch) -> None:
+    """Node b stops whole for 2 s: longer than the idle hang threshold (1.5 s) of a's rank,
+    which waits for b's in the all-reduce, shorter than b's heartbeat timeout. The coordinator
+    tells a at once that a node is silent, so a's rank is held to the busy threshold, and b is
+    back before anyone is blamed: one attempt, no fault."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = [a for a in agent_args(workdir, port, "2", "--heartbeat-timeout", "5", steps=60, sleep=0.1)
+            if a != "--no-state"]
+    a = launch(args, workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "node a to host the coordinator")
+    b = launch(args, workdir, env)
+    # A few steps in: the hang detector is past its warm-up allowance.
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 8], 90, "node b to snapshot step 8")
+    _stop_tree(b.proc.pid, 2.0)
+    for item in (a, b):
+        code, out, err = item.wait(90)
+        assert code == 0, out + err
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] in ("fault", "node_lost", "decision")], \
+        [e for e in events if e["kind"] in ("fault", "node_lost", "decision")]
+    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+
+
+def test_a_node_stalled_through_the_end_of_its_job_learns_how_it_ended(workdir, launch) -> None:
+    """With no restarts allowed, losing stalled node b ends the job. b, running again, finds the
+    coordinator's word in its socket and ends with the job's reason, at once: not 15 s later
+    with "lost the coordinator"."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = [a for a in agent_args(workdir, port, "2", steps=200, sleep=0.1) if a != "--no-state"]
+    args[args.index("--max-restarts") + 1] = "0"
+    a = launch(args, workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "node a to host the coordinator")
+    b = launch(args, workdir, env)
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 3], 90, "node b to snapshot step 3")
+    _stop_tree(b.proc.pid, 4.5)
+    code_a, _, err_a = a.wait(60)
+    code_b, _, err_b = b.wait(60)
+    assert code_a == 1 and "restart budget spent" in err_a, err_a
+    assert code_b == 1 and "restart budget spent" in err_b and "lost the coordinator" not in err_b, err_b

@@ -41,6 +41,7 @@ from unicron.proto.messages import Codec
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the loop's pace while something is due soon (an attempt starting, a job overdue)
+PAUSED_AFTER_S = 2.0  # this long not listening (stopped, or stopping workers): silences do not count
 IDLE_WAKE_S = 0.5  # the longest sleep between events
 CHORES_EVERY_S = 0.5
 
@@ -114,7 +115,14 @@ class Agent:
                                                 (self.signals.fileno(), zmq.POLLIN)]
                 items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
                 wait_s = self._wait_s(now_m, self.joining.welcomed, exit_fds is not None)
+                polled_at = time.monotonic()
                 fired = {sock for sock, _ in zmq.zmq_poll(items, math.ceil(wait_s * 1000))}
+                woke_at = time.monotonic()
+                # Late out of the poll: this process did not run (SIGSTOP, a VM pause). Nobody's
+                # silence in that time counts: not the coordinator's (its answers wait in the
+                # socket) nor the ranks' hang clocks (a whole node stops together).
+                if woke_at - polled_at - wait_s > PAUSED_AFTER_S:
+                    self._paused(woke_at - polled_at - wait_s)
                 if dealer in fired:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
@@ -134,6 +142,9 @@ class Agent:
                     self.next_chores = now_m + CHORES_EVERY_S
                     self._refill_pool()
                     self._reap_orphans()
+                # Likewise for a long turn: stopping workers takes up to the grace period.
+                if time.monotonic() - woke_at > PAUSED_AFTER_S:
+                    self._paused(time.monotonic() - woke_at)
                 self._heartbeat()
                 if self.joining.welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
                     raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
@@ -156,6 +167,14 @@ class Agent:
             pull.close(0)
             shutil.rmtree(self.work_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    def _paused(self, gap_s: float) -> None:
+        self.last_from_coordinator += gap_s
+        level, heard = self.job_level
+        self.job_level = (level, heard + gap_s)
+        if self.group is not None:
+            self.group.hang.paused(gap_s)
+        self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 
     def _tick_s(self) -> float:
         return min(self.s.monitor_interval_s, TICK_S)

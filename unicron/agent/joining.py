@@ -89,5 +89,6 @@ def join_body(s: Any, node_id: str, host: str, pid: int, extra: dict[str, Any]) 
     return {"node_id": node_id, "host": host, "nproc": s.nproc, "node_rank": s.node_rank,
             "pid": pid, "weight": s.weight, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes,
             "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,
-            "heartbeat_timeout_s": s.heartbeat_timeout_s, "join_timeout_s": s.join_timeout_s,
+            "heartbeat_timeout_s": s.heartbeat_timeout_s, "heartbeat_interval_s": s.heartbeat_interval_s,
+            "join_timeout_s": s.join_timeout_s,
             "stop_timeout_s": s.grace_s + STACK_STOP_MARGIN_S, **extra}

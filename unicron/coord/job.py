@@ -20,6 +20,7 @@ from unicron.coord.decide import Decider, Decision
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.restore import Holdings, finished_ranks
+from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
 
 
@@ -39,6 +40,7 @@ class JobSpec:
     max_restarts: int
     last_call_s: float = 30.0
     heartbeat_timeout_s: float = 3.0
+    heartbeat_interval_s: float = 0.5
     join_timeout_s: float = 600.0
     stop_timeout_s: float = 40.0
 
@@ -83,6 +85,7 @@ class JobCore:
         self.downtime_s = 0.0
         self.transfer_bytes = 0
         self._down_since: float | None = None
+        self._told_silent: frozenset[str] = frozenset()  # silent nodes the others were told of
 
     # ---- messages from agents ------------------------------------------------------
     def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -129,7 +132,8 @@ class JobCore:
         return []
 
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
-        before = self.job_activity()
+        before = self.job_activity(now)
+        self._told_silent -= {node_id}
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             node = self.members.nodes.get(node_id)
             why = ("declared lost: it went silent" if node and node.state is NodeState.LOST
@@ -140,18 +144,37 @@ class JobCore:
         attempt = self.attempt
         current = attempt is not None and body.get("attempt") == attempt.number and node_id not in attempt.finished
         self.members.nodes[node_id].activity = Activity.parse(body.get("activity")) if current else Activity.IDLE
-        level = self.job_activity()
-        ack = {"epoch": self.members.epoch, "state": self.phase.value, "activity": level.name.lower()}
+        level = self.job_activity(now)
         if level > before:
             # Every agent judges a hang by the whole job's activity: a node whose ranks wait in
             # a barrier while another node's rank evaluates must hear of it before its short
             # idle threshold runs out, not at its next heartbeat.
-            return [Send(n.node_id, "ack", ack) for n in self.members.active()]
-        return [Send(node_id, "ack", ack)]
+            return self._ack_all(level)
+        return [Send(node_id, "ack", self._ack(level))]
 
-    def job_activity(self) -> Activity:
-        """The highest activity any node reports (IDLE with no node)."""
-        return max((n.activity for n in self.members.active()), default=Activity.IDLE)
+    def _ack(self, level: Activity) -> dict[str, Any]:
+        return {"epoch": self.members.epoch, "state": self.phase.value, "activity": level.name.lower()}
+
+    def _ack_all(self, level: Activity) -> list[Out]:
+        return [Send(n.node_id, "ack", self._ack(level)) for n in self.members.active()]
+
+    def job_activity(self, now: float | None = None) -> Activity:
+        """The highest activity any node reports (IDLE with no node); at least BUSY while a
+        node of the running attempt is silent (given ``now``): see ``_silent``."""
+        level = max((n.activity for n in self.members.active()), default=Activity.IDLE)
+        if now is not None and self._silent(now):
+            level = max(level, Activity.BUSY)
+        return level
+
+    def _silent(self, now: float) -> frozenset[str]:
+        """Nodes of the running attempt that missed two heartbeats. Their ranks may be what
+        the others wait for (a node stalled whole: a VM pause): until such a node is heard
+        again or declared lost, the others hold their ranks to the longer busy threshold, so
+        an idle hang verdict does not blame a rank that waits on it."""
+        if self.phase is not Phase.RUNNING or self.attempt is None:
+            return frozenset()
+        after = 2 * self.spec.heartbeat_interval_s
+        return frozenset(n.node_id for n in self.members.silent(now, after) if n.node_id in self.attempt.nodes)
 
     def on_fault(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         attempt = self.attempt
@@ -162,9 +185,9 @@ class JobCore:
         attempt.faults.append(fault)
         if isinstance(fault.get("latency_s"), (int, float)):
             self.detections.append(float(fault["latency_s"]))
-        out: list[Out] = [Emit("fault", _fault_fields(fault))]
+        out: list[Out] = [Emit("fault", fault_fields(fault))]
         if self.phase is Phase.RUNNING:
-            out += self._stop_attempt(_describe(fault), now, want_stacks=fault.get("kind") == "hang")
+            out += self._stop_attempt(describe_fault(fault), now, want_stacks=fault.get("kind") == "hang")
         return out
 
     def on_finished(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -209,6 +232,10 @@ class JobCore:
         if self.phase is Phase.STOPPING and self.attempt and self.attempt.stop_sent_at is not None:
             sent = self.attempt.stop_sent_at
             stopping = frozenset(n for n in self._unacked() if self.members.nodes[n].last_heartbeat >= sent)
+        silent = self._silent(now)
+        if silent - self._told_silent:  # say so at once: the others' idle thresholds are short
+            out += self._ack_all(self.job_activity(now))
+        self._told_silent = silent
         for node in self.members.expire(now, stopping):
             out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
                                           "silent_s": round(now - node.last_heartbeat, 3)}))
@@ -255,6 +282,8 @@ class JobCore:
         if self.phase is not Phase.RUNNING:
             return 0.0
         deadlines = [n.last_heartbeat + self.members.heartbeat_timeout_s for n in self.members.active()]
+        deadlines += [n.last_heartbeat + 2 * self.spec.heartbeat_interval_s for n in self.members.active()
+                      if n.node_id not in self._told_silent]
         # expire() wants silence longer than the timeout: a hair past the deadline, not on it.
         return max(0.0, min(deadlines, default=float("inf")) - now + 0.001)
 
@@ -394,48 +423,5 @@ class JobCore:
 
     # ---- status --------------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
-        now = time.time() if now is None else now
-        attempt = self.attempt
-        nodes = []
-        for node in sorted(self.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):
-            nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
-                          "state": node.state.value, "last_heartbeat": node.last_heartbeat,
-                          "activity": node.activity.name.lower(),
-                          "health": node.health,
-                          # a node that is gone has no running workers, whatever it last said
-                          "workers": node.workers if node.state is NodeState.ACTIVE else
-                          [dict(w, state=node.state.value) for w in node.workers if isinstance(w, dict)]})
-        return {
-            "job": {"id": self.spec.job_id, "state": self.phase.value,
-                    "attempt": attempt.number if attempt else 0, "restarts": self.restarts_used,
-                    "max_restarts": self.spec.max_restarts,
-                    "world_size": attempt.world_size if attempt else 0,
-                    "nnodes": len(self.members.active()), "min_nodes": self.spec.min_nodes,
-                    "max_nodes": self.spec.max_nodes, "started_at": self.created_at,
-                    "epoch": self.members.epoch, "exit_code": self.exit_code, "reason": self.final_reason,
-                    "restore_step": self.restore_step},
-            "nodes": nodes,
-            "restarts": list(self.restarts),
-            "plan": {"nodes": [n.host for n in self.members.active()],
-                     "transition": attempt.stop_reason if self.phase is Phase.STOPPING and attempt else ""},
-            "events": list(self.recent_events),
-        }
-
-
-def _describe(fault: dict[str, Any]) -> str:
-    where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('node_id') or fault.get('host', '?')}"
-    kind = fault.get("kind", "fault")
-    detail = fault.get("message") or ""
-    if fault.get("error_type"):
-        detail = f"{fault['error_type']}: {detail}" if detail else str(fault["error_type"])
-    return f"{kind} on {where}" + (f": {detail}" if detail else "")
-
-
-def _fault_fields(fault: dict[str, Any]) -> dict[str, Any]:
-    keep = ("kind", "rank", "node_id", "host", "exitcode", "signal", "error_type", "message",
-            "steps_completed", "attempt", "ts")
-    fields = {k: fault[k] for k in keep if fault.get(k) is not None}
-    fields["fault_kind"] = fields.pop("kind", "unknown")
-    if "ts" in fields:
-        fields["occurred_at"] = fields.pop("ts")
-    return fields
+        """The status view of this job (``unicron status``; docs/status.md)."""
+        return job_view(self, time.time() if now is None else now)

@@ -64,6 +64,10 @@ class Membership:
         node = self.nodes.get(node_id)
         return node is not None and node.state is NodeState.ACTIVE
 
+    def silent(self, now: float, after_s: float) -> list[NodeRecord]:
+        """Active nodes not heard from for longer than ``after_s``."""
+        return [n for n in self.active() if now - n.last_heartbeat > after_s]
+
     def ready(self, now: float) -> bool:
         count = len(self.active())
         if count >= self.max_nodes:

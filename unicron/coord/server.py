@@ -21,6 +21,7 @@ import zmq
 
 from unicron.coord.decide import Decider
 from unicron.coord.job import JobCore, JobSpec
+from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
@@ -228,6 +229,7 @@ class CoordinatorServer:
         spec = JobSpec(job_id=msg.job, min_nodes=b["min_nodes"], max_nodes=b["max_nodes"],
                        max_restarts=b["max_restarts"], last_call_s=float(b["last_call_s"]),
                        heartbeat_timeout_s=float(b["heartbeat_timeout_s"]),
+                       heartbeat_interval_s=float(b.get("heartbeat_interval_s", 0.5)),
                        join_timeout_s=float(b["join_timeout_s"]), stop_timeout_s=float(b["stop_timeout_s"]))
         core = JobCore(spec, self.decider_for(), now)
         events = self.events_for(msg.job)
@@ -255,7 +257,11 @@ class CoordinatorServer:
                 threading.Thread(target=self._open_store, args=(job_id, slot, out.attempt),
                                  name="unicron-store", daemon=True).start()
             elif isinstance(out, Finish):
-                for node in slot.core.members.active():
+                # Lost nodes too: one that only stalled finds the word in its socket when it runs
+                # again, rather than waiting out the coordinator's silence.
+                for node in slot.core.members.nodes.values():
+                    if node.state is NodeState.LEFT:
+                        continue
                     identity = slot.identities.get(node.node_id)
                     if identity is not None:
                         self._send_raw(identity, job_id, "shutdown",

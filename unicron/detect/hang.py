@@ -71,6 +71,12 @@ class StepStats:
         p.steps_in_attempt += advanced
         return True
 
+    def paused(self, gap_s: float) -> None:
+        """The observer was not running for ``gap_s``: no rank's silence in that time counts
+        (their progress clocks move on by it; the iteration times are untouched)."""
+        for p in self._ranks.values():
+            p.last_progress_ts += gap_s
+
     def remove(self, rank: int) -> None:
         """Stop expecting ``rank`` (it finished cleanly or was taken out of the job)."""
         self._ranks.pop(rank, None)
@@ -188,6 +194,10 @@ class HangDetector:
 
     def remove(self, rank: int) -> None:
         self.stats.remove(rank)
+
+    def paused(self, gap_s: float) -> None:
+        """The agent itself was stopped for ``gap_s`` (see ``StepStats.paused``)."""
+        self.stats.paused(gap_s)
 
     def in_warmup(self) -> bool:
         # The first step of an attempt always gets the allowance: it pays for start-up.

@@ -1,0 +1,60 @@
+"""How a job describes itself: the status view (``unicron status``, docs/status.md) and the
+one-line text and event fields of a fault (pure)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from unicron.coord.membership import NodeState
+
+if TYPE_CHECKING:
+    from unicron.coord.job import JobCore
+
+
+def job_view(core: JobCore, now: float) -> dict[str, Any]:
+    from unicron.coord.job import Phase
+
+    attempt = core.attempt
+    nodes = []
+    for node in sorted(core.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):
+        nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
+                      "state": node.state.value, "last_heartbeat": node.last_heartbeat,
+                      "activity": node.activity.name.lower(),
+                      "health": node.health,
+                      # a node that is gone has no running workers, whatever it last said
+                      "workers": node.workers if node.state is NodeState.ACTIVE else
+                      [dict(w, state=node.state.value) for w in node.workers if isinstance(w, dict)]})
+    return {
+        "job": {"id": core.spec.job_id, "state": core.phase.value,
+                "attempt": attempt.number if attempt else 0, "restarts": core.restarts_used,
+                "max_restarts": core.spec.max_restarts,
+                "world_size": attempt.world_size if attempt else 0,
+                "nnodes": len(core.members.active()), "min_nodes": core.spec.min_nodes,
+                "max_nodes": core.spec.max_nodes, "started_at": core.created_at,
+                "epoch": core.members.epoch, "exit_code": core.exit_code, "reason": core.final_reason,
+                "restore_step": core.restore_step},
+        "nodes": nodes,
+        "restarts": list(core.restarts),
+        "plan": {"nodes": [n.host for n in core.members.active()],
+                 "transition": attempt.stop_reason if core.phase is Phase.STOPPING and attempt else ""},
+        "events": list(core.recent_events),
+    }
+
+
+def describe_fault(fault: dict[str, Any]) -> str:
+    where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('node_id') or fault.get('host', '?')}"
+    kind = fault.get("kind", "fault")
+    detail = fault.get("message") or ""
+    if fault.get("error_type"):
+        detail = f"{fault['error_type']}: {detail}" if detail else str(fault["error_type"])
+    return f"{kind} on {where}" + (f": {detail}" if detail else "")
+
+
+def fault_fields(fault: dict[str, Any]) -> dict[str, Any]:
+    keep = ("kind", "rank", "node_id", "host", "exitcode", "signal", "error_type", "message",
+            "steps_completed", "attempt", "ts")
+    fields = {k: fault[k] for k in keep if fault.get(k) is not None}
+    fields["fault_kind"] = fields.pop("kind", "unknown")
+    if "ts" in fields:
+        fields["occurred_at"] = fields.pop("ts")
+    return fields
