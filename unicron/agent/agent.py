@@ -122,7 +122,7 @@ class Agent:
                 # silence in that time counts: not the coordinator's (its answers wait in the
                 # socket) nor the ranks' hang clocks (a whole node stops together).
                 if woke_at - polled_at - wait_s > PAUSED_AFTER_S:
-                    self._paused(woke_at - polled_at - wait_s)
+                    self._paused(woke_at - polled_at - wait_s, stalled=True)
                 if dealer in fired:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
@@ -144,7 +144,7 @@ class Agent:
                     self._reap_orphans()
                 # Likewise for a long turn: stopping workers takes up to the grace period.
                 if time.monotonic() - woke_at > PAUSED_AFTER_S:
-                    self._paused(time.monotonic() - woke_at)
+                    self._paused(time.monotonic() - woke_at, stalled=False)
                 self._heartbeat()
                 if self.joining.welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
                     raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
@@ -168,13 +168,16 @@ class Agent:
             shutil.rmtree(self.work_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir, ignore_errors=True)
 
-    def _paused(self, gap_s: float) -> None:
+    def _paused(self, gap_s: float, *, stalled: bool) -> None:
+        """This agent did not listen for ``gap_s``: stopped whole (``stalled``), or busy (a long
+        turn: stopping workers waits up to the grace period)."""
         self.last_from_coordinator += gap_s
         level, heard = self.job_level
         self.job_level = (level, heard + gap_s)
         if self.group is not None:
             self.group.hang.paused(gap_s)
-        self.events.emit("agent_paused", gap_s=round(gap_s, 3))
+        if stalled:  # news; a long stop is not
+            self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 
     def _tick_s(self) -> float:
         return min(self.s.monitor_interval_s, TICK_S)

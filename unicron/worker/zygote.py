@@ -66,6 +66,7 @@ from unicron.worker import boot
 # makes a warm worker's first step as fast as its later ones.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel", "zmq")
 EXIT_PRELOAD_FAILED = 3  # before ready: the pool stops using zygotes
+REPARENT_NAP_S = 0.0005
 REPARENT_TIMEOUT_S = 5.0
 BOOT_MODULE = "unicron.worker.boot"
 
@@ -278,12 +279,15 @@ def fork_worker(reply_fd: int, spec_fd: int) -> int | None:
             os.setsid()  # before the agent learns our pid, so killpg(pid) reaches us from the start
             os.write(w, str(os.getpid()).encode())
             os.close(w)
-            deadline = time.monotonic() + REPARENT_TIMEOUT_S
+            # Counted in naps, not by the clock: a node stopped whole (SIGSTOP, a VM pause) right
+            # here must not make the worker give up on waking, as a deadline would.
+            naps = int(REPARENT_TIMEOUT_S / REPARENT_NAP_S)
             while os.getppid() == middle_pid:
-                if time.monotonic() > deadline:  # boot's PDEATHSIG check then ends this worker
+                naps -= 1
+                if naps < 0:  # boot's PDEATHSIG check then ends this worker
                     print(f"unicron worker: not re-parented within {REPARENT_TIMEOUT_S:g} s", file=sys.stderr)
                     break
-                time.sleep(0.0005)  # the intermediate exits right after the fork
+                time.sleep(REPARENT_NAP_S)  # the intermediate exits right after the fork
             return None
         os._exit(0)
     os.close(w)
