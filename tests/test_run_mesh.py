@@ -256,13 +256,14 @@ def test_a_node_stalled_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost(w
 
 
 def test_a_node_stalled_briefly_costs_no_restart_and_no_blame(workdir, launch) -> None:
-    """Node b stops whole for 2 s: longer than the idle hang threshold (1.5 s) of a's rank,
-    which waits for b's in the all-reduce, shorter than b's heartbeat timeout. The coordinator
-    tells a at once that a node is silent, so a's rank is held to the busy threshold, and b is
-    back before anyone is blamed: one attempt, no fault."""
+    """Node b, then node a (the coordinator's), stops whole for 2 s: longer than the idle hang
+    threshold (1.5 s) of the other node's rank, which waits for the stopped one's in the
+    all-reduce, shorter than the heartbeat timeout. The other node hears at once that the job
+    is at least busy (the coordinator says b is silent; a's silence is the coordinator's own),
+    and the stopped node is back before anyone is blamed: one attempt, no fault."""
     port = free_port()
     env = clean_env(UNICRON_SECRET=SECRET)
-    args = [a for a in agent_args(workdir, port, "2", "--heartbeat-timeout", "5", steps=60, sleep=0.1)
+    args = [a for a in agent_args(workdir, port, "2", "--heartbeat-timeout", "5", steps=120, sleep=0.1)
             if a != "--no-state"]
     a = launch(args, workdir, env)
     wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
@@ -271,6 +272,35 @@ def test_a_node_stalled_briefly_costs_no_restart_and_no_blame(workdir, launch) -
     # A few steps in: the hang detector is past its warm-up allowance.
     wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 8], 90, "node b to snapshot step 8")
     _stop_tree(b.proc.pid, 2.0)
+    step = max(_snapshot_steps_of(b.proc.pid))
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= step + 10], 60, "ten more steps")
+    _stop_tree(a.proc.pid, 2.0)
+    for item in (a, b):
+        code, out, err = item.wait(90)
+        assert code == 0, out + err
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] in ("fault", "node_lost", "decision")], \
+        [e for e in events if e["kind"] in ("fault", "node_lost", "decision")]
+    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+
+
+def test_the_coordinators_launcher_stopped_for_long_leaves_the_job_training(workdir, launch) -> None:
+    """Only the launcher of node a (hosting the coordinator) stops, for 16 s: longer than the
+    silence that ends an agent (15 s). Node b's rank keeps stepping with a's, which shows the
+    job alive: b does not stop its healthy worker, and the job finishes with one attempt."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = [a for a in agent_args(workdir, port, "2", steps=260, sleep=0.1) if a != "--no-state"]
+    a = launch(args, workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "node a to host the coordinator")
+    b = launch(args, workdir, env)
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 8], 90, "node b to snapshot step 8")
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(16)  # the stall itself
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
     for item in (a, b):
         code, out, err = item.wait(90)
         assert code == 0, out + err
@@ -298,3 +328,26 @@ def test_a_node_stalled_through_the_end_of_its_job_learns_how_it_ended(workdir, 
     code_b, _, err_b = b.wait(60)
     assert code_a == 1 and "restart budget spent" in err_a, err_a
     assert code_b == 1 and "restart budget spent" in err_b and "lost the coordinator" not in err_b, err_b
+
+
+def test_a_node_whose_workers_finished_while_the_coordinator_was_stopped_exits_0(workdir, launch) -> None:
+    """The launcher of node a (hosting the coordinator) stops for 17 s; meanwhile every rank
+    finishes. Node b did its part: after 15 s without word it exits 0 and says the job's end was
+    not confirmed (torchrun's agent exits 0 when its exit barrier fails); a, running again,
+    finishes the job."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = [a for a in agent_args(workdir, port, "2", steps=25, sleep=0.1) if a != "--no-state"]
+    a = launch(args, workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "node a to host the coordinator")
+    b = launch(args, workdir, env)
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 3], 90, "node b to snapshot step 3")
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        code_b, _, err_b = b.wait(60)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert code_b == 0 and "did not confirm the job's end" in err_b, err_b
+    code_a, _, err_a = a.wait(60)
+    assert code_a == 0, err_a

@@ -24,6 +24,7 @@ import zmq
 from unicron.agent.attempt import group_spec, hang_detector, worker_env_factory
 from unicron.agent.healthwatch import HealthWatch, read_health_safely
 from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
+from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import REAP_EVERY_S, children_except, reap_orphans
 from unicron.agent.settings import AgentSettings
@@ -67,13 +68,13 @@ class Agent:
         self.group: WorkerGroup | None = None
         self.pull: zmq.Socket | None = None  # the workers' channel, once bound
         self.epoch = 0
-        self.last_from_coordinator = time.monotonic()
+        self.link = CoordinatorLink(time.monotonic(), heartbeat_interval_s=s.heartbeat_interval_s,
+                                    heartbeat_timeout_s=s.heartbeat_timeout_s)
         self.last_heartbeat = 0.0
         self.last_orphan_reap = 0.0
         self.next_watch = 0.0  # monotonic time the workers are next looked at without an event
         self.next_chores = 0.0  # ... and the zygote refilled, orphans reaped
         self.sent_level = Activity.IDLE
-        self.job_level = (Activity.IDLE, 0.0)  # the job's activity (from the last ack), when heard
         self.health = HealthWatch()
         self.dropped_local = 0
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
@@ -146,9 +147,9 @@ class Agent:
                 if time.monotonic() - woke_at > PAUSED_AFTER_S:
                     self._paused(time.monotonic() - woke_at, stalled=False)
                 self._heartbeat()
-                if self.joining.welcomed and time.monotonic() - self.last_from_coordinator > self._coordinator_timeout():
-                    raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
-                                          f"{self._coordinator_timeout():g} s")
+                stepped = self.group.last_step_at() if self.group is not None else None
+                if self.joining.welcomed and self.link.lost(time.monotonic(), stepped):
+                    return self._coordinator_lost()
         except (Interrupted, UnicronError) as err:
             # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
             self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
@@ -171,9 +172,7 @@ class Agent:
     def _paused(self, gap_s: float, *, stalled: bool) -> None:
         """This agent did not listen for ``gap_s``: stopped whole (``stalled``), or busy (a long
         turn: stopping workers waits up to the grace period)."""
-        self.last_from_coordinator += gap_s
-        level, heard = self.job_level
-        self.job_level = (level, heard + gap_s)
+        self.link.paused(gap_s)
         if self.group is not None:
             self.group.hang.paused(gap_s)
         if stalled:  # news; a long stop is not
@@ -199,10 +198,17 @@ class Agent:
         due = min(self.next_watch, self.next_chores, self.last_heartbeat + self.s.heartbeat_interval_s)
         return min(max(due - now_m, 0.0), IDLE_WAKE_S)
 
-    def _coordinator_timeout(self) -> float:
-        # Generous: the coordinator answers every heartbeat, so silence this long means it is gone
-        # (or cut off from us); a busy coordinator on a loaded host must not look lost.
-        return max(5 * self.s.heartbeat_timeout_s, 15.0)
+    def _coordinator_lost(self) -> int:
+        """The coordinator is gone. If this node's workers had all finished cleanly, the node
+        did its part: exit 0, as torchrun's agent does when its exit barrier fails."""
+        group = self.group
+        if group is not None and group.finished_reported:
+            self.ui.warn(f"the coordinator at {self.endpoint} did not confirm the job's end (no answer for "
+                         f"{self.link.lost_after_s:g} s); this node's workers all exited 0")
+            self.events.emit("coordinator_lost", finished=True)
+            return 0
+        raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
+                              f"{self.link.lost_after_s:g} s")
 
     # ---- coordinator messages ------------------------------------------------------
     def _drain_coordinator(self, dealer: zmq.Socket) -> int | None:
@@ -216,7 +222,7 @@ class Agent:
             except ProtocolError as err:
                 log.debug("dropped coordinator message: %s", err)
                 continue
-            self.last_from_coordinator = time.monotonic()
+            self.link.heard(time.monotonic())
             body = msg.body
             if msg.kind == "welcome":
                 self.epoch = body["epoch"]
@@ -226,7 +232,7 @@ class Agent:
                     self.ui.info("joined the job again; it re-forms with this node")
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
-                self.job_level = (Activity.parse(body.get("activity")), time.monotonic())
+                self.link.heard(time.monotonic(), Activity.parse(body.get("activity")))
             elif msg.kind == "assign":
                 self._start_attempt(body)
             elif msg.kind == "stop":
@@ -252,7 +258,7 @@ class Agent:
         self.ui.warn(f"fenced by the coordinator ({reason}); stopping this node's workers and joining again")
         self._stop_group(reason="fenced: " + reason)
         snapshots, sizes = scan_snapshots(self.shm_dir)
-        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(), self._coordinator_timeout())
+        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(), self.link.lost_after_s)
         self.events.emit("fenced", reason=reason, attempt=attempt)
 
     def _start_attempt(self, body: dict[str, Any]) -> None:
@@ -357,10 +363,7 @@ class Agent:
             self._send("finished", {"node_id": self.node_id, "attempt": group.spec.attempt})
             return
         if not group.hang_reported:
-            level, heard = self.job_level
-            if time.monotonic() - heard > 2 * self.s.heartbeat_interval_s + 1:
-                level = max(level, Activity.BUSY)  # no fresh word from the coordinator: the safe side
-            hang = group.check_hang(now, level)
+            hang = group.check_hang(now, self.link.job_level(time.monotonic()))
             if hang is not None:
                 group.hang_reported = True
                 self._report(hang)

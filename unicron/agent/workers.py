@@ -280,6 +280,12 @@ class WorkerGroup:
             wait = min(wait, self._sampling_starts_s() - self.hang.overdue_s(mono))
         return max(0.0, wait)
 
+    def last_step_at(self) -> float | None:
+        """Monotonic time of the latest step any rank completed in this attempt (None before one)."""
+        stats = self.hang.stats
+        return max((ts for r, ts in stats.last_progress_all().items() if stats.last_step(r) is not None),
+                   default=None)
+
     def exit_fds(self) -> dict[int, int] | None:
         """pidfd -> rank of every live worker (readable once it exits); None if some worker
         has none (kernel before 5.3): then only polling sees its exit."""

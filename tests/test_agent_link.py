@@ -1,0 +1,47 @@
+"""What an agent knows of its coordinator (``unicron.agent.link``), with a fake clock."""
+
+from __future__ import annotations
+
+from unicron.agent.link import CoordinatorLink
+from unicron.detect.activity import Activity
+
+
+def link(now: float = 0.0) -> CoordinatorLink:
+    return CoordinatorLink(now, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0)
+
+
+def test_silence_past_the_deadline_is_a_lost_coordinator() -> None:
+    c = link()
+    assert c.lost_after_s == 15.0  # max(5 x 3 s, 15 s)
+    assert CoordinatorLink(0, heartbeat_interval_s=1, heartbeat_timeout_s=10).lost_after_s == 50.0
+    c.heard(10.0)
+    assert not c.lost(24.9) and c.lost(25.1)
+
+
+def test_time_the_agent_did_not_listen_is_nobodys_silence() -> None:
+    c = link()
+    c.heard(10.0, Activity.IDLE)
+    c.paused(20.0)  # the agent was stopped: the answers wait in its socket
+    assert not c.lost(44.0) and c.job_level(30.2) is Activity.IDLE
+
+
+def test_steps_of_this_nodes_ranks_are_signs_of_life() -> None:
+    """The coordinator's launcher is stopped, but the ranks step: every collective spans its
+    node too, so the job lives."""
+    c = link()
+    c.heard(10.0)
+    assert not c.lost(40.0, stepped_at=39.5)
+    assert c.silent_s(40.0, stepped_at=5.0) == 30.0  # an old step does not make the silence shorter
+    assert c.lost(40.0, stepped_at=None)
+
+
+def test_the_jobs_level_goes_stale_after_two_missed_answers() -> None:
+    c = link()
+    assert c.job_level(0.0) is Activity.BUSY  # nothing heard yet: the safe side
+    c.heard(1.0, Activity.IDLE)
+    assert c.job_level(1.9) is Activity.IDLE
+    assert c.job_level(2.1) is Activity.BUSY  # under the 1.5 s idle floor: a frozen coordinator's node
+    c.heard(3.0, Activity.WORKING)
+    assert c.job_level(3.1) is Activity.WORKING and c.job_level(9.0) is Activity.WORKING
+    c.heard(9.5)  # a message without a level does not refresh it
+    assert c.job_level(9.6) is Activity.WORKING
