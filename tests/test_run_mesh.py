@@ -203,6 +203,31 @@ def _snapshot_steps_of(pid: int) -> list[int]:
     return steps
 
 
+def _two_nodes(workdir, launch, args: list[str], *, snapshot_step: int) -> tuple:
+    """Node a (hosting the coordinator, started first) and node b, both running ``args`` with
+    ``unicron.State``; returns once b holds a snapshot of ``snapshot_step``."""
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = [a for a in args if a != "--no-state"]
+    a = launch(args, workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "node a to host the coordinator")
+    b = launch(args, workdir, env)
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= snapshot_step], 90,
+             f"node b to snapshot step {snapshot_step}")
+    return a, b
+
+
+def _assert_untouched_job_finished(workdir, *nodes) -> None:
+    """Every node exited 0 after one attempt, with no fault, loss or decision on the way."""
+    for item in nodes:
+        code, out, err = item.wait(90)
+        assert code == 0, out + err
+    events = read_events(workdir / "logs")
+    trouble = [e for e in events if e["kind"] in ("fault", "node_lost", "decision")]
+    assert not trouble, trouble
+    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+
+
 def _stop_tree(pid: int, seconds: float) -> None:
     """SIGSTOP a launcher and every process under it (a VM pause), for ``seconds``."""
     import psutil
@@ -233,14 +258,7 @@ def test_a_node_stalled_past_the_heartbeat_timeout_rejoins_and_nothing_is_lost(w
     code, _, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "ref"),
                                 str(workdir / "train_state.py"), *steps, "--out", str(workdir / "ref.txt")], workdir)
     assert code == 0, err
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = [a for a in agent_args(workdir, port, "2", steps=50, sleep=0.1) if a != "--no-state"]
-    a = launch(args, workdir, env)
-    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
-             60, "node a to host the coordinator")
-    b = launch(args, workdir, env)
-    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 5], 90, "node b to snapshot step 5")
+    a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", steps=50, sleep=0.1), snapshot_step=5)
     _stop_tree(b.proc.pid, 16)
     results = [item.wait(90) for item in (a, b)]
     for code, out, err in results:
@@ -261,68 +279,36 @@ def test_a_node_stalled_briefly_costs_no_restart_and_no_blame(workdir, launch) -
     all-reduce, shorter than the heartbeat timeout. The other node hears at once that the job
     is at least busy (the coordinator says b is silent; a's silence is the coordinator's own),
     and the stopped node is back before anyone is blamed: one attempt, no fault."""
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = [a for a in agent_args(workdir, port, "2", "--heartbeat-timeout", "5", steps=120, sleep=0.1)
-            if a != "--no-state"]
-    a = launch(args, workdir, env)
-    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
-             60, "node a to host the coordinator")
-    b = launch(args, workdir, env)
     # A few steps in: the hang detector is past its warm-up allowance.
-    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 8], 90, "node b to snapshot step 8")
+    a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", "--heartbeat-timeout", "5", steps=120,
+                                                  sleep=0.1), snapshot_step=8)
     _stop_tree(b.proc.pid, 2.0)
     step = max(_snapshot_steps_of(b.proc.pid))
     wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= step + 10], 60, "ten more steps")
     _stop_tree(a.proc.pid, 2.0)
-    for item in (a, b):
-        code, out, err = item.wait(90)
-        assert code == 0, out + err
-    events = read_events(workdir / "logs")
-    assert not [e for e in events if e["kind"] in ("fault", "node_lost", "decision")], \
-        [e for e in events if e["kind"] in ("fault", "node_lost", "decision")]
-    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+    _assert_untouched_job_finished(workdir, a, b)
 
 
 def test_the_coordinators_launcher_stopped_for_long_leaves_the_job_training(workdir, launch) -> None:
     """Only the launcher of node a (hosting the coordinator) stops, for 16 s: longer than the
     silence that ends an agent (15 s). Node b's rank keeps stepping with a's, which shows the
     job alive: b does not stop its healthy worker, and the job finishes with one attempt."""
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = [a for a in agent_args(workdir, port, "2", steps=260, sleep=0.1) if a != "--no-state"]
-    a = launch(args, workdir, env)
-    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
-             60, "node a to host the coordinator")
-    b = launch(args, workdir, env)
-    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 8], 90, "node b to snapshot step 8")
+    a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", steps=260, sleep=0.1), snapshot_step=8)
     a.proc.send_signal(signal.SIGSTOP)
     try:
         time.sleep(16)  # the stall itself
     finally:
         a.proc.send_signal(signal.SIGCONT)
-    for item in (a, b):
-        code, out, err = item.wait(90)
-        assert code == 0, out + err
-    events = read_events(workdir / "logs")
-    assert not [e for e in events if e["kind"] in ("fault", "node_lost", "decision")], \
-        [e for e in events if e["kind"] in ("fault", "node_lost", "decision")]
-    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+    _assert_untouched_job_finished(workdir, a, b)
 
 
 def test_a_node_stalled_through_the_end_of_its_job_learns_how_it_ended(workdir, launch) -> None:
     """With no restarts allowed, losing stalled node b ends the job. b, running again, finds the
     coordinator's word in its socket and ends with the job's reason, at once: not 15 s later
     with "lost the coordinator"."""
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = [a for a in agent_args(workdir, port, "2", steps=200, sleep=0.1) if a != "--no-state"]
+    args = agent_args(workdir, free_port(), "2", steps=200, sleep=0.1)
     args[args.index("--max-restarts") + 1] = "0"
-    a = launch(args, workdir, env)
-    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
-             60, "node a to host the coordinator")
-    b = launch(args, workdir, env)
-    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 3], 90, "node b to snapshot step 3")
+    a, b = _two_nodes(workdir, launch, args, snapshot_step=3)
     _stop_tree(b.proc.pid, 4.5)
     code_a, _, err_a = a.wait(60)
     code_b, _, err_b = b.wait(60)
@@ -335,14 +321,7 @@ def test_a_node_whose_workers_finished_while_the_coordinator_was_stopped_exits_0
     finishes. Node b did its part: after 15 s without word it exits 0 and says the job's end was
     not confirmed (torchrun's agent exits 0 when its exit barrier fails); a, running again,
     finishes the job."""
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = [a for a in agent_args(workdir, port, "2", steps=25, sleep=0.1) if a != "--no-state"]
-    a = launch(args, workdir, env)
-    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
-             60, "node a to host the coordinator")
-    b = launch(args, workdir, env)
-    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 3], 90, "node b to snapshot step 3")
+    a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", steps=25, sleep=0.1), snapshot_step=3)
     a.proc.send_signal(signal.SIGSTOP)
     try:
         code_b, _, err_b = b.wait(60)
