@@ -14,7 +14,7 @@ from unicron.coord.server import CoordinatorServer
 from unicron.errors import EndpointUnreachableError, ProtocolError
 from unicron.events import EventLog
 from unicron.proto.client import request
-from unicron.proto.messages import Codec, sign
+from unicron.proto.messages import PROTOCOL_VERSION, Codec, sign
 
 KEY = b"k" * 32
 
@@ -67,7 +67,7 @@ def _signed(payload: dict) -> bytes:
 )
 def test_schema_violations_signed_correctly_still_dropped(body, reason) -> None:
     _, receiver = _codecs()
-    raw = _signed({"v": 1, "kind": "leave", "job": "j", "sender": "s", "seq": 1, "ts": receiver.clock(), "body": body})
+    raw = _signed({"v": PROTOCOL_VERSION, "kind": "leave", "job": "j", "sender": "s", "seq": 1, "ts": receiver.clock(), "body": body})
     with pytest.raises(ProtocolError, match=reason):
         receiver.decode(raw)
 
@@ -75,7 +75,7 @@ def test_schema_violations_signed_correctly_still_dropped(body, reason) -> None:
 def test_unknown_kind_wrong_job_and_stale() -> None:
     _, receiver = _codecs()
     now = receiver.clock()
-    base = {"v": 1, "job": "j", "sender": "s", "ts": now, "body": {}}
+    base = {"v": PROTOCOL_VERSION, "job": "j", "sender": "s", "ts": now, "body": {}}
     with pytest.raises(ProtocolError, match="unknown kind"):
         receiver.decode(_signed({**base, "kind": "rm -rf", "seq": 1}))
     with pytest.raises(ProtocolError, match="wrong job"):
@@ -87,9 +87,18 @@ def test_unknown_kind_wrong_job_and_stale() -> None:
             receiver.decode(garbage)
 
 
+def test_a_peer_of_another_protocol_version_is_refused() -> None:
+    """Version 2 added fields to join and reject: a version 1 peer would half understand them."""
+    _, receiver = _codecs()
+    old = _signed({"v": 1, "kind": "status_req", "job": "j", "sender": "s", "seq": 1, "ts": receiver.clock(),
+                   "body": {}})
+    with pytest.raises(ProtocolError, match="unsupported protocol version 1"):
+        receiver.decode(old)
+
+
 def test_bool_is_not_an_int() -> None:
     _, receiver = _codecs()
-    raw = _signed({"v": 1, "kind": "welcome", "job": "j", "sender": "s", "seq": 1, "ts": receiver.clock(),
+    raw = _signed({"v": PROTOCOL_VERSION, "kind": "welcome", "job": "j", "sender": "s", "seq": 1, "ts": receiver.clock(),
                    "body": {"node_id": "n", "epoch": True}})
     with pytest.raises(ProtocolError, match="bool"):
         receiver.decode(raw)

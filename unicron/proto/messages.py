@@ -1,7 +1,7 @@
 """Envelope encoding, HMAC signing and replay protection.
 
 Wire format: one UTF-8 JSON object
-``{"v": 1, "kind": str, "job": str, "sender": str, "seq": int, "ts": float, "body": {...}, "mac": hex}``
+``{"v": 2, "kind": str, "job": str, "sender": str, "seq": int, "ts": float, "body": {...}, "mac": hex}``
 where ``mac`` is HMAC-SHA256 under the job secret over the canonical JSON (sorted keys, no
 spaces) of every other field. JSON only: nothing on the wire is ever unpickled.
 """
@@ -19,7 +19,9 @@ from typing import Any
 from unicron.errors import ProtocolError
 from unicron.proto.schema import schema_errors
 
-PROTOCOL_VERSION = 1
+# 2: join carries heartbeat_interval_s and a fenced node's attempt and snapshots; reject says
+# fenced. Peers of another version do not talk: their messages are dropped and counted.
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 
