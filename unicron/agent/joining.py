@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from unicron.agent.settings import AgentSettings
 from unicron.errors import RendezvousError
 
 JOIN_RETRY_S = 1.0
@@ -84,8 +85,8 @@ class JoinState:
         return self.rejoin.fields() if self.rejoin is not None else {}
 
 
-def join_body(s: Any, node_id: str, host: str, pid: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``join`` message of an agent with settings ``s`` (``AgentSettings``)."""
+def join_body(s: AgentSettings, node_id: str, host: str, pid: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``join`` message of an agent with settings ``s``."""
     return {"node_id": node_id, "host": host, "nproc": s.nproc, "node_rank": s.node_rank,
             "pid": pid, "weight": s.weight, "min_nodes": s.min_nodes, "max_nodes": s.max_nodes,
             "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,

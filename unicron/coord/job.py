@@ -10,7 +10,6 @@ root cause among all faults of the attempt, not on whichever report came first.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -423,5 +422,6 @@ class JobCore:
 
     # ---- status --------------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
-        """The status view of this job (``unicron status``; docs/status.md)."""
-        return job_view(self, time.time() if now is None else now)
+        """The status view of this job (``unicron status``; docs/status.md). ``now`` is accepted
+        for the shell's convenience; the view holds absolute times and needs no clock."""
+        return job_view(self)

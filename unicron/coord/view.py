@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from unicron.coord.job import JobCore
 
 
-def job_view(core: JobCore, now: float) -> dict[str, Any]:
+def job_view(core: JobCore) -> dict[str, Any]:
     from unicron.coord.job import Phase
 
     attempt = core.attempt
