@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from unicron.coord.decide import Decision, DetectDecider
-from unicron.coord.job import JobCore, JobSpec, Phase
+from unicron.coord.job import JobCore
 from unicron.coord.membership import Membership
 from unicron.coord.outbox import Emit, Finish, OpenStore, Send
+from unicron.coord.records import JobSpec, Phase
 from unicron.detect.activity import Activity
 
 

@@ -9,9 +9,10 @@ import pytest
 from test_coord_core import RESTART, ScriptedDecider, join, sends, spec, started, two_nodes_running
 
 from unicron.coord.decide import Decision, DetectDecider
-from unicron.coord.job import JobCore, Phase
+from unicron.coord.job import JobCore
 from unicron.coord.membership import Membership
 from unicron.coord.outbox import Emit, OpenStore
+from unicron.coord.records import Phase
 from unicron.coord.restore import Holdings, finished_ranks, parse_snapshots
 from unicron.proto.schema import schema_errors
 

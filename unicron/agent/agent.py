@@ -27,6 +27,7 @@ from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import REAP_EVERY_S, children_except, reap_orphans
+from unicron.agent.pace import LoopPace
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
@@ -34,17 +35,13 @@ from unicron.agent.ui import fault_line
 from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
+from unicron.detect.stall import StallWatch
 from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
 
 log = logging.getLogger(__name__)
-
-TICK_S = 0.05  # the loop's pace while something is due soon (an attempt starting, a job overdue)
-PAUSED_AFTER_S = 2.0  # this long not listening (stopped, or stopping workers): silences do not count
-IDLE_WAKE_S = 0.5  # the longest sleep between events
-CHORES_EVERY_S = 0.5
 
 
 class Agent:
@@ -70,10 +67,10 @@ class Agent:
         self.epoch = 0
         self.link = CoordinatorLink(time.monotonic(), heartbeat_interval_s=s.heartbeat_interval_s,
                                     heartbeat_timeout_s=s.heartbeat_timeout_s)
+        self.stalls = StallWatch(time.monotonic())  # reset as the loop starts
         self.last_heartbeat = 0.0
         self.last_orphan_reap = 0.0
-        self.next_watch = 0.0  # monotonic time the workers are next looked at without an event
-        self.next_chores = 0.0  # ... and the zygote refilled, orphans reaped
+        self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
         self.sent_level = Activity.IDLE
         self.health = HealthWatch()
         self.dropped_local = 0
@@ -104,6 +101,7 @@ class Agent:
         pull.bind(self.agent_addr)
         self.dealer = dealer
         self.pull = pull
+        self.stalls = StallWatch(time.monotonic())
         try:
             while True:
                 now_m = time.monotonic()
@@ -115,15 +113,14 @@ class Agent:
                 items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (pull, zmq.POLLIN),
                                                 (self.signals.fileno(), zmq.POLLIN)]
                 items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
-                wait_s = self._wait_s(now_m, self.joining.welcomed, exit_fds is not None)
-                polled_at = time.monotonic()
+                imminent = not self.joining.welcomed or self.pending_assign is not None or exit_fds is None
+                wait_s = self.pace.wait_s(now_m, last_heartbeat=self.last_heartbeat, imminent=imminent)
+                self._paused(self.stalls.lapse(time.monotonic()), stalled=True)
                 fired = {sock for sock, _ in zmq.zmq_poll(items, math.ceil(wait_s * 1000))}
-                woke_at = time.monotonic()
                 # Late out of the poll: this process did not run (SIGSTOP, a VM pause). Nobody's
                 # silence in that time counts: not the coordinator's (its answers wait in the
                 # socket) nor the ranks' hang clocks (a whole node stops together).
-                if woke_at - polled_at - wait_s > PAUSED_AFTER_S:
-                    self._paused(woke_at - polled_at - wait_s, stalled=True)
+                self._paused(self.stalls.lapse(time.monotonic(), wait_s), stalled=True)
                 if dealer in fired:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
@@ -134,18 +131,19 @@ class Agent:
                 now_m = time.monotonic()
                 group = self.group
                 # Each wake-up takes CPU from the ranks: between events the loop sleeps until
-                # something is due (_wait_s) and, woken, does only what is due or was signalled.
-                if (fired & set(exit_fds or ()) or now_m >= self.next_watch
+                # something is due (agent/pace.py) and, woken, does only what is due or was signalled.
+                if (fired & set(exit_fds or ()) or self.pace.watch_due(now_m)
                         or (group is not None and group.level is not Activity.IDLE)):
                     self._watch_workers()
-                    self.next_watch = now_m + self._watch_wait_s(now_m, exit_fds is not None)
-                if now_m >= self.next_chores:
-                    self.next_chores = now_m + CHORES_EVERY_S
+                    group = self.group
+                    next_check = group.next_check_s(now_m) if group is not None and not group.finished_reported else None
+                    self.pace.watched(now_m, next_check, exits_wake=exit_fds is not None)
+                if self.pace.chores_due(now_m):
                     self._refill_pool()
                     self._reap_orphans()
-                # Likewise for a long turn: stopping workers takes up to the grace period.
-                if time.monotonic() - woke_at > PAUSED_AFTER_S:
-                    self._paused(time.monotonic() - woke_at, stalled=False)
+                # Likewise for a long turn (stopping workers takes up to the grace period) or a
+                # stall while this turn's messages were handled.
+                self._paused(self.stalls.lapse(time.monotonic()), stalled=False)
                 self._heartbeat()
                 stepped = self.group.last_step_at() if self.group is not None else None
                 if self.joining.welcomed and self.link.lost(time.monotonic(), stepped):
@@ -172,31 +170,13 @@ class Agent:
     def _paused(self, gap_s: float, *, stalled: bool) -> None:
         """This agent did not listen for ``gap_s``: stopped whole (``stalled``), or busy (a long
         turn: stopping workers waits up to the grace period)."""
+        if gap_s <= 0:
+            return
         self.link.paused(gap_s)
         if self.group is not None:
             self.group.hang.paused(gap_s)
         if stalled:  # news; a long stop is not
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
-
-    def _tick_s(self) -> float:
-        return min(self.s.monitor_interval_s, TICK_S)
-
-    def _watch_wait_s(self, now_m: float, exits_wake: bool) -> float:
-        """How long the workers need no look: exits wake the loop (pidfds), steps and worker
-        reports are messages, so only the hang clock is left (see WorkerGroup.next_check_s)."""
-        group = self.group
-        if group is None or group.finished_reported:
-            return IDLE_WAKE_S
-        if not exits_wake:
-            return self._tick_s()
-        return min(max(group.next_check_s(now_m), self._tick_s()), IDLE_WAKE_S)
-
-    def _wait_s(self, now_m: float, welcomed: bool, exits_wake: bool) -> float:
-        """How long the loop may sleep when nothing arrives: until the next thing falls due."""
-        if not welcomed or self.pending_assign is not None or not exits_wake:
-            return self._tick_s()
-        due = min(self.next_watch, self.next_chores, self.last_heartbeat + self.s.heartbeat_interval_s)
-        return min(max(due - now_m, 0.0), IDLE_WAKE_S)
 
     def _coordinator_lost(self) -> int:
         """The coordinator is gone. If this node's workers had all finished cleanly, the node
@@ -289,7 +269,7 @@ class Agent:
                             stack_dir=self.stack_dir, pool=self.pool, expect_steps=self.steps_seen)
         self.group = group
         self.last_attempt = spec.attempt
-        self.next_watch = 0.0
+        self.pace.watch_now()
         group.start(time.time())
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
                          ranks=sorted(group.ranks), world_size=spec.world_size,

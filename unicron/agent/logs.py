@@ -28,7 +28,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from string import Template
 
 from unicron.errors import UsageError
@@ -268,3 +268,16 @@ class RunLogDir:
 def prefix_template_from_env(environ: Mapping[str, str]) -> str | None:
     """torchrun reads the tee prefix template from TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE."""
     return environ.get(PREFIX_TEMPLATE_ENV) or None
+
+
+def capture_stderr(plan: RankLogs) -> RankLogs:
+    """Always keep a worker's stderr in a file (the classifier reads its tail).
+
+    When the user did not redirect it, the file is echoed to the console unprefixed, so the
+    console shows what torchrun would show: a stream that is not teed is the worker's own, even
+    when its stdout is teed with a prefix (``--tee 1``).
+    """
+    if plan.stderr_path is not None or plan.directory is None:
+        return plan
+    return replace(plan, stderr_path=os.path.join(plan.directory, "stderr.log"), tee_stderr=True,
+                   stderr_prefixed=False)

@@ -8,25 +8,23 @@ into per-rank state for heartbeats and into fault values for the coordinator.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from unicron.agent.logs import RankLogs, RunLogDir
+from unicron.agent.logs import RankLogs, RunLogDir, capture_stderr
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
+from unicron.agent.stackdump import dump_stacks
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.usage import tree_usage
 from unicron.agent.warm import WarmPool
 from unicron.detect.activity import Activity, ActivityTracker
 from unicron.detect.hang import HangDetector
 
-STACK_WAIT_S = 1.5
 RAN_FOR_S = 1.0  # see WorkerGroup.ran_past_startup
 
 
@@ -105,7 +103,7 @@ class WorkerGroup:
         plans = self.run_logs.prepare_attempt(self.spec.attempt, pairs, role=self.role)
         self.started_at = now
         for plan in plans:
-            plan = _capture_stderr(plan, self.run_logs, self.spec.attempt)
+            plan = capture_stderr(plan)
             env = self.env_for(plan.local_rank, plan.rank, plan.error_file or "")
             # A warm interpreter (torch already imported) if one is ready, else a cold start.
             proc = self.pool.take(self.cmd, env, plan, tee=self.tee) if self.pool is not None else None
@@ -321,31 +319,11 @@ class WorkerGroup:
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
-        """SIGUSR1 every live worker (faulthandler dumps, even inside a C++ collective) and read the
-        dumps; "" for a rank that was asked and gave none (stopped, or stuck where no Python
-        runs): a suspect when the others all wait in a collective."""
-        paths = {}
-        for r in self.ranks.values():
-            # SIGUSR1 would kill a worker without the handler (--no-inject, or still starting).
-            if r.hooked and r.exitcode is None and r.proc.poll() is None:
-                path = Path(self.stack_dir) / f"rank{r.rank}.txt"
-                size = path.stat().st_size if path.exists() else 0
-                paths[r.rank] = (path, size)
-                try:
-                    os.kill(r.proc.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
-        stacks: dict[str, str] = {}
-        deadline = time.monotonic() + STACK_WAIT_S
-        while paths and time.monotonic() < deadline:
-            for rank, (path, size) in list(paths.items()):
-                if path.exists() and path.stat().st_size > size:
-                    time.sleep(0.05)  # let faulthandler finish writing this dump
-                    stacks[str(rank)] = path.read_bytes()[size:].decode(errors="replace")[-20000:]
-                    del paths[rank]
-            time.sleep(0.02)
-        stacks.update({str(rank): "" for rank in paths})
-        return stacks
+        """Every live rank's Python stack (see ``unicron.agent.stackdump``); SIGUSR1 would kill
+        a worker without the handler (``--no-inject``, or still starting), so those are skipped."""
+        live = {r.rank: r.proc.pid for r in self.ranks.values()
+                if r.hooked and r.exitcode is None and r.proc.poll() is None}
+        return dump_stacks(live, self.stack_dir)
 
     def progress(self, now: float) -> int | None:
         """Steps the job completed in this attempt (None: unknown, when the workers report no
@@ -417,18 +395,3 @@ def _median(values: list[float]) -> float | None:
         return None
     s = sorted(values)
     return round(s[len(s) // 2], 5)
-
-
-def _capture_stderr(plan: RankLogs, run_logs: RunLogDir, attempt: int) -> RankLogs:
-    """Always keep a worker's stderr in a file (the classifier reads its tail).
-
-    When the user did not redirect it, the file is echoed to the console unprefixed, so the
-    console shows what torchrun would show: a stream that is not teed is the worker's own, even
-    when its stdout is teed with a prefix (``--tee 1``).
-    """
-    if plan.stderr_path is not None or plan.directory is None:
-        return plan
-    from dataclasses import replace
-
-    return replace(plan, stderr_path=os.path.join(plan.directory, "stderr.log"), tee_stderr=True,
-                   stderr_prefixed=False)

@@ -11,51 +11,15 @@ root cause among all faults of the attempt, not on whichever report came first.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from unicron.coord.decide import Decider, Decision
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
+from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.coord.restore import Holdings, finished_ranks
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
-
-
-class Phase(str, Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    STOPPING = "restarting"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    job_id: str
-    min_nodes: int
-    max_nodes: int
-    max_restarts: int
-    last_call_s: float = 30.0
-    heartbeat_timeout_s: float = 3.0
-    heartbeat_interval_s: float = 0.5
-    join_timeout_s: float = 600.0
-    stop_timeout_s: float = 40.0
-
-
-@dataclass
-class Attempt:
-    number: int
-    started_at: float
-    nodes: list[str]
-    world_size: int
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    stopped: dict[str, dict[str, Any]] = field(default_factory=dict)
-    finished: set[str] = field(default_factory=set)
-    stop_reason: str = ""
-    stop_sent_at: float | None = None
-    scale_up: bool = False
 
 
 class JobCore:

@@ -20,9 +20,11 @@ from typing import Any
 import zmq
 
 from unicron.coord.decide import Decider
-from unicron.coord.job import JobCore, JobSpec
+from unicron.coord.job import JobCore
 from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
+from unicron.coord.records import JobSpec
+from unicron.detect.stall import StallWatch
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
 from unicron.proto.messages import Codec, Message
@@ -31,7 +33,6 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the pace while a job forms or restarts
 IDLE_WAKE_S = 0.5  # the longest sleep between messages
-PAUSED_AFTER_S = 2.0  # a turn of the loop this late means the coordinator itself was stopped
 
 
 @dataclass
@@ -122,17 +123,13 @@ class CoordinatorServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        last_turn = self.clock()
+        stalls = StallWatch(self.clock())
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(math.ceil(self._wait_s() * 1000)))
-                turn = self.clock()
-                if turn - last_turn > PAUSED_AFTER_S:
-                    # This process was not running (SIGSTOP, a VM or swap stall, a clock step):
-                    # it heard nobody meanwhile, which says nothing about the nodes.
-                    for slot in self.slots.values():
-                        slot.core.paused(turn - last_turn - IDLE_WAKE_S)
-                last_turn = turn
+                wait_s = self._wait_s()
+                self._paused(stalls.lapse(self.clock()))
+                events = dict(poller.poll(math.ceil(wait_s * 1000)))
+                self._paused(stalls.lapse(self.clock(), wait_s))
                 if wake in events:
                     wake.recv(zmq.NOBLOCK)
                 if self.sock in events:
@@ -145,6 +142,8 @@ class CoordinatorServer:
                         self._on_frames(frames)
                 self._start_ready_attempts()
                 now = self.clock()
+                # A stall can land while the messages are handled, just before the verdicts.
+                self._paused(stalls.lapse(now))
                 for job_id, slot in list(self.slots.items()):
                     self._run(job_id, slot, slot.core.tick(now))
                 if self.exit_when_done and self.slots and all(
@@ -155,6 +154,13 @@ class CoordinatorServer:
                 slot.stores.clear()
             wake.close(0)
             self.sock.close(linger=2000)
+
+    def _paused(self, gap_s: float) -> None:
+        """This process was not running for ``gap_s`` (SIGSTOP, a VM or swap stall, a clock
+        step): it heard nobody meanwhile, which says nothing about the nodes."""
+        if gap_s > 0:
+            for slot in self.slots.values():
+                slot.core.paused(gap_s)
 
     def _wait_s(self) -> float:
         """How long to sleep when no message comes: until some job's next deadline (each

@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from unicron.coord.membership import NodeState
+from unicron.coord.records import Phase
 
 if TYPE_CHECKING:
     from unicron.coord.job import JobCore
 
 
 def job_view(core: JobCore) -> dict[str, Any]:
-    from unicron.coord.job import Phase
-
     attempt = core.attempt
     nodes = []
     for node in sorted(core.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):

@@ -1,0 +1,42 @@
+"""Every live worker's Python stack, on demand.
+
+The injected hooks register faulthandler for SIGUSR1, writing to a file of the worker's own in
+the agent's stack directory, so a dump comes even from a worker blocked inside a C++ collective
+(faulthandler runs in the signal handler, without the GIL). A worker asked that gives none in
+``STACK_WAIT_S`` is stopped, or stuck where no Python runs: "" in the result, a suspect when the
+others all wait in a collective (``unicron.detect.stacks``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+STACK_WAIT_S = 1.5
+
+
+def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT_S) -> dict[str, str]:
+    """SIGUSR1 each rank's process (``rank -> pid``) and read what each appends to its file
+    ``rank<N>.txt``; returns ``str(rank) -> stack text``."""
+    paths = {}
+    for rank, pid in pids.items():
+        path = Path(stack_dir) / f"rank{rank}.txt"
+        size = path.stat().st_size if path.exists() else 0  # earlier dumps stay in the file
+        paths[rank] = (path, size)
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    stacks: dict[str, str] = {}
+    deadline = time.monotonic() + wait_s
+    while paths and time.monotonic() < deadline:
+        for rank, (path, size) in list(paths.items()):
+            if path.exists() and path.stat().st_size > size:
+                time.sleep(0.05)  # let faulthandler finish writing this dump
+                stacks[str(rank)] = path.read_bytes()[size:].decode(errors="replace")[-20000:]
+                del paths[rank]
+        time.sleep(0.02)
+    stacks.update({str(rank): "" for rank in paths})
+    return stacks

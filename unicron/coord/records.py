@@ -1,0 +1,50 @@
+"""The coordinator's records of a job (plain data, no behaviour): its phase, what it was
+started with, and the attempt in flight. The state machine that moves them is
+``unicron.coord.job``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Phase(str, Enum):
+    """WAITING (for nodes, or a restart's backoff) -> RUNNING -> STOPPING -> RUNNING | DONE | FAILED."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    STOPPING = "restarting"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the job was started with (the first node's flags; later nodes must agree)."""
+
+    job_id: str
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    last_call_s: float = 30.0
+    heartbeat_timeout_s: float = 3.0
+    heartbeat_interval_s: float = 0.5
+    join_timeout_s: float = 600.0
+    stop_timeout_s: float = 40.0
+
+
+@dataclass
+class Attempt:
+    """One start of every node's workers, until each node has stopped them or they finished."""
+
+    number: int
+    started_at: float
+    nodes: list[str]  # node ids, in node-rank order
+    world_size: int
+    faults: list[dict[str, Any]] = field(default_factory=list)  # as reported, all kept for the root cause
+    stopped: dict[str, dict[str, Any]] = field(default_factory=dict)  # node id -> its `stopped` report
+    finished: set[str] = field(default_factory=set)  # nodes whose workers all exited 0
+    stop_reason: str = ""
+    stop_sent_at: float | None = None
+    scale_up: bool = False  # stopped to grow: a late joiner, not a failure
