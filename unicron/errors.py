@@ -55,9 +55,15 @@ class EndpointUnreachableError(UnicronError):
 
 
 class WorkerFailedError(UnicronError):
-    """Workers failed and unicron gave up; the message leads with the root cause."""
+    """Workers failed and unicron gave up; the message leads with the root cause. ``exit_code``:
+    the job's, where another process decided it (an agent exits with its coordinator's code)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 class FatalUserError(WorkerFailedError):

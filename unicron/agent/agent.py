@@ -221,7 +221,7 @@ class Agent:
                 self._stop_group(reason=body["reason"])
                 self.events.emit("shutdown", exit_code=body["exit_code"], reason=body["reason"])
                 if body["exit_code"] != 0:
-                    raise WorkerFailedError(body["reason"]) if body["exit_code"] == 1 else _coded(body)
+                    raise WorkerFailedError(body["reason"], int(body["exit_code"]))
                 self.ui.info("job finished: all workers exited 0")
                 return 0
             elif msg.kind == "reject":
@@ -432,8 +432,3 @@ class Agent:
         except zmq.Again:
             log.debug("coordinator queue full; %s dropped", kind)
 
-
-def _coded(body: dict[str, Any]) -> UnicronError:
-    err = WorkerFailedError(body["reason"])
-    err.exit_code = int(body["exit_code"])
-    return err
