@@ -42,6 +42,15 @@ GLOO_RESET = (
     "[rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
     "Connection closed by peer [127.0.0.1]:61576. This is typically caused by a remote worker crashing."
 )
+DATALOADER_CHAIN = (
+    "Traceback (most recent call last):\n"
+    '  File "/usr/lib/python3.11/multiprocessing/resource_sharer.py", line 138, in _serve\n'
+    "ConnectionResetError: [Errno 104] Connection reset by peer\n\n"
+    "During handling of the above exception, another exception occurred:\n\n"
+    "Traceback (most recent call last):\n"
+    '  File "train.py", line 30, in <module>\n'
+    "RuntimeError: DataLoader worker (pid 7103) is killed by signal: Killed.\n"
+)
 XID_EVIDENCE = Fault("health", 105.0, node="n0", error_type="xid", message="Xid 79 on GPU 0", gpu=0)
 OOM_EVIDENCE = Fault("health", 99.0, node="n0", error_type="oom_kill", message="kernel OOM killer killed 1 process(es)")
 
@@ -94,6 +103,14 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
                                                      "Timed out waiting 1800000ms for recv operation to complete"), ()),
     ("peer-connection-lost", F(exitcode=1, stderr_tail=GLOO_RESET), ()),
     ("peer-connection-lost", F("exception", error_type="ConnectionResetError", message="[Errno 104]"), ()),
+    # Only the error that ended the process counts: a DataLoader worker killed mid-transfer
+    # leaves a reset connection earlier in the chain, and the console closed by `| head` is a
+    # broken pipe to no peer.
+    ("uncaught-exception", F("exception", error_type="RuntimeError",
+                             message="DataLoader worker (pid 7103) is killed by signal: Killed.",
+                             traceback=DATALOADER_CHAIN), ()),
+    ("uncaught-exception", F(exitcode=1, stderr_tail=DATALOADER_CHAIN), ()),
+    ("uncaught-exception", F("exception", error_type="BrokenPipeError", message="[Errno 32] Broken pipe"), ()),
     ("oom-killer", F(exitcode=-9), (OOM_EVIDENCE,)),
     ("sigkill", F(exitcode=-9), ()),
     ("sigkill", F(exitcode=137), ()),

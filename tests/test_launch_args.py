@@ -150,6 +150,10 @@ def test_inject_specs(script: str) -> None:
     assert cfg.inject_env == "kill@1:5;exit=3@0:2;slow=0.5@3:1;hang@2:0;exception@0:9"
     assert parse(["--inject", "exit@0:1", script]).injects[0].arg == 1.0
     assert parse(["--inject", "hang@*:4", script]).inject_env == "hang@*:4"
+    # On several nodes the world size is not known before the rendezvous (nodes may run
+    # different numbers of workers): rank 2 of nodes with 1 and 2 workers exists.
+    multi = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "h:5", "--inject", "kill@2:30", script]
+    assert parse(multi, {"UNICRON_SECRET": "s"}).inject_env == "kill@2:30"
 
 
 def test_unicron_value_flags(script: str, tmp_path: Path) -> None:
@@ -346,7 +350,9 @@ BAD_FLAGS = [
     (["--inject", "slow=-1@0:1"], "slow needs a number of seconds above 0 and below 1e6"),
     (["--inject", "slow=1e7@0:1"], "slow needs a number of seconds above 0 and below 1e6"),
     (["--inject", "kill@-1:1"], "expected KIND@RANK:STEP"),
-    (["--inject", "kill@4:1", "--nproc-per-node", "2", "--nnodes", "2", "--secret-file", "/x"], "rank 4 does not exist (world size 4)"),
+    (["--inject", "kill@2:1", "--nproc-per-node", "2"], "rank 2 does not exist (world size 2)"),
+    (["--nproc-per-node", "99999999999"], "--nproc-per-node: at most 1024 workers per node, got 99999999999"),
+    (["--heartbeat-timeout", "0.1"], "--heartbeat-timeout (0.1s) must be longer than the default --heartbeat-interval (0.5s)"),
     (["--inject", "kill@0:1", "--no-inject"], "--inject needs unicron's worker hooks; it contradicts --no-inject"),
     (["--inject", "kill@0:1", "--no-python"], "--inject needs a Python worker"),
     (["--grace-period", "-1"], "--grace-period: must be >= 0"),

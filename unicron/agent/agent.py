@@ -40,6 +40,7 @@ from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronE
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
+from unicron.worker.inject import parse_inject_spec
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +279,12 @@ class Agent:
         if spec.restore_step is not None:
             what += f", restoring step {spec.restore_step} from memory"
         self.ui.info(what)
+        if spec.inject and spec.node_rank == 0:
+            # Checked up front only on one node: the world size is known from now on.
+            for fault in parse_inject_spec(spec.inject):
+                if fault.rank is not None and fault.rank >= spec.world_size:
+                    self.ui.warn(f"--inject {fault}: rank {fault.rank} does not exist (world size "
+                                 f"{spec.world_size}); it never fires")
 
     def _on_stop(self, body: dict[str, Any]) -> None:
         # Answer at once: the coordinator then knows this node is alive and busy stopping (it

@@ -162,6 +162,25 @@ def _before_first_step(fault: Fault) -> bool:
     return fault.steps_completed == 0  # None (unknown) is never treated as "before the first step"
 
 
+_PEER_ERRORS = frozenset({"ConnectionResetError", "ConnectionRefusedError", "ConnectionAbortedError"})
+_PEER_NEEDLES = ("Connection reset by peer", "Connection refused", "Broken pipe", "Connection closed by peer",
+                 "ECONNRESET", "ECONNREFUSED")
+
+
+def _peer_connection_lost(ev: Evidence) -> bool:
+    """The error that ended the process says a connection to a peer broke (gloo's "Connection
+    closed by peer", a store's reset). Only that error: an earlier one of a chain (a DataLoader's
+    pipe reset while its worker was killed, before "DataLoader worker ... is killed") is not what
+    failed. A ``BrokenPipeError`` is a local pipe as often as a peer's (the console's, closed by
+    ``| head``): not a peer's loss. Without a known exception, the whole output is searched."""
+    if ev.exception_type in _PEER_ERRORS:
+        return True
+    if ev.exception_type == "BrokenPipeError":
+        return False
+    where = ev.exception_message if ev.exception_type else ev.text
+    return any(needle in where for needle in _PEER_NEEDLES)
+
+
 def _user_error(types: frozenset[str]) -> Callable[[Fault, Evidence], bool]:
     return lambda f, ev: _failed_process(f) and _before_first_step(f) and ev.exception_type in types
 
@@ -310,11 +329,7 @@ RULES: tuple[Rule, ...] = (
         or bool(re.search(r"Timed out waiting \d+ms for (recv|send)", ev.text))),
          lambda f, ev: f"{f.where()} timed out waiting in a collective for a peer ({_error_summary(f, ev)})",
          victim=True),
-    Rule("peer-connection-lost", Severity.SEV3, lambda f, ev: _failed_process(f) and (
-        ev.exception_type in ("ConnectionResetError", "ConnectionRefusedError", "BrokenPipeError",
-                              "ConnectionAbortedError")
-        or _has("Connection reset by peer", "Connection refused", "Broken pipe", "Connection closed by peer",
-                "ECONNRESET", "ECONNREFUSED")(f, ev)),
+    Rule("peer-connection-lost", Severity.SEV3, lambda f, ev: _failed_process(f) and _peer_connection_lost(ev),
          lambda f, ev: f"{f.where()} lost its connection to a peer ({_error_summary(f, ev)})", victim=True),
     Rule("oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGKILL and any(
         h.error_type == "oom_kill" for h in ev.health),

@@ -369,7 +369,9 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
                          f"({max_nodes}, from {label['nnodes']})")
 
     # unicron's own settings.
-    injects, world = v["inject"], (max_nodes * nproc if min_nodes == max_nodes else None)
+    # The world size is known before the rendezvous only on one node (nodes may run different
+    # numbers of workers); on several, a rank the job does not have is said when it starts.
+    injects, world = v["inject"], (nproc if max_nodes == 1 else None)
     if injects and v["no_inject"]:
         raise UsageError(f"{label['inject']} needs unicron's worker hooks; it contradicts {label['no_inject']}")
     if injects and v["no_python"] and not v["run_path"]:
@@ -378,8 +380,10 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         if world is not None and spec.rank is not None and spec.rank >= world:
             raise UsageError(f"{label['inject']}: {spec}: rank {spec.rank} does not exist (world size {world})")
     if v["heartbeat_timeout"] <= v["heartbeat_interval"]:
+        interval = "the default --heartbeat-interval" if label["heartbeat_interval"] == "default" \
+            else label["heartbeat_interval"]
         raise UsageError(f"{label['heartbeat_timeout']} ({v['heartbeat_timeout']:g}s) must be longer than "
-                         f"{label['heartbeat_interval']} ({v['heartbeat_interval']:g}s)")
+                         f"{interval} ({v['heartbeat_interval']:g}s)")
     grace, shutdown = v["grace_period"], v["shutdown_timeout"]
     if r.ranks["shutdown_timeout"] == r.ranks["grace_period"] == _CLI and float(shutdown) != grace:
         raise UsageError(f"{label['grace_period']} {grace:g} contradicts {label['shutdown_timeout']} {shutdown}")

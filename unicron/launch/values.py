@@ -141,6 +141,9 @@ def to_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+MAX_NPROC_PER_NODE = 1024
+
+
 def to_nproc(text: str) -> str:
     if text in ("auto", "cpu", "gpu", "xpu"):
         return text
@@ -150,6 +153,10 @@ def to_nproc(text: str) -> str:
         raise ValueError(f"expected an integer, auto, cpu, gpu or xpu; got {text!r}") from None
     if count < 1:
         raise ValueError(f"must be at least 1, got {count}")
+    if count > MAX_NPROC_PER_NODE:
+        # Each worker is a process with its own interpreter: far more than any node runs, and a
+        # typo (an extra digit) would otherwise exhaust the host before anything says so.
+        raise ValueError(f"at most {MAX_NPROC_PER_NODE} workers per node, got {count}")
     return str(count)
 
 
