@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import zmq
@@ -149,6 +150,44 @@ def test_coordinator_survives_garbage_and_keeps_serving(live_coordinator) -> Non
     assert [n["host"] for n in snap["nodes"]] == ["127.0.0.1"]
     attacker.close(0)
     assert live_coordinator.thread is not None and live_coordinator.thread.is_alive()
+
+
+def test_a_node_with_another_secret_or_version_is_reported_once(tmp_path) -> None:
+    events = EventLog(tmp_path / "events.jsonl", job="j")
+    warnings: list[str] = []
+    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
+                               decider_for=DetectDecider, jobs={"j"}, warn=warnings.append)
+    server.start()
+    ctx = zmq.Context.instance()
+    other_key = Codec(b"x" * 32, "a", job="j")
+    newer = {"v": 99, "kind": "join", "job": "j", "sender": "c", "seq": 1, "ts": time.time(), "body": _join_body("c")}
+    sends = {b"node-a": [other_key.encode("join", _join_body("a")), other_key.encode("join", _join_body("a"))],
+             b"node-b": [b"not json"],  # garbage: counted, not worth a line
+             b"node-c": [_signed(newer)]}
+    socks = []
+    try:
+        for identity, raws in sends.items():
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, identity)
+            sock.connect(f"tcp://127.0.0.1:{server.port}")
+            for raw in raws:
+                sock.send(raw)
+            socks.append(sock)
+        deadline = time.monotonic() + 10
+        while server.codec.dropped.total < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the coordinator's thread to have read all four
+        assert server.codec.dropped.total == 4, server.codec.dropped.counts
+    finally:
+        for sock in socks:
+            sock.close(0)
+        server.stop()
+        events.close()
+    assert len(warnings) == 2, warnings
+    by_peer = {w.split()[3].rstrip(":"): w for w in warnings}
+    assert set(by_peer) == {"node-a", "node-c"}, warnings
+    assert "another secret" in by_peer["node-a"] and "UNICRON_SECRET" in by_peer["node-a"]
+    assert "same unicron version" in by_peer["node-c"]
 
 
 def test_status_against_silent_endpoint_times_out() -> None:

@@ -104,8 +104,10 @@ def test_agent_with_wrong_secret_is_refused_clearly(workdir, launch) -> None:
                clean_env(UNICRON_SECRET="not-the-secret"))
     code_b, _, err_b = b.wait(60)
     code_a, _, err_a = a.wait(60)
-    assert code_b != 0 and "no coordinator answered" in err_b
+    assert code_b != 0 and "no coordinator answered" in err_b and "UNICRON_SECRET" in err_b
     assert code_a != 0 and "rendezvous timed out" in err_a
+    # The coordinator's node says why at once, not only when its join timeout runs out.
+    assert err_a.count("signed with another secret") == 1, err_a
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

@@ -55,7 +55,8 @@ class JoinState:
         if self.welcomed or (self.last_sent is not None and now - self.last_sent < JOIN_RETRY_S):
             return False
         if now - self.started > self.join_timeout_s:
-            raise RendezvousError(f"no coordinator answered at {self.endpoint} within {self.join_timeout_s:g} s")
+            raise RendezvousError(f"no coordinator answered at {self.endpoint} within {self.join_timeout_s:g} s "
+                                  "(a coordinator drops, unanswered, what is signed with another UNICRON_SECRET)")
         self.last_sent = now
         return True
 

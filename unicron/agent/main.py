@@ -7,6 +7,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -47,7 +48,7 @@ def run_agent(s: AgentSettings) -> int:
         # interrupted it: the log keeps it, the console shows the interruption.
         events.listeners.append(lambda event: None if signals.signum is not None else ui.on_event(event))
         try:
-            server, endpoint = _coordinator(s, events)
+            server, endpoint = _coordinator(s, events, ui.warn)
             if server is not None:
                 secret_file = s.secret_file or _write_secret(events_dir, s.secret)
                 register_run(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}", pid=os.getpid(),
@@ -76,7 +77,8 @@ def run_agent(s: AgentSettings) -> int:
             events.close()
 
 
-def _coordinator(s: AgentSettings, events: EventLog) -> tuple[CoordinatorServer | None, str]:
+def _coordinator(s: AgentSettings, events: EventLog,
+                 warn: Callable[[str], None]) -> tuple[CoordinatorServer | None, str]:
     """Host the coordinator here if this node owns the endpoint; return it and where to join."""
     if s.coordinator:
         return None, _tcp(s.coordinator)
@@ -85,7 +87,7 @@ def _coordinator(s: AgentSettings, events: EventLog) -> tuple[CoordinatorServer 
     try:
         server = CoordinatorServer(s.secret, bind_host="*", port=s.rdzv_port, events_for=lambda _job: events,
                                    decider_for=DetectDecider, jobs={s.run_id}, exit_when_done=True,
-                                    advertise_addr=s.advertise_addr)
+                                   advertise_addr=s.advertise_addr, warn=warn)
     except zmq.ZMQError as err:
         if err.errno == zmq.EADDRINUSE and s.rdzv_port != 0:
             return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")  # another agent here hosts it

@@ -55,7 +55,8 @@ def register(app: typer.Typer) -> None:
 
         try:
             server = CoordinatorServer(secret, bind_host=host, port=port, events_for=events_for,
-                                       decider_for=DetectDecider, jobs=None)
+                                       decider_for=DetectDecider, jobs=None,
+                                       warn=lambda line: typer.echo(f"unicron coordinator: {line}", err=True))
         except zmq.ZMQError as err:
             raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
         stop = threading.Event()

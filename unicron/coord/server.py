@@ -32,6 +32,7 @@ from unicron.proto.messages import Codec, Message
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the pace while a job forms or restarts
+MAX_PEERS_WARNED = 8
 IDLE_WAKE_S = 0.5  # the longest sleep between messages
 
 
@@ -64,6 +65,7 @@ class CoordinatorServer:
         exit_when_done: bool = False,
         advertise_addr: str = "",
         clock: Callable[[], float] = time.time,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self.codec = Codec(key, f"coordinator-{os.getpid()}-{os.urandom(4).hex()}", job="",
                            accept_jobs=set(jobs) if jobs else set(), clock=clock)
@@ -74,6 +76,9 @@ class CoordinatorServer:
         # MASTER_ADDR for workers; "" lets each agent use the address it reached us at.
         self.advertise_addr = advertise_addr
         self.clock = clock
+        # Told to the user (not just counted): messages that say a node is misconfigured.
+        self.warn = warn
+        self._warned_peers: set[bytes] = set()
         self.slots: dict[str, JobSlot] = {}
         self.ctx: zmq.Context = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -193,12 +198,30 @@ class CoordinatorServer:
             msg = self.codec.decode(raw)
         except ProtocolError as err:
             log.debug("dropped message: %s", err)
+            self._warn_misconfigured(identity, str(err))
             return
         try:
             self._on_message(identity, msg)
         except Exception:  # a bug must not take the coordinator down with the job
             log.exception("error handling %s from %s", msg.kind, msg.sender)
             self.codec.dropped.add("handler-error")
+
+    def _warn_misconfigured(self, identity: bytes, error: str) -> None:
+        """A node whose secret or unicron version differs gets no answer (it cannot be trusted
+        with one) and would wait out its join timeout in silence: say so here, once per peer
+        (and for a few peers at most: garbage from anyone must not flood the console)."""
+        reason = error.split(":")[0]
+        if self.warn is None or reason not in ("unauthenticated", "version") or identity in self._warned_peers \
+                or len(self._warned_peers) >= MAX_PEERS_WARNED:
+            return
+        self._warned_peers.add(identity)
+        peer = identity.decode("ascii", errors="replace")[:80]
+        if reason == "unauthenticated":
+            self.warn(f"dropped messages from {peer}: signed with another secret; is UNICRON_SECRET "
+                      "(or --secret-file) the same on every node?")
+        else:
+            self.warn(f"dropped messages from {peer}: {error.split(': ', 1)[-1]}; run the same unicron "
+                      "version on every node")
 
     def _on_message(self, identity: bytes, msg: Message) -> None:
         now = self.clock()
