@@ -190,6 +190,26 @@ def test_losing_the_coordinators_node_stops_the_other_cleanly_without_a_false_ha
     assert "hang on node" not in err, err
 
 
+def test_interrupting_the_coordinators_node_ends_the_other_at_once(workdir, launch) -> None:
+    """Node a (hosting the coordinator) gets SIGTERM: it stops its workers and exits 143, and
+    its coordinator ends the job for node b on its way out, so b stops with a's reason at once
+    instead of waiting out the coordinator's silence ("lost the coordinator", 15 s later)."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    a = launch(agent_args(workdir, port, "2", "--redirects", "1", steps=100000, sleep=0.05), workdir, env)
+    wait_for(lambda: (workdir / "logs").exists() and any((workdir / "logs").glob("*/events.jsonl")), 60,
+             "node a to host the coordinator")
+    b = launch(agent_args(workdir, port, "2", "--redirects", "1", steps=100000, sleep=0.05), workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"], 90, "the attempt")
+    _wait_for_output(workdir, "starts at step", 2)
+    a.proc.send_signal(signal.SIGTERM)
+    code_a, _, err_a = a.wait(60)
+    code_b, _, err_b = b.wait(60)
+    assert code_a == 143, err_a
+    assert code_b == 1 and "the coordinator's node stopped: interrupted by SIGTERM" in err_b, err_b
+    assert "lost the coordinator" not in err_b, err_b
+
+
 def _snapshot_steps_of(pid: int) -> list[int]:
     """Steps of which the agent with ``pid`` holds a complete snapshot in shared memory."""
     from pathlib import Path

@@ -38,6 +38,7 @@ def run_agent(s: AgentSettings) -> int:
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
     ui = AgentUI(s.status_line)
     server: CoordinatorServer | None = None
+    stopped_by = ""
     metrics: Any = None
     secret_file: str | None = None
     for warning in s.warnings:
@@ -64,14 +65,18 @@ def run_agent(s: AgentSettings) -> int:
                         coordinator=server is not None)
             agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals)
             return agent.run()
+        except BaseException as err:
+            stopped_by = str(err) or type(err).__name__
+            raise
         finally:
             if metrics is not None:
                 metrics.stop()
             if server is not None:
-                # Let the coordinator tell the other nodes the job is over before it goes.
-                if server.thread is not None:
-                    server.thread.join(timeout=3.0)
-                server.stop()
+                # A job that ended was told to every node already; one still going (this launcher
+                # interrupted or failing) is ended for the other nodes now, not after their wait
+                # for a silent coordinator.
+                server.stop(reason=f"the coordinator's node stopped: {stopped_by}" if stopped_by
+                            else "the coordinator's node stopped")
                 unregister_run(s.run_id)
             ui.close()
             events.close()

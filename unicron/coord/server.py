@@ -96,6 +96,7 @@ class CoordinatorServer:
             self.sock.close(0)
             raise
         self._stop = threading.Event()
+        self._stop_reason = "the coordinator stopped"
         self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
         self._stores_ready: queue.Queue[tuple[str, int, Any, str]] = queue.Queue()
         self.thread: threading.Thread | None = None
@@ -107,7 +108,9 @@ class CoordinatorServer:
         self.thread = threading.Thread(target=self.serve, name="unicron-coordinator", daemon=True)
         self.thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0, reason: str = "the coordinator stopped") -> None:
+        """Stop serving; jobs still going end now (their nodes are told ``reason``)."""
+        self._stop_reason = reason
         self._stop.set()
         # Wake the serving thread now rather than at its next deadline (a socket of our own:
         # zmq sockets are not shared between threads).
@@ -154,6 +157,11 @@ class CoordinatorServer:
                 if self.exit_when_done and self.slots and all(
                         s.finished_at is not None for s in self.slots.values()):
                     break
+            # Stopped with jobs still going (the launcher hosting it interrupted, a standalone
+            # coordinator stopped): their nodes hear it now, not after their silence timeout.
+            for job_id, slot in list(self.slots.items()):
+                if slot.finished_at is None:
+                    self._run(job_id, slot, slot.core.fail(self._stop_reason, self.clock()))
         finally:
             for slot in self.slots.values():
                 slot.stores.clear()
