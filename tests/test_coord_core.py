@@ -143,6 +143,19 @@ def test_lost_node_in_elastic_job_reforms_with_survivors() -> None:
     assert assigns["a"]["restore_step"] is None  # world size changed: b's ranks are gone
 
 
+def test_a_fixed_size_job_missing_a_node_says_it_waits_for_it() -> None:
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 3.5)
+    core.tick(4.5)  # b lost
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 5)
+    waiting = [o.fields for o in outs if isinstance(o, Emit) and o.kind == "waiting_for_nodes"]
+    assert waiting == [{"have": 1, "need": 2, "timeout_s": 60}]
+    assert core.phase is Phase.WAITING
+
+
 def test_stop_decision_finishes_with_code_and_stale_messages_are_ignored() -> None:
     core = JobCore(spec(1, 1), ScriptedDecider(Decision("stop", 0, "user error", "FATAL", "import", 1)), now=0)
     core.on_join("a", join("a", mn=1, mx=1), 0)

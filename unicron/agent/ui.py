@@ -56,6 +56,10 @@ class AgentUI:
             self.warn(f"{event.get('severity')} {event.get('action')}{blame}: {reason}")
         elif kind == "node_lost":
             self.warn(f"node {event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
+        elif kind == "waiting_for_nodes":
+            missing = int(event.get("need", 0)) - int(event.get("have", 0))
+            self.info(f"waiting for {missing} node(s) to join again (--nnodes needs {event.get('need')}), "
+                      f"up to the join timeout ({event.get('timeout_s', 0):g} s)")
 
     def update(self, workers: list[dict[str, Any]]) -> None:
         if self._line is None:

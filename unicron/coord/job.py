@@ -364,6 +364,9 @@ class JobCore:
         self.phase = Phase.WAITING
         self.waiting_since = now
         self.not_before = now + decision.backoff_s
+        if active < self.spec.min_nodes:  # say what the job waits for: it may be a long while
+            out.append(Emit("waiting_for_nodes", {"have": active, "need": self.spec.min_nodes,
+                                                  "timeout_s": self.spec.join_timeout_s}))
         return out + self.tick(now)
 
     def _choose_restore(self, nodes: list[Any]) -> None:
