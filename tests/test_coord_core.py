@@ -357,3 +357,15 @@ def test_a_join_timeout_shorter_than_the_last_call_starts_with_the_nodes_there()
                     ScriptedDecider(), now=0)
     assert [o for o in empty.tick(2.1) if isinstance(o, Finish)] == [
         Finish(4, "rendezvous timed out: 0 of at least 1 node(s) joined within 2 s")]
+
+
+def test_a_fault_written_by_both_the_agent_and_its_embedded_coordinator_is_shown_once() -> None:
+    from unicron.coord.view import distinct_events
+
+    agent = {"kind": "fault", "fault_kind": "exit", "rank": 1, "occurred_at": 5.0, "attempt": 0, "latency_s": 0.01}
+    coord = {"kind": "fault", "fault_kind": "exit", "rank": 1, "occurred_at": 5.0, "attempt": 0, "node_id": "b"}
+    other = dict(agent, rank=0)
+    shown = distinct_events([{"kind": "join"}, agent, coord, other, {"kind": "decision"}])
+    assert [e["kind"] for e in shown] == ["join", "fault", "fault", "decision"]
+    assert shown[1] == dict(agent, node_id="b") and shown[2] == other
+    assert "node_id" not in agent  # the log's own records are left as they were

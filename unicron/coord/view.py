@@ -3,6 +3,7 @@ one-line text and event fields of a fault (pure)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from unicron.coord.membership import NodeState
@@ -36,8 +37,28 @@ def job_view(core: JobCore) -> dict[str, Any]:
         "restarts": list(core.restarts),
         "plan": {"nodes": [n.host for n in core.members.active()],
                  "transition": attempt.stop_reason if core.phase is Phase.STOPPING and attempt else ""},
-        "events": list(core.recent_events),
+        "events": distinct_events(core.recent_events),
     }
+
+
+def distinct_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events, each fault once. With the coordinator in a node's launcher, both write one
+    log: the node's agent records its fault as it reports it, and the coordinator as it receives
+    it. The log keeps both (each says what its writer knew); a view shows one, with the fields
+    of both."""
+    out: list[dict[str, Any]] = []
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for event in events:
+        if event.get("kind") == "fault":
+            key = (event.get("fault_kind"), event.get("rank"), event.get("occurred_at"), event.get("attempt"))
+            first = seen.get(key)
+            if first is not None:
+                first.update({k: v for k, v in event.items() if k not in first})
+                continue
+            event = dict(event)
+            seen[key] = event
+        out.append(event)
+    return out
 
 
 def describe_fault(fault: dict[str, Any]) -> str:
