@@ -141,10 +141,29 @@ def test_workers_die_with_a_sigkilled_agent(workdir, launch) -> None:
                                              if "train_state.py" in " ".join(c.cmdline())]) == 2 and found
                        if agent.is_running() else None, 30, "the worker processes")
     _wait_for_output(workdir, "starts at step", 2)  # both workers run the script: their hooks are in
+    shm = _owned_shm_dirs(item.proc.pid)
+    assert len(shm) == 1, shm
     item.proc.send_signal(signal.SIGKILL)
     item.proc.wait(10)
     gone, alive = psutil.wait_procs(workers, timeout=15)
     assert not alive, f"workers outlived their agent: {[p.pid for p in alive]}"
+    # Its janitor removes the snapshot directory the agent could not (it would hold RAM until
+    # the next agent on the machine started).
+    wait_for(lambda: not shm[0].exists(), 15, "the dead agent's shared memory to be removed")
+
+
+def _owned_shm_dirs(pid: int) -> list:
+    """The shared-memory directories whose owner mark names the agent with ``pid``."""
+    from pathlib import Path
+
+    found = []
+    for owner in Path("/dev/shm").glob("unicron-*/agent.owner"):
+        try:
+            if owner.read_text().split()[0] == str(pid):
+                found.append(owner.parent)
+        except (OSError, IndexError):
+            continue
+    return found
 
 
 def test_standalone_coordinator_serves_two_jobs(workdir, launch) -> None:

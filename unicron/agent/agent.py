@@ -23,6 +23,7 @@ import zmq
 
 from unicron.agent.attempt import group_spec, hang_detector, worker_env_factory
 from unicron.agent.healthwatch import HealthWatch, read_health_safely
+from unicron.agent.janitor import Janitor
 from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
@@ -60,6 +61,7 @@ class Agent:
         self.ctx: zmq.Context = zmq.Context.instance()
         self.work_dir = make_work_dir()  # short: ipc paths are limited to ~100 bytes
         self.shm_dir = make_shm_dir(s.run_id)
+        self.janitor = Janitor([self.shm_dir, self.work_dir])  # removes them if this process dies
         self.stack_dir = os.path.join(self.work_dir, "stacks")
         os.makedirs(self.stack_dir, exist_ok=True)
         self.tee = ConsoleTee()
@@ -167,6 +169,7 @@ class Agent:
             pull.close(0)
             shutil.rmtree(self.work_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+            self.janitor.close()
 
     def _paused(self, gap_s: float, *, stalled: bool) -> None:
         """This agent did not listen for ``gap_s``: stopped whole (``stalled``), or busy (a long
@@ -369,15 +372,20 @@ class Agent:
         if now - self.last_orphan_reap >= REAP_EVERY_S:
             self.last_orphan_reap = now
             known = {r.proc.pid for r in self.group.ranks.values()} if self.group is not None else set()
-            reaped = reap_orphans(known | set(self.pool.pids() if self.pool is not None else ()))
+            reaped = reap_orphans(known | self._helpers())
             if reaped:
                 self.events.emit("orphans_reaped", pids=reaped)
 
+    def _helpers(self) -> set[int]:
+        """The agent's own children that are not workers: the zygote and the janitor."""
+        helpers = set(self.pool.pids() if self.pool is not None else ())
+        return helpers | ({self.janitor.pid} if self.janitor.pid is not None else set())
+
     def _adopted_orphans(self) -> list[int]:
-        """Our children but the zygote: the workers, and what workers left behind that outlived
+        """Our children but our helpers: the workers, and what workers left behind that outlived
         its parent (the agent is their subreaper), such as a helper in a session of its own.
         They go with the attempt that made them."""
-        return children_except(self.pool.pids() if self.pool is not None else ())
+        return children_except(self._helpers())
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group

@@ -1,0 +1,89 @@
+"""The agent's janitor (``unicron.agent.janitor``): the directories go when their agent dies
+without removing them, and the watcher itself is reaped when the agent exits normally."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from unicron.agent.janitor import Janitor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_the_directories_go_when_their_owner_is_sigkilled(tmp_path: Path) -> None:
+    held = tmp_path / "snapshots"
+    (held / "rank0").mkdir(parents=True)
+    (held / "rank0" / "slot0.bin").write_bytes(b"x" * 4096)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom unicron.agent.janitor import Janitor\n"
+         f"j = Janitor([{str(held)!r}])\nprint(j.pid, flush=True)\ntime.sleep(600)\n"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        janitor = psutil.Process(int(owner.stdout.readline()))
+        assert held.exists()  # nothing is removed while the owner lives
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        _wait(lambda: not held.exists(), 10, "the janitor to remove the directory")
+        janitor.wait(10)  # it ends once its work is done (psutil.TimeoutExpired otherwise)
+        assert not janitor.is_running()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_closing_lets_the_watcher_go_and_reaps_it(tmp_path: Path) -> None:
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    janitor = Janitor([str(tmp_path / "already-removed")])
+    pid = janitor.pid
+    assert pid is not None and psutil.pid_exists(pid)
+    janitor.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert kept.exists()
+    janitor.close()  # twice is harmless
+    assert os.path.isdir(kept)
+
+
+def test_the_janitor_outlives_restarts_and_goes_with_its_agent(workdir: Path) -> None:
+    """The janitor is the agent's child but no worker's leftover: a restart (which stops every
+    adopted orphan with the attempt) leaves it alone, and the agent reaps it at its end."""
+    import shutil
+
+    from e2e import SCRIPTS, Launched, read_events, wait_for
+
+    shutil.copy(SCRIPTS / "train_state.py", workdir)
+    logs = workdir / "logs"
+    job = Launched(["run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--grace-period", "30",
+                    "--inject", "kill@0:3", "--log-dir", str(logs), str(workdir / "train_state.py"), "--steps", "40",
+                    "--sleep", "0.05", "--out", str(workdir / "out.txt")], workdir)
+    try:
+        def janitors() -> list[psutil.Process]:
+            return [c for c in psutil.Process(job.proc.pid).children() if "-S" in c.cmdline()]
+
+        janitor = wait_for(lambda: janitors() or None, 60, "the janitor")[0]
+        # With the janitor taken for an orphan, attempt 1 would wait out the 30 s grace period
+        # for it (it ignores SIGTERM) and start without it.
+        wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "workers_started" and e["attempt"] == 1],
+                 20, "attempt 1 to start")
+        assert janitor.is_running() and janitor.status() != psutil.STATUS_ZOMBIE
+        code, out, err = job.wait(60)
+    finally:
+        job.kill()
+    assert code == 0, err
+    assert not janitor.is_running()
