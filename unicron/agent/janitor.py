@@ -5,7 +5,7 @@ controls. A SIGKILL, the kernel's OOM killer or a signal it does not handle (SIG
 no such path, and the snapshots (model and optimizer state, three steps of it per rank) would
 hold that much RAM in ``/dev/shm`` until the next agent on the machine cleans up (``shm.py``).
 
-So the agent starts this small process (``python -S``, no imports beyond ``os``: a few MB) with
+So the agent starts this small process (``python -S``, a few standard modules: a few MB) with
 the read end of a pipe. It waits for end of input, which comes when the agent closes the pipe
 (it has removed the directories by then) or dies (the kernel closes it), and removes whatever
 of the directories is still there. It runs in a session of its own, ignoring the terminal's

@@ -32,8 +32,8 @@ from unicron.proto.messages import Codec, Message
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the pace while a job forms or restarts
-MAX_PEERS_WARNED = 8
 IDLE_WAKE_S = 0.5  # the longest sleep between messages
+MAX_PEERS_WARNED = 8  # misconfigured peers named on the console; the rest are only counted
 
 
 @dataclass
@@ -223,7 +223,9 @@ class CoordinatorServer:
                 or len(self._warned_peers) >= MAX_PEERS_WARNED:
             return
         self._warned_peers.add(identity)
-        peer = identity.decode("ascii", errors="replace")[:80]
+        # Agents name their socket after their node id; a socket that did not gets a binary one.
+        text = identity.decode("ascii", errors="replace")
+        peer = text[:80] if text.isprintable() else f"a peer without a node id ({identity.hex()[:16]})"
         if reason == "unauthenticated":
             self.warn(f"dropped messages from {peer}: signed with another secret; is UNICRON_SECRET "
                       "(or --secret-file) the same on every node?")
