@@ -126,6 +126,13 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
     ("user-error-unknown-progress", F(exitcode=1, steps_completed=None,
                                       stderr_tail="Traceback...\nNameError: name 'lr' is not defined\n"), ()),
     ("uncaught-exception", F("exception", error_type="ValueError", message="unknown progress", steps_completed=None), ()),
+    # unicron.State refusals stop the job at any step; a script's own StateError does not.
+    ("user-state-error", F("exception", error_type="unicron.worker.errors.StateError", steps_completed=40,
+                           message="unicron.State.commit(1) after step 40: the step must not go back"), ()),
+    ("user-state-error", F(exitcode=1, steps_completed=3, stderr_tail=(
+        "[rank1]: unicron.worker.errors.SnapshotTypeError: unicron.State cannot snapshot extra['h'] of type ndarray")),
+     ()),
+    ("uncaught-exception", F("exception", error_type="mylib.StateError", message="lock held", steps_completed=4), ()),
     ("nonzero-exit", F(exitcode=3), ()),
     ("nonzero-exit", F(exitcode=2, steps_completed=0, stderr_tail="some other failure"), ()),
     ("sigkill", F(exitcode=-9, stderr_tail="NCCL INFO Channel 00 : 0[0] -> 1[1] via P2P/NVLink"), ()),

@@ -113,6 +113,27 @@ def test_startup_error_is_not_retried(workdir) -> None:
     assert len(starts) == 1
 
 
+def test_a_state_misuse_stops_the_job_without_a_restart(workdir) -> None:
+    # A per-epoch batch index as commit()'s step: restarting would replay it, and restoring
+    # "the newest step" would pair ranks from different epochs.
+    (workdir / "epochs.py").write_text(
+        "import torch, torch.distributed as dist, unicron\n"
+        "dist.init_process_group('gloo')\n"
+        "m = torch.nn.Linear(2, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "state = unicron.State(model=m, optimizer=opt); state.restore()\n"
+        "for epoch in range(3):\n"
+        "    for batch in range(4):\n"
+        "        opt.zero_grad(); m(torch.ones(1, 2)).sum().backward(); opt.step()\n"
+        "        dist.barrier(); state.commit(batch + 1)\n")
+    code, _, err = run_unicron(["run", *COMMON, "--log-dir", str(workdir / "logs"), str(workdir / "epochs.py")],
+                               workdir, timeout=60)
+    assert code != 0
+    assert "the step must not go back" in err and "a restart would repeat it" in err, err
+    events = read_events(workdir / "logs")
+    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+    assert [d["severity"] for d in events if d["kind"] == "decision"] == ["FATAL"]
+
+
 def _run_dying(workdir, dying_rank: str) -> tuple[int, str, int]:
     """Run a job whose rank ``dying_rank`` (a Python expression) exits 3 right after joining,
     before any step; return the exit code, stderr and the number of attempts."""

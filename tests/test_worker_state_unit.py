@@ -173,3 +173,43 @@ def test_snapshot_layout_helpers(tmp_path: Path) -> None:
     assert snapshot.common_step(found, [0, 7]) is None  # a rank with no snapshot at all
     assert snapshot.steps_to_prune([5, 1, 3, 4], keep=3) == [1]
     assert snapshot.steps_by_rank(tmp_path / "missing") == {}
+
+
+def test_a_step_that_goes_back_is_refused_with_or_without_snapshots(snap_env: Path, monkeypatch) -> None:
+    model, _ = _model_and_opt()
+    state = State(model=model)
+    state.commit(4)
+    state.commit(4)  # the same step again replaces its snapshot
+    with pytest.raises(unicron.StateError, match=r"commit\(1\) after step 4: the step must not go back"):
+        state.commit(1)  # a per-epoch batch index: the agent would restore another epoch's step
+    assert state.flush(30) and snapshot.list_steps(snap_env / "rank1") == [4]
+    monkeypatch.delenv("UNICRON_SNAPSHOT_DIR")
+    plain = State(model=model)  # under torchrun too: the script fails the same way everywhere
+    plain.commit(3)
+    with pytest.raises(ValueError, match="must not go back"):
+        plain.commit(2)
+
+
+def test_two_states_taking_turns_at_one_ranks_snapshots_are_refused(snap_env: Path) -> None:
+    a = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(4))})
+    b = torch.nn.ParameterDict({"v": torch.nn.Parameter(torch.ones(4))})
+    first, second = State(model=a), State(model2=b)
+    assert first.restore() == 0 and second.restore() == 0
+    with pytest.raises(unicron.StateError, match="two States take turns at rank 1's snapshots"):
+        first.commit(1)
+    second.commit(1)  # the one that took over goes on
+    del second  # once the other is gone, the first may take the directory back
+    first.commit(2)
+    assert first.flush(30) and set(snapslots.read(snap_env / "rank1", 2)["objects"]) == {"model"}
+
+
+def test_refusals_are_state_errors_the_classifier_stops_on(snap_env: Path, monkeypatch) -> None:
+    state = State(model=torch.nn.Linear(2, 2), extra={"x": np.float64(1.0)})
+    with pytest.raises(TypeError) as refused:
+        state.commit(1)
+    assert isinstance(refused.value, unicron.StateError) and str(refused.value).startswith("unicron.State")
+    weights = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(4))})
+    State(model=weights).commit(2)
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "2")
+    with pytest.raises(unicron.StateError, match=r"^unicron.State: the snapshot of step 2 .* holds \['model'\]"):
+        State(net=weights).restore()

@@ -199,6 +199,17 @@ def _user_error_unknown_progress(fault: Fault, ev: Evidence) -> bool:
     return _failed_process(fault) and fault.steps_completed is None and ev.exception_type in USER_ERROR_TYPES
 
 
+# unicron.worker.errors: misuses of unicron.State, whose messages all start "unicron.State"
+# (a script's own class of the same name is not one of them).
+STATE_ERRORS = frozenset({"StateError", "SnapshotTypeError"})
+
+
+def _state_misuse(fault: Fault, ev: Evidence) -> bool:
+    """The worker API refused how it was used: at any step, a restart replays the same code."""
+    return (_failed_process(fault) and ev.exception_type in STATE_ERRORS
+            and ev.exception_message.startswith("unicron.State"))
+
+
 def _missing_script(fault: Fault, ev: Evidence) -> bool:
     if not (_failed_process(fault) and _before_first_step(fault)):
         return False
@@ -290,6 +301,8 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()}: the training script cannot be opened ({_error_summary(f, ev)})"),
     Rule("user-usage-error", Severity.FATAL, _usage_error,
          lambda f, ev: f"{f.where()}: the script rejected its arguments (argparse usage error, exit code 2)"),
+    Rule("user-state-error", Severity.FATAL, _state_misuse,
+         lambda f, ev: f"{f.where()}: {_error_summary(f, ev)} (a restart would repeat it)"),
     Rule("user-error-unknown-progress", Severity.SEV2, _user_error_unknown_progress,
          lambda f, ev: f"{f.where()} raised {_error_summary(f, ev)} past start-up (the script reports no steps, "
          "so its progress is unknown); the same error again after the restart stops the job"),

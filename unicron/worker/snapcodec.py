@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from unicron.worker.errors import SnapshotTypeError
+
 ALIGN = 64  # bytes: every tensor starts on a cache line (and any dtype's alignment)
 
 _SCALARS = (type(None), bool, int, str)  # exactly representable in JSON
@@ -194,7 +196,7 @@ class Encoder:
     def _tensor(self, t: torch.Tensor, path: Path) -> dict[str, Any]:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided \
                 or t.dtype in _QUANTIZED or t.is_meta or t.is_nested:
-            raise TypeError(f"unicron.State cannot snapshot {path_text(path)}: {type(t).__qualname__} with layout "
+            raise SnapshotTypeError(f"unicron.State cannot snapshot {path_text(path)}: {type(t).__qualname__} with layout "
                             f"{t.layout}, dtype {t.dtype} on {t.device}; use plain dense tensors")
         stride = t.stride() if not t.is_contiguous() and _dense_permuted(t) else None
         self.specs.append((t.dtype, t.shape, stride))
@@ -235,8 +237,8 @@ def _plain_keys(x: dict[Any, Any]) -> bool:
     return plain
 
 
-def _refuse(path: Path, x: object) -> TypeError:
-    return TypeError(
+def _refuse(path: Path, x: object) -> SnapshotTypeError:
+    return SnapshotTypeError(
         f"unicron.State cannot snapshot {path_text(path)} of type {type(x).__qualname__}: use tensors, "
         "python scalars/strings, and lists/tuples/dicts of them"
     )

@@ -24,7 +24,9 @@ Usage::
     and changes nothing in the objects. The worker's step counter continues from the restored
     step. Snapshots this rank holds of later steps (the failed attempt's) are dropped.
 ``commit(step)``
-    Snapshots the state as it is now into a slot of shared memory that stays mapped from one
+    ``step`` counts the steps completed over the whole run: it must not go back (a per-epoch
+    counter would have the agent restore the newest step, another epoch's). Snapshots the
+    state as it is now into a slot of shared memory that stays mapped from one
     commit to the next (layout and protocol in ``snapslots``), in two halves. On the caller's
     thread: every ``state_dict()``, the RNG states, the tree (JSON), and a copy of every tensor
     that the next iteration may change before its optimizer step (buffers such as BatchNorm
@@ -60,6 +62,12 @@ Usage::
     Steps completed as of the last restore/commit; the live extra dict; whether snapshots are
     being written.
 
+Misuses a restart would only repeat raise ``unicron.StateError`` (a ``ValueError``; its
+``SnapshotTypeError`` is also a ``TypeError``), and the job stops on them at any step instead
+of restarting: a step that goes back, a snapshot of other objects than this State holds (names
+must be the same in every attempt), and two States in one process taking turns at one rank's
+snapshots (they would overwrite each other's steps: give one State every object).
+
 A failed write (e.g. shared memory full: slot files are ``posix_fallocate``d, so a full tmpfs
 is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr (by the next
 commit or flush when the background half failed) and training goes on;
@@ -78,14 +86,21 @@ import array
 import atexit
 import random
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from unicron.worker import channel, ddplayout, env, hooks, snapcodec, snapshot, snapslots, snapwriter
+from unicron.worker.errors import StateError
 
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
+
+# Rank directory -> the State that last restored or committed into it. Two live States that
+# take turns would overwrite each other's steps, and a restore would pair one State's objects
+# with the other's snapshot: the one that was taken over is refused at its next commit.
+_writers: dict[str, weakref.ref[State]] = {}
 
 
 def capture_rng() -> dict[str, Any]:
@@ -155,6 +170,7 @@ class State:
         self._last_error: str | None = None
         self._background = background
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
+        self._wrote = False  # has restored or committed into its rank directory
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
 
@@ -177,6 +193,7 @@ class State:
         self._writer.wait()
         if self._root is None:
             return 0
+        self._take_directory(taking_over=True)
         step = self._restore_step or 0  # unset, or nothing completed yet: a fresh start
         path = snapshot.snapshot_path(self._root, self._rank, step)
         if step and not path.is_file():
@@ -193,8 +210,9 @@ class State:
             raise ValueError(f"{directory} holds no unicron snapshot of step {step}")
         objects = saved["objects"]
         if set(objects) != set(self._objects):
-            raise ValueError(f"snapshot of step {step} in {directory} holds {sorted(objects)} "
-                             f"but this State has {sorted(self._objects)}")
+            raise StateError(f"unicron.State: the snapshot of step {step} in {directory} holds "
+                             f"{sorted(objects)} but this State has {sorted(self._objects)} (the same names "
+                             "must be passed to State() in every attempt)")
         for name, obj in self._objects.items():
             obj.load_state_dict(objects[name])
         self._extra.clear()
@@ -205,11 +223,15 @@ class State:
 
     def commit(self, step: int) -> None:
         step = int(step)
+        if step < self._step:  # the agent restores the newest step: a smaller one would be lost
+            raise StateError(f"unicron.State.commit({step}) after step {self._step}: the step must not go back; "
+                             "pass the steps completed over the whole run, not within an epoch")
         self._writer.wait()  # the previous snapshot (normally done long ago, during this step)
         self._report_failure()
         self._step = step
         if self._root is None:
             return
+        self._take_directory(taking_over=False)
         encoder = snapcodec.Encoder(self._memo)  # refuses what it cannot give back, with its path
         tree = {
             "rank": self._rank,
@@ -241,6 +263,20 @@ class State:
             self._report_failure(err)
             return
         self._writer.submit(lambda: self._finish(pending))
+
+    def _take_directory(self, *, taking_over: bool) -> None:
+        """Become the State writing this rank's snapshots. ``restore()`` takes over (a new
+        timeline starts); a commit is refused if another live State took over since this
+        one last wrote."""
+        key = str(self._store.directory)
+        held = _writers.get(key)
+        other = held() if held is not None else None
+        if other is not None and other is not self and self._wrote and not taking_over:
+            raise StateError(f"unicron.State: two States take turns at rank {self._rank}'s snapshots, "
+                             "overwriting each other's; give one State every object (State(model=a, model2=b))")
+        if other is not self:
+            _writers[key] = weakref.ref(self)
+        self._wrote = True
 
     def _finish(self, pending: snapslots.PendingSnapshot) -> None:
         """The background half of a commit (``snapwriter``)."""
