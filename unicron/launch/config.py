@@ -5,12 +5,11 @@ torchrun reads them, ``UNICRON_*`` for unicron's) > Slurm (``SLURM_*``, only a f
 ``--config`` file > default. A bad value names where it came from, e.g.
 ``UNICRON_HANG_FACTOR: not a number: 'x'``. Then torchrun's own rewrites are applied
 (``--standalone``; a single-node static job without endpoint or port becomes a local c10d one)
-and contradictions are refused with one clear ``UsageError``.
+and contradictions are refused with one clear ``UsageError``. Reading the layers: ``layers``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import stat
@@ -21,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unicron.errors import ConfigError, UsageError
-from unicron.launch.args import BY_DEST, BY_FLAG, InjectSpec, RdzvConf, StdSpec, closest_flag, split_endpoint
+from unicron.errors import UsageError
+from unicron.launch.args import BY_DEST, InjectSpec, RdzvConf, StdSpec, split_endpoint
 from unicron.launch.commands import split_argv
+from unicron.launch.layers import CLI, DEFAULT, Resolver, load_config_file
 from unicron.launch.slurm import slurm_info
 
 DEFAULT_PORTS = {"c10d": 29400, "etcd": 2379, "etcd-v2": 2379}  # torchrun's; static needs an explicit port
@@ -116,58 +116,6 @@ class LaunchConfig:
         return dict(self.sources).get(dest, "default")
 
 
-_CLI, _ENV, _SLURM, _FILE, _DEFAULT = range(5)
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-class _Resolver:
-    """Finds each option's value in the layers, converting and labelling it."""
-
-    def __init__(self, given: Mapping[str, object], spelling: Mapping[str, str], environ: Mapping[str, str],
-                 slurm: Mapping[str, tuple[str, str]], file_values: Mapping[str, Any], file_path: str | None):
-        self.given, self.spelling, self.environ = given, spelling, environ
-        self.slurm, self.file_values, self.file_path = slurm, file_values, file_path
-        self.labels: dict[str, str] = {}
-        self.ranks: dict[str, int] = {}
-
-    def get(self, dest: str) -> Any:
-        value, label, rank = self._find(dest)
-        self.labels[dest], self.ranks[dest] = label, rank
-        return value
-
-    def _find(self, dest: str) -> tuple[Any, str, int]:
-        opt = BY_DEST[dest]
-        if dest in self.given:
-            label = self.spelling[dest]
-            raw = self.given[dest]
-            if not opt.takes_value:
-                return True, label, _CLI
-            assert opt.convert is not None
-            if opt.repeat:
-                assert isinstance(raw, list)
-                return tuple(_convert(opt.convert, str(r), label, UsageError) for r in raw), label, _CLI
-            return _convert(opt.convert, str(raw), label, UsageError), label, _CLI
-        for var in opt.envs:
-            text = self.environ.get(var, "")
-            if text.strip():  # an empty variable counts as unset
-                return _from_text(opt, text, var, pet=var.startswith("PET_")), var, _ENV
-        if dest in self.slurm:
-            text, var = self.slurm[dest]
-            return _from_text(opt, text, var, pet=False), var, _SLURM
-        key = opt.name[2:]
-        if key in self.file_values:
-            label = f"{self.file_path}: {key}"
-            return _from_file(opt, self.file_values[key], label), label, _FILE
-        if not opt.takes_value:
-            return False, "default", _DEFAULT
-        if opt.repeat:
-            return (), "default", _DEFAULT
-        assert opt.convert is not None
-        default = opt.convert(opt.default) if isinstance(opt.default, str) else opt.default
-        return default, "default", _DEFAULT
-
-
 def _check_script(script: str) -> None:
     """What python itself would refuse to run, said before any node starts a worker."""
     if os.path.isdir(script):
@@ -176,84 +124,6 @@ def _check_script(script: str) -> None:
             raise UsageError(f"training script {script} is a directory without a __main__.py")
     elif not os.path.isfile(script):
         raise UsageError(f"training script not found: {script}")
-
-
-def _convert(convert: Callable[[str], object], text: str, label: str, error: type[UsageError]) -> Any:
-    try:
-        return convert(text)
-    except ValueError as err:
-        raise error(f"{label}: {err}") from None
-
-
-def _from_text(opt: Any, text: str, label: str, *, pet: bool) -> Any:
-    if not opt.takes_value:
-        if pet:  # torchrun's check_env: an integer, true when non-zero
-            if not text.strip().lstrip("-").isdigit():
-                raise ConfigError(f"{label}: expected an integer (1 on, 0 off); got {text!r}")
-            return int(text) != 0
-        if text.strip().lower() in _TRUE + _FALSE:
-            return text.strip().lower() in _TRUE
-        raise ConfigError(f"{label}: expected 1/0, true/false, yes/no; got {text!r}")
-    if opt.repeat:
-        items = [p for p in text.replace(",", ";").split(";") if p.strip()]
-        return tuple(_convert(opt.convert, p, label, ConfigError) for p in items)
-    return _convert(opt.convert, text, label, ConfigError)
-
-
-def _from_file(opt: Any, value: Any, label: str) -> Any:
-    if not opt.takes_value:
-        if isinstance(value, bool):
-            return value
-        return _from_text(opt, str(value), label, pet=False)
-    if opt.repeat:
-        items = value if isinstance(value, list) else [value]
-        return tuple(_from_file_scalar(opt, item, label) for item in items)
-    return _from_file_scalar(opt, value, label)
-
-
-def _from_file_scalar(opt: Any, value: Any, label: str) -> Any:
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ConfigError(f"{label}: expected a string or number, got {json.dumps(value)}")
-    return _convert(opt.convert, str(value), label, ConfigError)
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Settings from a TOML, YAML or JSON file, keyed by long flag name (dashes or underscores)."""
-    suffix = Path(path).suffix.lower()
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read config file: {err.strerror or err}") from None
-    try:
-        if suffix == ".toml":
-            import tomllib
-
-            data: Any = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"{path}: config file must end in .toml, .yaml, .yml or .json")
-    except ConfigError:
-        raise
-    except Exception as err:  # each parser has its own error type; all mean "not valid"
-        raise ConfigError(f"{path}: not valid {suffix[1:].upper()}: {str(err).splitlines()[0]}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a table of settings at the top level")
-    settings: dict[str, Any] = {}
-    for key, value in data.items():
-        name = "--" + str(key).replace("_", "-")
-        if name not in BY_FLAG or name == "--config":
-            close = closest_flag(name) if name != "--config" else None
-            hint = f" (did you mean {close[2:]}?)" if close else ""
-            raise ConfigError(f"{path}: unknown setting {key!r}{hint}")
-        settings[BY_FLAG[name].name[2:]] = value
-    return settings
 
 
 def default_probe(kind: str) -> int | None:
@@ -317,7 +187,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         for dest, value in (("nnodes", slurm.nnodes), ("node_rank", slurm.node_rank)):
             if value is not None:
                 slurm_layer[dest] = (value, slurm.source[dest])
-    r = _Resolver(split.given, split.spelling, environ, slurm_layer, file_values,
+    r = Resolver(split.given, split.spelling, environ, slurm_layer, file_values,
                   str(config_path) if config_path else None)
     warnings: list[str] = []
     v: dict[str, Any] = {o.dest: r.get(o.dest) for o in BY_DEST.values()}
@@ -341,21 +211,21 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
             raise UsageError(f"{label['standalone']} runs a single node; it contradicts "
                              f"{label['nnodes']} {min_nodes}:{max_nodes}")
         for dest in ("rdzv_backend", "rdzv_endpoint", "rdzv_id"):
-            if r.ranks[dest] != _DEFAULT:
+            if r.ranks[dest] != DEFAULT:
                 warnings.append(f"{label[dest]} is ignored with {label['standalone']} (as in torchrun)")
         backend, endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     elif backend == "static" and not endpoint and v["master_port"] is None and max_nodes == 1:
         backend, endpoint = "c10d", "localhost:0"  # torchrun: a one-node static job runs locally
-        rdzv_id = rdzv_id if r.ranks["rdzv_id"] != _DEFAULT else str(uuid.uuid4())
+        rdzv_id = rdzv_id if r.ranks["rdzv_id"] != DEFAULT else str(uuid.uuid4())
     if slurm is not None and slurm.first_host and not endpoint and backend != "static":
         endpoint, label["rdzv_endpoint"] = slurm.first_host, slurm.source["first_host"]
     master_addr = v["master_addr"]
-    if slurm is not None and slurm.first_host and r.ranks["master_addr"] == _DEFAULT:
+    if slurm is not None and slurm.first_host and r.ranks["master_addr"] == DEFAULT:
         master_addr, label["master_addr"] = slurm.first_host, slurm.source["first_host"]
     master_port = 29500 if v["master_port"] is None else v["master_port"]
     if backend == "static" and not endpoint:
         endpoint, label["rdzv_endpoint"] = f"{master_addr}:{master_port}", label["master_addr"]
-    elif r.ranks["master_addr"] != _DEFAULT:
+    elif r.ranks["master_addr"] != DEFAULT:
         warnings.append(f"{label['master_addr']} is only used by the static backend without --rdzv-endpoint")
     try:
         rdzv_host, rdzv_port = split_endpoint(endpoint or "localhost", DEFAULT_PORTS.get(backend))
@@ -385,7 +255,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         raise UsageError(f"{label['heartbeat_timeout']} ({v['heartbeat_timeout']:g}s) must be longer than "
                          f"{interval} ({v['heartbeat_interval']:g}s)")
     grace, shutdown = v["grace_period"], v["shutdown_timeout"]
-    if r.ranks["shutdown_timeout"] == r.ranks["grace_period"] == _CLI and float(shutdown) != grace:
+    if r.ranks["shutdown_timeout"] == r.ranks["grace_period"] == CLI and float(shutdown) != grace:
         raise UsageError(f"{label['grace_period']} {grace:g} contradicts {label['shutdown_timeout']} {shutdown}")
     if r.ranks["shutdown_timeout"] < r.ranks["grace_period"]:
         grace, label["grace_period"] = float(shutdown), label["shutdown_timeout"]
@@ -398,7 +268,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
     for dest, why in (("logs_specs", "unicron writes torchrun's default log layout"),
                       ("numa_binding", "unicron does not bind workers to NUMA nodes"),
                       ("event_log_handler", "unicron writes its own event log")):
-        if r.ranks[dest] != _DEFAULT:
+        if r.ranks[dest] != DEFAULT:
             warnings.append(f"{label[dest]} is ignored: {why}")
     for dest, bit in (("duplicate_stdout_filters", 1), ("duplicate_stderr_filters", 2)):
         # As in torchrun, only teed lines are copied: say so rather than leave an empty file.
@@ -410,7 +280,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
 
     # The job secret: flag > UNICRON_SECRET > UNICRON_SECRET_FILE / config file > random (one node).
     secret_file, env_secret = v["secret_file"], environ.get("UNICRON_SECRET", "").strip()
-    if secret_file is not None and (r.ranks["secret_file"] == _CLI or not env_secret):
+    if secret_file is not None and (r.ranks["secret_file"] == CLI or not env_secret):
         secret, secret_source = _read_secret(secret_file, label["secret_file"], warnings), label["secret_file"]
     elif env_secret:
         secret, secret_source, secret_file = env_secret.encode(), "UNICRON_SECRET", None

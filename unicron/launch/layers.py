@@ -1,0 +1,148 @@
+"""The layers a `unicron run` option's value comes from, read and converted with their labels.
+
+``Resolver.get(dest)`` looks in order at the flag, the environment (``PET_*`` exactly as torchrun
+reads it, ``UNICRON_*``), Slurm, the ``--config`` file and the default; the first layer that
+has the option wins. Each value is converted by the option's own converter and any error
+names where the bad text came from (``UNICRON_HANG_FACTOR: not a number: 'x'``,
+``job.toml: nproc-per-node: ...``). ``ranks[dest]`` says which layer it was (``CLI`` ..
+``DEFAULT``), ``labels[dest]`` how to name it in a message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from unicron.errors import ConfigError, UsageError
+from unicron.launch.args import BY_DEST, BY_FLAG, closest_flag
+
+CLI, ENV, SLURM, FILE, DEFAULT = range(5)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class Resolver:
+    """Finds each option's value in the layers, converting and labelling it."""
+
+    def __init__(self, given: Mapping[str, object], spelling: Mapping[str, str], environ: Mapping[str, str],
+                 slurm: Mapping[str, tuple[str, str]], file_values: Mapping[str, Any], file_path: str | None):
+        self.given, self.spelling, self.environ = given, spelling, environ
+        self.slurm, self.file_values, self.file_path = slurm, file_values, file_path
+        self.labels: dict[str, str] = {}
+        self.ranks: dict[str, int] = {}
+
+    def get(self, dest: str) -> Any:
+        value, label, rank = self._find(dest)
+        self.labels[dest], self.ranks[dest] = label, rank
+        return value
+
+    def _find(self, dest: str) -> tuple[Any, str, int]:
+        opt = BY_DEST[dest]
+        if dest in self.given:
+            label = self.spelling[dest]
+            raw = self.given[dest]
+            if not opt.takes_value:
+                return True, label, CLI
+            assert opt.convert is not None
+            if opt.repeat:
+                assert isinstance(raw, list)
+                return tuple(_convert(opt.convert, str(r), label, UsageError) for r in raw), label, CLI
+            return _convert(opt.convert, str(raw), label, UsageError), label, CLI
+        for var in opt.envs:
+            text = self.environ.get(var, "")
+            if text.strip():  # an empty variable counts as unset
+                return _from_text(opt, text, var, pet=var.startswith("PET_")), var, ENV
+        if dest in self.slurm:
+            text, var = self.slurm[dest]
+            return _from_text(opt, text, var, pet=False), var, SLURM
+        key = opt.name[2:]
+        if key in self.file_values:
+            label = f"{self.file_path}: {key}"
+            return _from_file(opt, self.file_values[key], label), label, FILE
+        if not opt.takes_value:
+            return False, "default", DEFAULT
+        if opt.repeat:
+            return (), "default", DEFAULT
+        assert opt.convert is not None
+        default = opt.convert(opt.default) if isinstance(opt.default, str) else opt.default
+        return default, "default", DEFAULT
+
+
+def _convert(convert: Callable[[str], object], text: str, label: str, error: type[UsageError]) -> Any:
+    try:
+        return convert(text)
+    except ValueError as err:
+        raise error(f"{label}: {err}") from None
+
+
+def _from_text(opt: Any, text: str, label: str, *, pet: bool) -> Any:
+    if not opt.takes_value:
+        if pet:  # torchrun's check_env: an integer, true when non-zero
+            if not text.strip().lstrip("-").isdigit():
+                raise ConfigError(f"{label}: expected an integer (1 on, 0 off); got {text!r}")
+            return int(text) != 0
+        if text.strip().lower() in _TRUE + _FALSE:
+            return text.strip().lower() in _TRUE
+        raise ConfigError(f"{label}: expected 1/0, true/false, yes/no; got {text!r}")
+    if opt.repeat:
+        items = [p for p in text.replace(",", ";").split(";") if p.strip()]
+        return tuple(_convert(opt.convert, p, label, ConfigError) for p in items)
+    return _convert(opt.convert, text, label, ConfigError)
+
+
+def _from_file(opt: Any, value: Any, label: str) -> Any:
+    if not opt.takes_value:
+        if isinstance(value, bool):
+            return value
+        return _from_text(opt, str(value), label, pet=False)
+    if opt.repeat:
+        items = value if isinstance(value, list) else [value]
+        return tuple(_from_file_scalar(opt, item, label) for item in items)
+    return _from_file_scalar(opt, value, label)
+
+
+def _from_file_scalar(opt: Any, value: Any, label: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError(f"{label}: expected a string or number, got {json.dumps(value)}")
+    return _convert(opt.convert, str(value), label, ConfigError)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Settings from a TOML, YAML or JSON file, keyed by long flag name (dashes or underscores)."""
+    suffix = Path(path).suffix.lower()
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file: {err.strerror or err}") from None
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            data: Any = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{path}: config file must end in .toml, .yaml, .yml or .json")
+    except ConfigError:
+        raise
+    except Exception as err:  # each parser has its own error type; all mean "not valid"
+        raise ConfigError(f"{path}: not valid {suffix[1:].upper()}: {str(err).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of settings at the top level")
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        name = "--" + str(key).replace("_", "-")
+        if name not in BY_FLAG or name == "--config":
+            close = closest_flag(name) if name != "--config" else None
+            hint = f" (did you mean {close[2:]}?)" if close else ""
+            raise ConfigError(f"{path}: unknown setting {key!r}{hint}")
+        settings[BY_FLAG[name].name[2:]] = value
+    return settings
