@@ -45,11 +45,14 @@ def test_status_json_and_metrics_follow_a_healing_job(workdir, launch) -> None:
                   "--steps", "400", "--sleep", "0.05"], workdir, env)
     # Before the fault: the JSON snapshot names every rank with its step and pid. The test kills a rank itself
     # once it has seen that snapshot (an injected fault at a fixed step can come before a slow `status`).
+    # The script snapshots with unicron.State: each rank's newest snapshot comes with its steps.
     snap = wait_for(lambda: (s := _status(workdir, env)) and any(
-        w.get("step", 0) >= 2 for n in s["nodes"] for w in n["workers"]) and s, 90, "a status with steps")
+        w.get("step", 0) >= 2 and w.get("snapshot_step") for n in s["nodes"] for w in n["workers"]) and s,
+        90, "a status with steps and snapshots")
     workers = {w["rank"]: w for n in snap["nodes"] for w in n["workers"]}
     assert sorted(workers) == [0, 1]
     assert all(isinstance(w["step"], int) for w in workers.values())
+    assert any(1 <= (w["snapshot_step"] or 0) <= w["step"] for w in workers.values())
     assert snap["job"]["state"] == "running" and snap["job"]["restarts"] == 0
     os.kill(workers[1]["pid"], signal.SIGKILL)
     # After the kill: one restart, visible in status and in metrics.

@@ -114,14 +114,15 @@ def test_killed_run_resumes_bit_for_bit(tmp_path: Path) -> None:
         os.kill(procs[0].pid, signal.SIGKILL)  # as the agent does with ranks stuck in a collective
         procs[0].wait(10)
         agent.drain(0.2)
-        snapped = {r: {m["step"] for m in agent.of("snap", r)} for r in (0, 1)}
+        snapped = {r: {m["snap"] for m in agent.of("step", r) if m.get("snap")} for r in (0, 1)}
     assert not (tmp_path / "broken.rank0.pt").exists()  # it really was interrupted
 
     found = snapshot.steps_by_rank(snaps)
     restore = snapshot.common_step(found, [0, 1])
     assert restore is not None and seen - 2 <= restore < TOTAL, (seen, found)
     assert all(len(steps) <= snapshot.KEEP for steps in found.values())
-    assert all(restore in snapped[r] for r in (0, 1))  # the agent was told about it
+    # The agent was told of a snapshot the rank still holds (a step message names the newest).
+    assert all(snapped[r] and max(snapped[r]) >= min(found[r]) for r in (0, 1)), (snapped, found)
     print(f"\nkilled after step {seen}; snapshots {found}; restoring step {restore}")
 
     outs = _run_to_end(script, tmp_path / "resumed", lambda r: (

@@ -164,6 +164,8 @@ class WorkerGroup:
                 r.steps_in_attempt += 1
             r.step = msg["step"]
             r.last_step_at = now
+            if isinstance(msg.get("snap"), int):
+                r.snapshot_step = msg["snap"]
             self.hang.observe(r.rank, r.step, time.monotonic())
         elif t == "exc":
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
@@ -176,8 +178,6 @@ class WorkerGroup:
                 latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
                 return self._fault(r, "exception", now, at=at, message=str(msg.get("msg") or ""),
                                    error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
-        elif t == "snap" and isinstance(msg.get("step"), int):
-            r.snapshot_step = msg["step"]
         elif t == "moved":
             self.activity.moved(r.rank, time.monotonic())
         return None

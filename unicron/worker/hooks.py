@@ -97,6 +97,7 @@ class _Runtime:
         self.optimizer_built = False
         self.reported: set[int] = set()  # id()s of exceptions already sent
         self.hard_exit_callbacks: list[Callable[[int], object]] = []
+        self.snapshot_step: int | None = None  # of unicron.State's newest complete snapshot
         self.pid = os.getpid()
         # Tells the agent while this worker's Python keeps moving between steps (evaluation,
         # compilation), so a long phase between steps is not taken for a hang.
@@ -113,7 +114,9 @@ _prev_threading_excepthook = threading.excepthook
 
 
 def _boundary(completed: int) -> None:
-    channel.get().emit("step", step=completed)
+    # The newest complete snapshot rides on the step message: a message of its own woke the
+    # agent once more per step and rank, launcher CPU a snapshot-every-step job paid for.
+    channel.get().emit("step", step=completed, snap=_rt.snapshot_step)
     _rt.frames.boundary()
     if _rt.faults:
         for fault in faults_at(_rt.faults, _rt.rank, completed):
@@ -140,6 +143,11 @@ def step(completed: int | None = None) -> int:
 
 def completed_steps() -> int:
     return _rt.counter.completed
+
+
+def note_snapshot(step: int) -> None:
+    """``unicron.State`` completed a snapshot of ``step``: the next step message tells the agent."""
+    _rt.snapshot_step = step
 
 
 def set_completed_steps(completed: int) -> None:

@@ -32,7 +32,7 @@ Usage::
     that the next iteration may change before its optimizer step (buffers such as BatchNorm
     statistics, ``extra``, the RNG states). In the background (``snapwriter``): the copy of the
     optimizers' parameters and state tensors, which only ``optimizer.step()`` changes, then the
-    marker that declares the snapshot complete and the ``snap`` message to the agent. So the big
+    marker that declares the snapshot complete (the next step message names it). So the big
     device-to-host copy runs on a CUDA stream of its own while the next forward and backward
     run, and a global optimizer step pre-hook waits for it before any optimizer changes what it
     copies. At most one snapshot is in flight; the next commit waits for it. A background
@@ -92,7 +92,7 @@ from typing import Any
 
 import torch
 
-from unicron.worker import channel, ddplayout, env, hooks, snapcodec, snapshot, snapslots, snapwriter
+from unicron.worker import ddplayout, env, hooks, snapcodec, snapshot, snapslots, snapwriter
 from unicron.worker.errors import StateError
 
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
@@ -281,7 +281,7 @@ class State:
     def _finish(self, pending: snapslots.PendingSnapshot) -> None:
         """The background half of a commit (``snapwriter``)."""
         pending.finish()
-        channel.get().emit("snap", step=pending.step, bytes=pending.nbytes)
+        hooks.note_snapshot(pending.step)
 
     def _optimizer_owned(self) -> set[int]:
         """Data pointers of what only ``optimizer.step()`` changes: every parameter and state
