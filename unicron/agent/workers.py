@@ -375,7 +375,7 @@ class WorkerGroup:
         fault: dict[str, Any] = {"kind": kind, "rank": r.rank, "local_rank": r.local_rank, "host": self.host,
                                  "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
                                  "steps_completed": self.steps_completed(r, when), "progress": self.progress(when),
-                                 "detected_after_s": round(now - self.started_at, 3)}
+                                 "into_attempt_s": round(now - self.started_at, 3)}  # seconds since the attempt started
         if failure is not None:
             fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],
                          traceback=failure.traceback,
