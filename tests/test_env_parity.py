@@ -128,3 +128,41 @@ def test_unicron_run_matches_torchrun(torchrun_run) -> None:
         assert mine["removed"] == theirs["removed"] == []
         assert {k: mine[k] for k in ("launched", "sum", "rank", "world", "argv")} == \
                {k: theirs[k] for k in ("launched", "sum", "rank", "world", "argv")}
+
+
+SHOW_UNICRON_ENV = r'''
+import json, os, sys
+import torch.distributed as dist
+import unicron
+dist.init_process_group("gloo")
+with open("/proc/self/environ", "rb") as fh:  # what a warm worker's process shows to the world
+    proc_environ = fh.read()
+seen = {"attempt": os.environ["TORCHELASTIC_RESTART_COUNT"], "secret_in_proc": b"s3cret-xyz" in proc_environ,
+        "vars": {k: v for k, v in os.environ.items() if k.startswith("UNICRON_")}}
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.attempt{seen['attempt']}.json"), "w") as fh:
+    json.dump(seen, fh)
+for _ in range(5):
+    dist.barrier()
+    unicron.step()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_launchers_own_unicron_variables_never_reach_a_worker(tmp_path: Path, warm: bool) -> None:
+    # The job secret, and a fault given through the environment: it must fire on the first
+    # attempt only, as --inject does, so the restarted attempt finishes.
+    (tmp_path / "show.py").write_text(SHOW_UNICRON_ENV)
+    env = {**clean_env(), "UNICRON_SECRET": "s3cret-xyz", "UNICRON_INJECT": "exit=3@1:2",
+           "UNICRON_RESTORE_STEP": "5"}
+    cmd = [sys.executable, "-m", "unicron", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+           *([] if warm else ["--no-warm"]), "show.py", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    seen = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(seen) == sorted(f"rank{r}.attempt{a}.json" for a in (0, 1) for r in (0, 1))
+    for name, worker in seen.items():
+        assert not worker["secret_in_proc"], name
+        assert "UNICRON_SECRET" not in worker["vars"] and "UNICRON_RESTORE_STEP" not in worker["vars"], name
+        assert worker["vars"].get("UNICRON_INJECT") == ("exit=3@1:2" if worker["attempt"] == "0" else None), name

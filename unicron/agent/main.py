@@ -27,7 +27,14 @@ from unicron.runs import RunInfo, register_run, unregister_run
 def run_job(cfg: Any) -> int:
     """Entry point of `unicron run` (``cfg`` is the resolved LaunchConfig)."""
     from unicron.launch.bridge import settings_from_config
+    from unicron.launch.workerenv import AGENT_OWNED_VARS
 
+    # cfg holds all the launcher needed from its environment. What it inherited of the job
+    # secret and of the workers' own variables must reach no child: a zygote's environment is
+    # every warm worker's /proc/PID/environ, and a worker would take a user's UNICRON_INJECT
+    # as this attempt's (every attempt's) faults.
+    for name in AGENT_OWNED_VARS:
+        os.environ.pop(name, None)
     return run_agent(settings_from_config(cfg))
 
 
