@@ -142,14 +142,15 @@ def test_silent_endpoint_is_one_error_within_the_timeout(runs_dir: Path) -> None
     assert elapsed < 3
 
 
-def test_closed_port_is_one_error_within_the_timeout(runs_dir: Path) -> None:
+@pytest.mark.parametrize("watch", [[], ["--watch"]])
+def test_closed_port_is_one_error_within_the_timeout(runs_dir: Path, watch: list[str]) -> None:
     probe = zmq.Context.instance().socket(zmq.ROUTER)
     probe.bind("tcp://127.0.0.1:0")
     port = probe.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     probe.close(0)  # nothing listens there any more
     start = time.monotonic()
-    code, msg = invoke(["status", "-e", f"127.0.0.1:{port}", "-j", JOB, "--json", "--timeout", "0.5"],
-                       env={"UNICRON_SECRET": KEY.decode()})
+    code, msg = invoke(["status", "-e", f"127.0.0.1:{port}", "-j", JOB, *(watch or ["--json"]), "--timeout", "0.5"],
+                       env={"UNICRON_SECRET": KEY.decode()})  # --watch: it never had a snapshot to show
     assert code == 5 and "no answer" in msg
     assert time.monotonic() - start < 3
 

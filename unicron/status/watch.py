@@ -3,7 +3,8 @@
 A poll gives a ``Frame``: the full view (for a terminal), one line (for a pipe or file) and,
 once the run is over, why. ``run_watch`` draws frames until one says the run ended. The
 coordinator may not answer for a while during a transition; the view then says
-"reconnecting…" over the last snapshot it had and keeps polling.
+"reconnecting…" over the last snapshot it had and keeps polling. One that does not answer the
+first poll is an error, as without ``--watch``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class SnapshotPoller:
         try:
             snapshot = self.fetch(self.target, self.timeout_s)
         except EndpointUnreachableError as err:
+            if self.state.snapshot is None and not self.state.ended:
+                raise  # never reached: the same one error as without --watch, not an endless wait
             gone = self.target.gone()
             self.state.on_error(str(err), self.clock(), run_gone=gone,
                                 job_end=self.target.final_event() if gone else None)
