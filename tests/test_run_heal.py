@@ -113,6 +113,18 @@ def test_startup_error_is_not_retried(workdir) -> None:
     assert len(starts) == 1
 
 
+@pytest.mark.parametrize("program", ["./no_such_program", "./not_executable.sh"])
+def test_a_program_that_cannot_be_started_is_a_user_error_not_a_lost_node(workdir, program) -> None:
+    (workdir / "not_executable.sh").write_text("#!/bin/sh\necho never\n")  # mode 644
+    code, _, err = run_unicron(["run", *COMMON, "--log-dir", str(workdir / "logs"), "--no-python", program],
+                               workdir, timeout=60)
+    assert code == 1, err
+    assert "user error, not restarted" in err and "could not be started" in err and program in err, err
+    assert "left" not in err and "waiting for" not in err, err
+    events = read_events(workdir / "logs")
+    assert [(d["severity"], d["rule"]) for d in events if d["kind"] == "decision"] == [("FATAL", "startup-failed")]
+
+
 def test_a_state_misuse_stops_the_job_without_a_restart(workdir) -> None:
     # A per-epoch batch index as commit()'s step: restarting would replay it, and restoring
     # "the newest step" would pair ranks from different epochs.

@@ -27,7 +27,7 @@ from unicron.agent.janitor import Janitor
 from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
-from unicron.agent.orphans import REAP_EVERY_S, children_except, reap_orphans
+from unicron.agent.orphans import Helpers
 from unicron.agent.pace import LoopPace
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
@@ -37,7 +37,14 @@ from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
 from unicron.detect.stall import StallWatch
-from unicron.errors import Interrupted, ProtocolError, RendezvousError, UnicronError, WorkerFailedError
+from unicron.errors import (
+    FatalUserError,
+    Interrupted,
+    ProtocolError,
+    RendezvousError,
+    UnicronError,
+    WorkerFailedError,
+)
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
@@ -72,7 +79,6 @@ class Agent:
                                     heartbeat_timeout_s=s.heartbeat_timeout_s)
         self.stalls = StallWatch(time.monotonic())  # reset as the loop starts
         self.last_heartbeat = 0.0
-        self.last_orphan_reap = 0.0
         self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
         self.sent_level = Activity.IDLE
         self.health = HealthWatch()
@@ -87,6 +93,7 @@ class Agent:
                      if s.warm and boot_argv(list(s.cmd), s.cmd[0]) is not None else None)
         if self.pool is not None:
             self.pool.refill()
+        self.helpers = Helpers(self.pool, self.janitor)
         self.pending_assign: dict[str, Any] | None = None
         self.joining = JoinState(endpoint, s.join_timeout_s, time.monotonic())
         self.last_attempt: int | None = None  # the attempt of the last workers, once any started
@@ -274,7 +281,14 @@ class Agent:
         self.group = group
         self.last_attempt = spec.attempt
         self.pace.watch_now()
-        group.start(time.time())
+        try:
+            group.start(time.time())
+        except FatalUserError as err:  # no such program, not executable: this node is not lost
+            self._report({"kind": "startup", "rank": spec.rank_offset + len(group.ranks), "host": self.host,
+                          "ts": time.time(), "attempt": spec.attempt, "message": str(err),
+                          "steps_completed": 0})
+            self._stop_group("a worker could not be started")
+            return
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
                          ranks=sorted(group.ranks), world_size=spec.world_size,
                          restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts)
@@ -368,24 +382,10 @@ class Agent:
             self.pool.refill()
 
     def _reap_orphans(self) -> None:
-        now = time.monotonic()
-        if now - self.last_orphan_reap >= REAP_EVERY_S:
-            self.last_orphan_reap = now
-            known = {r.proc.pid for r in self.group.ranks.values()} if self.group is not None else set()
-            reaped = reap_orphans(known | self._helpers())
-            if reaped:
-                self.events.emit("orphans_reaped", pids=reaped)
-
-    def _helpers(self) -> set[int]:
-        """The agent's own children that are not workers: the zygote and the janitor."""
-        helpers = set(self.pool.pids() if self.pool is not None else ())
-        return helpers | ({self.janitor.pid} if self.janitor.pid is not None else set())
-
-    def _adopted_orphans(self) -> list[int]:
-        """Our children but our helpers: the workers, and what workers left behind that outlived
-        its parent (the agent is their subreaper), such as a helper in a session of its own.
-        They go with the attempt that made them."""
-        return children_except(self._helpers())
+        workers = {r.proc.pid for r in self.group.ranks.values()} if self.group is not None else set()
+        reaped = self.helpers.reap(workers, time.monotonic())
+        if reaped:
+            self.events.emit("orphans_reaped", pids=reaped)
 
     def _report(self, fault: dict[str, Any]) -> None:
         group = self.group
@@ -407,7 +407,7 @@ class Agent:
             return
         self.group = None
         self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
-        killed = group.stop(self.s.grace_s, sig, adopted=self._adopted_orphans)
+        killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     # ---- heartbeats ----------------------------------------------------------------

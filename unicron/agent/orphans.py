@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
+from typing import Any
 
 import psutil
 
@@ -42,3 +43,29 @@ def reap_orphans(known: Collection[int]) -> list[int]:
         if pid:
             reaped.append(pid)
     return reaped
+
+
+class Helpers:
+    """The agent's own children that are not workers (the zygotes of its warm pool, its
+    janitor), told apart from what it adopted as a subreaper: those go with the attempt that
+    made them, the helpers stay for the agent's life."""
+
+    def __init__(self, pool: Any, janitor: Any) -> None:
+        self.pool, self.janitor = pool, janitor  # a WarmPool or None; a Janitor
+        self.last_reap = 0.0
+
+    def pids(self) -> set[int]:
+        helpers = set(self.pool.pids() if self.pool is not None else ())
+        return helpers | ({self.janitor.pid} if self.janitor.pid is not None else set())
+
+    def adopted(self) -> list[int]:
+        """Our children but our helpers: the workers, and what workers left behind that
+        outlived its parent, such as a helper in a session of its own."""
+        return children_except(self.pids())
+
+    def reap(self, workers: Collection[int], now: float) -> list[int]:
+        """Every ``REAP_EVERY_S`` (``now`` monotonic): reap exited orphans; return their pids."""
+        if now - self.last_reap < REAP_EVERY_S:
+            return []
+        self.last_reap = now
+        return reap_orphans(set(workers) | self.pids())
