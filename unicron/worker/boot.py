@@ -68,7 +68,8 @@ def run_target(target: Target) -> None:
         # (run_module's alter_sys sets that).
         sys.argv[0] = "-m"
         sys.path[0] = os.getcwd()
-        runpy.run_module(target.script, run_name="__main__", alter_sys=True)
+        # python's own __main__ starts with an empty __annotations__; run_module's module does not
+        runpy.run_module(target.script, run_name="__main__", alter_sys=True, init_globals={"__annotations__": {}})
     elif os.path.isfile(target.script) and not zipfile.is_zipfile(target.script):
         sys.path[0] = os.path.dirname(os.path.realpath(target.script))
         run_file_as_main(target.script)
@@ -94,6 +95,7 @@ def run_file_as_main(script: str) -> None:
         __spec__=None,
         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
         __builtins__=builtins,
+        __annotations__={},  # as python's own __main__
     )
     sys.modules["__main__"] = main_module
     exec(code, main_module.__dict__)
@@ -116,6 +118,7 @@ def run_dir_as_main(script: str) -> None:
         __spec__=spec,
         __loader__=spec.loader,
         __builtins__=builtins,
+        __annotations__={},
     )
     sys.modules["__main__"] = main_module
     exec(code, main_module.__dict__)
