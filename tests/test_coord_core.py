@@ -369,3 +369,13 @@ def test_a_fault_written_by_both_the_agent_and_its_embedded_coordinator_is_shown
     assert [e["kind"] for e in shown] == ["join", "fault", "fault", "decision"]
     assert shown[1] == dict(agent, node_id="b") and shown[2] == other
     assert "node_id" not in agent  # the log's own records are left as they were
+
+
+def test_the_other_failed_ranks_are_named_by_node_like_the_root_cause() -> None:
+    crash = {"kind": "exit", "rank": 1, "exitcode": 3, "ts": 1.0, "progress": 0, "node_id": "vm-7-ab12",
+             "host": "vm", "summary": "exited with code 3"}
+    victim = dict(CONNECTION_LOST, ts=1.5, node_id="vm-8-cd34", host="vm", summary="exited with code 1")
+    decision = DetectDecider().decide([crash, victim], {}, 2.0, max_restarts=0, active_nodes=1, min_nodes=1)
+    assert decision.action == "stop"
+    assert "rank 1 on vm-7-ab12" in decision.reason and "also failed: rank 0 on vm-8-cd34: " in decision.reason, \
+        decision.reason

@@ -114,6 +114,6 @@ def _root_cause_text(cause: Fault, raw: list[dict[str, Any]]) -> str:
         lines.append("last lines of stderr:\n" + cause.stderr_tail.rstrip())
     for f in raw:
         if f.get("rank") is not None and f.get("rank") != cause.rank:
-            lines.append(f"also failed: rank {f['rank']} on {f.get('host', '?')}: "
+            lines.append(f"also failed: rank {f['rank']} on {f.get('node_id') or f.get('host') or '?'}: "
                          f"{f.get('summary') or f.get('message') or f.get('kind')}")
     return "\n".join(lines)
