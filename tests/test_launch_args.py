@@ -418,6 +418,7 @@ BAD_ENV = [
     ({"PET_STANDALONE": "yes"}, "PET_STANDALONE: expected an integer (1 on, 0 off); got 'yes'"),
     ({"UNICRON_NO_WARM": "maybe"}, "UNICRON_NO_WARM: expected 1/0, true/false, yes/no; got 'maybe'"),
     ({"UNICRON_INJECT": "kill@0:1;nope"}, "UNICRON_INJECT: bad fault spec 'nope': expected KIND@RANK:STEP"),
+    ({"UNICRON_INJECT": ";;"}, "UNICRON_INJECT: no value in ';;'"),
     ({"PET_MASTER_PORT": "http"}, "PET_MASTER_PORT: not an integer: 'http'"),
     ({"SLURM_JOB_ID": "1", "SLURM_NNODES": "zero"}, "SLURM_NNODES: expected N or MIN:MAX"),
     ({"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "5", "UNICRON_SECRET": "k"}, "SLURM_NODEID: node rank 5 must be below"),

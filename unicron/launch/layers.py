@@ -88,6 +88,8 @@ def _from_text(opt: Any, text: str, label: str, *, pet: bool) -> Any:
         raise ConfigError(f"{label}: expected 1/0, true/false, yes/no; got {text!r}")
     if opt.repeat:
         items = [p for p in text.replace(",", ";").split(";") if p.strip()]
+        if not items:  # separators only: as the flag with that value, not silently nothing
+            raise ConfigError(f"{label}: no value in {text!r}")
         return tuple(_convert(opt.convert, p, label, ConfigError) for p in items)
     return _convert(opt.convert, text, label, ConfigError)
 
