@@ -358,15 +358,19 @@ def test_a_node_stalled_through_the_end_of_its_job_learns_how_it_ended(workdir, 
     assert code_b == 1 and "restart budget spent" in err_b and "lost the coordinator" not in err_b, err_b
 
 
-def test_a_node_whose_workers_finished_while_the_coordinator_was_stopped_exits_0(workdir, launch) -> None:
-    """The launcher of node a (hosting the coordinator) stops for 17 s; meanwhile every rank
-    finishes. Node b did its part: after 15 s without word it exits 0 and says the job's end was
-    not confirmed (torchrun's agent exits 0 when its exit barrier fails); a, running again,
-    finishes the job."""
-    a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", steps=25, sleep=0.1), snapshot_step=3)
+@pytest.mark.parametrize("steps", [25, 200])
+def test_a_node_whose_workers_finished_while_the_coordinator_was_stopped_exits_0(workdir, launch, steps) -> None:
+    """The launcher of node a (hosting the coordinator) stops until node b exits; meanwhile
+    every rank finishes: within seconds (25 steps), or after training on for longer than the
+    15 s of silence that end an agent (200 steps of 0.1 s: a rank that said bye must not take
+    the job's last step with it). Node b did its part: 15 s after its last sign of life it
+    exits 0 and says the job's end was not confirmed (torchrun's agent exits 0 when its exit
+    barrier fails); a, running again, finishes the job."""
+    a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", steps=steps, sleep=0.1),
+                      snapshot_step=3)
     a.proc.send_signal(signal.SIGSTOP)
     try:
-        code_b, _, err_b = b.wait(60)
+        code_b, _, err_b = b.wait(90)
     finally:
         a.proc.send_signal(signal.SIGCONT)
     assert code_b == 0 and "did not confirm the job's end" in err_b, err_b

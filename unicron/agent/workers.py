@@ -87,6 +87,9 @@ class WorkerGroup:
         self.expect_steps = expect_steps
         self.ranks: dict[int, RankState] = {}
         self.started_at = 0.0
+        # Monotonic time of the latest step of any rank, kept when a finished rank leaves the
+        # hang detector: a script that said bye is past its last step, not without one.
+        self.stepped_at: float | None = None
         self.reported_exc: set[int] = set()
         self.finished_reported = False
         self.hang_reported = False
@@ -166,7 +169,8 @@ class WorkerGroup:
             r.last_step_at = now
             if isinstance(msg.get("snap"), int):
                 r.snapshot_step = msg["snap"]
-            self.hang.observe(r.rank, r.step, time.monotonic())
+            self.stepped_at = time.monotonic()
+            self.hang.observe(r.rank, r.step, self.stepped_at)
         elif t == "exc":
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
             if msg.get("ready") is True:
@@ -281,8 +285,8 @@ class WorkerGroup:
     def last_step_at(self) -> float | None:
         """Monotonic time of the latest step any rank completed in this attempt (None before one)."""
         stats = self.hang.stats
-        return max((ts for r, ts in stats.last_progress_all().items() if stats.last_step(r) is not None),
-                   default=None)
+        tracked = [ts for r, ts in stats.last_progress_all().items() if stats.last_step(r) is not None]
+        return max([*tracked, *([self.stepped_at] if self.stepped_at is not None else [])], default=None)
 
     def exit_fds(self) -> dict[int, int] | None:
         """pidfd -> rank of every live worker (readable once it exits); None if some worker
