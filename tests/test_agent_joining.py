@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unicron.agent.joining import JOIN_RETRY_S, JoinState, Refusal, Rejoin
+from unicron.agent.joining import JOIN_RETRY_S, QUIET_NOTICE_S, JoinState, Refusal, Rejoin
 from unicron.errors import RendezvousError
 
 
@@ -22,6 +22,19 @@ def test_no_answer_within_the_join_timeout_ends_the_agent() -> None:
     assert j.join_due(0.0)
     with pytest.raises(RendezvousError, match="no coordinator answered at tcp://h:1 within 3 s"):
         j.join_due(3.5)
+
+
+def test_a_join_unanswered_for_a_while_is_told_once() -> None:
+    j = JoinState("tcp://h:1", join_timeout_s=600, now=0.0)
+    assert j.quiet_notice(QUIET_NOTICE_S - 0.1) is None
+    notice = j.quiet_notice(QUIET_NOTICE_S)
+    assert notice is not None and "tcp://h:1 after 10 s" in notice and "UNICRON_SECRET" in notice
+    assert j.quiet_notice(QUIET_NOTICE_S + 50) is None  # once
+    short = JoinState("tcp://h:1", join_timeout_s=8, now=0.0)  # half a short join timeout
+    assert short.quiet_notice(3.9) is None and short.quiet_notice(4.0) is not None
+    welcomed = JoinState("tcp://h:1", join_timeout_s=600, now=0.0)
+    welcomed.on_welcome()
+    assert welcomed.quiet_notice(100.0) is None
 
 
 def test_refusals_of_a_join_end_the_agent_with_the_reason() -> None:

@@ -105,6 +105,7 @@ def test_agent_with_wrong_secret_is_refused_clearly(workdir, launch) -> None:
     code_b, _, err_b = b.wait(60)
     code_a, _, err_a = a.wait(60)
     assert code_b != 0 and "no coordinator answered" in err_b and "UNICRON_SECRET" in err_b
+    assert "no answer yet from the coordinator" in err_b, err_b  # said before the join timeout ran out
     assert code_a != 0 and "rendezvous timed out" in err_a
     # The coordinator's node says why at once, not only when its join timeout runs out.
     assert err_a.count("signed with another secret") == 1, err_a

@@ -119,6 +119,9 @@ class Agent:
                 if self.joining.join_due(now_m):
                     self._send("join", join_body(self.s, self.node_id, self.host, os.getpid(),
                                                  self.joining.join_fields()))
+                    notice = self.joining.quiet_notice(now_m)
+                    if notice is not None:
+                        self.ui.warn(notice)
                 exit_fds = self.group.exit_fds() if self.group is not None else {}
                 items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (pull, zmq.POLLIN),
                                                 (self.signals.fileno(), zmq.POLLIN)]

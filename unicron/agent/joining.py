@@ -18,6 +18,7 @@ from unicron.agent.settings import AgentSettings
 from unicron.errors import RendezvousError
 
 JOIN_RETRY_S = 1.0
+QUIET_NOTICE_S = 10.0  # no answer this long (or half the join timeout, if shorter): say so, once
 STACK_STOP_MARGIN_S = 10.0  # the coordinator's stop timeout beyond the grace period (stack dumps)
 
 
@@ -49,6 +50,20 @@ class JoinState:
         self.started = now
         self.last_sent: float | None = None
         self.rejoin: Rejoin | None = None
+        self.noticed = False
+
+    def quiet_notice(self, now: float) -> str | None:
+        """Once, when a first join has gone unanswered for a while: what to tell the user. The
+        wait goes on (the coordinator's node may start later), but a coordinator that drops
+        this node's messages (another secret) would otherwise keep it silent for the whole
+        join timeout."""
+        after = min(QUIET_NOTICE_S, self.join_timeout_s / 2)
+        if self.welcomed or self.noticed or self.rejoin is not None or now - self.started < after:
+            return None
+        self.noticed = True
+        return (f"no answer yet from the coordinator at {self.endpoint} after {after:g} s; still trying for up "
+                f"to {self.join_timeout_s:g} s (is it running, with this node's UNICRON_SECRET? it drops, "
+                "unanswered, what is signed with another)")
 
     def join_due(self, now: float) -> bool:
         """Whether a join should go out now; raises once the join has waited too long."""
