@@ -153,6 +153,16 @@ def test_holdings_need_every_rank_on_its_own_node() -> None:
     assert h.restorable_step([("a", 0, 2), ("c", 2, 2)]) is None  # c holds nothing
     assert h.restorable_step([("a", 0, 2)]) is None  # world size changed
     assert Holdings(0, 0).restorable_step([]) is None
+    # A layout that restores nothing says why; one that restores, or no snapshot at all, says nothing.
+    assert h.not_restored([("a", 0, 2), ("b", 2, 2)]) == ""
+    assert h.not_restored([("a", 0, 2)]) == ("the snapshots kept in memory (newest: step 6) cannot be restored: "
+                                             "the world size changed (4 -> 2)")
+    assert h.not_restored([("a", 0, 2), ("c", 2, 2)]).endswith("rank 2's new node holds no snapshot of it")
+    assert h.not_restored([("b", 0, 2), ("a", 2, 2)]).endswith("rank 0's new node holds no snapshot of it")
+    disjoint = Holdings(attempt=1, world_size=2)
+    disjoint.add("a", {"snapshots": {"0": [7], "1": [8]}})
+    assert disjoint.not_restored([("a", 0, 2)]).endswith("no step is held for every rank")
+    assert Holdings(0, 2).not_restored([("a", 0, 2)]) == ""
 
 
 def test_snapshot_reports_of_the_wrong_shape_are_skipped() -> None:

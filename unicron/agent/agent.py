@@ -298,6 +298,8 @@ class Agent:
         what = f"attempt {spec.attempt}: ranks {min(group.ranks)}-{max(group.ranks)} of {spec.world_size}"
         if spec.restore_step is not None:
             what += f", restoring step {spec.restore_step} from memory"
+        elif spec.restore_note:
+            what += f", from the script's own start: {spec.restore_note}"
         self.ui.info(what)
         if spec.inject and spec.node_rank == 0:
             # Checked up front only on one node: the world size is known from now on.

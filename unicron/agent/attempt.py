@@ -20,7 +20,8 @@ def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
                      node_rank=body["node_rank"], nnodes=body["nnodes"],
                      local_world_sizes=tuple(body["local_world_sizes"]),
                      master_addr=body["master_addr"] or s.rdzv_host, master_port=body["master_port"],
-                     restore_step=body.get("restore_step"), inject=s.inject if body["inject"] else "")
+                     restore_step=body.get("restore_step"), inject=s.inject if body["inject"] else "",
+                     restore_note=body.get("restore_note", ""))
 
 
 def hang_detector(s: AgentSettings) -> HangDetector:

@@ -64,6 +64,7 @@ class GroupSpec:
     master_port: int
     restore_step: int | None
     inject: str
+    restore_note: str = ""  # why nothing is restored though snapshots were kept ("" otherwise)
 
 
 class WorkerGroup:

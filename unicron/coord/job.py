@@ -36,6 +36,7 @@ class JobCore:
         self.next_attempt = 0
         self.restarts_used = 0
         self.restore_step: int | None = None
+        self.restore_note = ""  # why the attempt restores nothing though snapshots were kept
         self.holdings: Holdings | None = None  # the snapshots nodes hold since the last stop
         self.history: list[Decision] = []
         self.restarts: list[dict[str, Any]] = []
@@ -273,6 +274,7 @@ class JobCore:
         out: list[Out] = [Emit("attempt_start", {
             "attempt": number, "world_size": world, "nnodes": len(nodes), "epoch": self.members.epoch,
             "master_port": master_port, "restore_step": self.restore_step,
+            **({"restore_note": self.restore_note} if self.restore_note else {}),
             "nodes": {n.node_id: n.node_rank for n in nodes}})]
         offset = 0
         for node in nodes:
@@ -281,6 +283,7 @@ class JobCore:
                 "node_rank": node.node_rank, "nnodes": len(nodes), "rank_offset": offset,
                 "world_size": world, "local_world_sizes": sizes, "master_addr": master_addr,
                 "master_port": master_port, "restore_step": self.restore_step,
+                **({"restore_note": self.restore_note} if self.restore_note else {}),
                 "inject": number == 0}))
             offset += node.nproc
         return out
@@ -377,6 +380,7 @@ class JobCore:
             layout.append((node.node_id, first, node.nproc))
             first += node.nproc
         self.restore_step = holdings.restorable_step(layout) if holdings is not None else None
+        self.restore_note = holdings.not_restored(layout) if holdings is not None else ""
         if holdings is not None and self.restore_step is not None:
             self.transfer_bytes += holdings.restored_bytes(self.restore_step, [n.node_id for n in nodes])
 

@@ -49,6 +49,23 @@ class Holdings:
                 common = steps if common is None else common & steps
         return max(common) if common else None
 
+    def not_restored(self, layout: Iterable[tuple[str, int, int]]) -> str:
+        """Why ``layout`` restores nothing though snapshots were kept ("" when none were, or
+        when it restores): what the console says, so a fresh start is never silent."""
+        layout = list(layout)
+        newest = max((s for n in self.nodes.values() for steps in n.steps.values() for s in steps), default=None)
+        if newest is None or self.restorable_step(layout) is not None:
+            return ""
+        world = sum(count for _, _, count in layout)
+        if world != self.world_size:
+            why = f"the world size changed ({self.world_size} -> {world})"
+        else:
+            missing = [rank for node_id, first, count in layout for rank in range(first, first + count)
+                       if not (self.nodes[node_id].steps.get(rank) if node_id in self.nodes else None)]
+            why = (f"rank {missing[0]}'s new node holds no snapshot of it" if missing
+                   else "no step is held for every rank")
+        return f"the snapshots kept in memory (newest: step {newest}) cannot be restored: {why}"
+
     def restored_bytes(self, step: int, node_ids: Iterable[str]) -> int:
         """Bytes of ``step`` held on ``node_ids`` (those of the new layout)."""
         return sum(self.nodes[n].nbytes.get(step, 0) for n in set(node_ids) if n in self.nodes)

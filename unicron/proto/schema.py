@@ -34,6 +34,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "assign": {"epoch": int, "attempt": int, "restart_count": int, "node_rank": int, "nnodes": int,
                "rank_offset": int, "world_size": int, "local_world_sizes": list,
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
+               "restore_note?": str,  # why nothing is restored though snapshots were kept
                "inject": bool},
     "stop": {"attempt": int, "reason": str, "want_stacks": bool},
     "shutdown": {"exit_code": int, "reason": str},
