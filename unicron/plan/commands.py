@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
         if plot is not None:
             from unicron.plan.plot import plot_simulation
 
-            plot_simulation(result, plot, title=f"{result.events} events; " + trace.source.split(";")[0][:80])
+            plot_simulation(result, plot, title=f"{result.events} events; " + trace.source.split(";")[0])
         if as_json:
             typer.echo(json.dumps(sim_to_dict(result), indent=2))
         else:

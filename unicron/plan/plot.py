@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from unicron.errors import UsageError
@@ -26,7 +27,8 @@ def plot_simulation(result: SimResult, path: Path, title: str = "") -> None:
                 drawstyle="default", label=policy.name)
     ax.set_xlabel("hours")
     ax.set_ylabel("accumulated weighted work")
-    ax.set_title(title or f"{result.events} failure/recovery events", fontsize=9)
+    # Wrapped, never cut: a trace's source line can be long.
+    ax.set_title(textwrap.fill(title or f"{result.events} failure/recovery events", 100), fontsize=9)
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
