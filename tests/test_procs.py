@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -35,7 +36,7 @@ from unicron.agent.procs import (
 )
 from unicron.agent.signals import LauncherSignals, set_child_subreaper
 from unicron.agent.tee import ConsoleTee
-from unicron.errors import FatalUserError, UsageError
+from unicron.errors import FatalUserError, UsageError, WorkerFailedError
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -315,6 +316,18 @@ def test_a_program_that_cannot_start_is_one_clear_error(tmp_path: Path) -> None:
         spawn(["/no/such/program"], {}, local_rank=0)
     with pytest.raises(FatalUserError, match="cannot start worker 1"):
         spawn(["sleep", "1"], {}, local_rank=1, cwd=str(tmp_path / "missing"))
+
+
+def test_a_node_out_of_resources_is_not_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fork refused (a pids limit): the node's trouble, which a stop of the whole job as a user
+    # error would misname; the agent leaves the job instead (the node is treated as lost).
+    def refuse(*_a: object, **_k: object) -> None:
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    with pytest.raises(WorkerFailedError, match="Resource temporarily unavailable") as failed:
+        spawn(["sleep", "1"], {}, local_rank=0)
+    assert not isinstance(failed.value, FatalUserError)
 
 
 def test_exit_callback_runs_once(workers: list[WorkerProcess]) -> None:

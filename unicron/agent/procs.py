@@ -11,6 +11,7 @@ a worker dies instead of on its next monitor tick.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import select
@@ -25,9 +26,13 @@ import psutil
 
 from unicron.agent.logs import RankLogs
 from unicron.agent.tee import ConsoleTee
-from unicron.errors import FatalUserError
+from unicron.errors import FatalUserError, WorkerFailedError
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# Why a program cannot be started that is the user's to fix (a restart would meet it again);
+# anything else (EAGAIN, ENOMEM, EMFILE: the node's resources) is not the program's fault.
+_NOT_RUNNABLE = frozenset({errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.EISDIR,
+                           errno.ENAMETOOLONG, errno.ELOOP})
 _POLL_SLICE_S = 0.01
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -152,7 +157,8 @@ def spawn(
     """Start ``cmd`` in a new session with ``env`` (on top of the agent's environment, as torchrun).
 
     ``stdout``/``stderr``: a file path (created/truncated; os.devnull works) or None for the console.
-    A program that cannot be started raises ``FatalUserError``.
+    A program that cannot be started raises ``FatalUserError`` (a user error: missing, not
+    executable), else ``WorkerFailedError`` (the node could not start it: no pids, memory, fds).
     """
     full_env = dict(os.environ) if inherit_env else {}
     full_env.update(env)
@@ -163,8 +169,11 @@ def spawn(
             popen = subprocess.Popen(
                 list(cmd), env=full_env, cwd=cwd, stdout=out, stderr=err, start_new_session=True
             )
-        except OSError as error:  # no such program, not executable, bad cwd: restarting cannot help
-            raise FatalUserError(f"cannot start worker {local_rank}: {cmd[0]}: {error.strerror}") from None
+        except OSError as error:
+            text = f"cannot start worker {local_rank}: {cmd[0]}: {error.strerror}"
+            if error.errno in _NOT_RUNNABLE:  # no such program, not executable, bad cwd
+                raise FatalUserError(text) from None
+            raise WorkerFailedError(text) from None
     return WorkerProcess(
         popen, local_rank=local_rank, rank=local_rank if rank is None else rank, cmd=cmd, logs=logs
     )

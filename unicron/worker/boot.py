@@ -60,6 +60,11 @@ def parse_argv(argv: list[str]) -> Target:
     return Target(argv[0], list(argv[1:]))
 
 
+# What python's own __main__ holds that a fresh module does not: an empty __annotations__ up to
+# 3.13 (from 3.14 annotations are lazy, and a preset dict would hide a script's own).
+_MAIN_EXTRAS: dict[str, object] = {"__annotations__": {}} if sys.version_info < (3, 14) else {}
+
+
 def run_target(target: Target) -> None:
     """Run the script or module as ``__main__`` with python's argv and path conventions."""
     sys.argv = [target.script, *target.args]
@@ -68,8 +73,7 @@ def run_target(target: Target) -> None:
         # (run_module's alter_sys sets that).
         sys.argv[0] = "-m"
         sys.path[0] = os.getcwd()
-        # python's own __main__ starts with an empty __annotations__; run_module's module does not
-        runpy.run_module(target.script, run_name="__main__", alter_sys=True, init_globals={"__annotations__": {}})
+        runpy.run_module(target.script, run_name="__main__", alter_sys=True, init_globals=dict(_MAIN_EXTRAS))
     elif os.path.isfile(target.script) and not zipfile.is_zipfile(target.script):
         sys.path[0] = os.path.dirname(os.path.realpath(target.script))
         run_file_as_main(target.script)
@@ -95,7 +99,7 @@ def run_file_as_main(script: str) -> None:
         __spec__=None,
         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
         __builtins__=builtins,
-        __annotations__={},  # as python's own __main__
+        **_MAIN_EXTRAS,
     )
     sys.modules["__main__"] = main_module
     exec(code, main_module.__dict__)
@@ -118,7 +122,7 @@ def run_dir_as_main(script: str) -> None:
         __spec__=spec,
         __loader__=spec.loader,
         __builtins__=builtins,
-        __annotations__={},
+        **_MAIN_EXTRAS,
     )
     sys.modules["__main__"] = main_module
     exec(code, main_module.__dict__)
