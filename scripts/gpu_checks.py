@@ -8,12 +8,15 @@ Each check is one JSON record (``name, ok, seconds, summary, details`` or ``erro
   counters, throttle reasons, Xid events; whether its Xid event set opened and NVML supports Xid events.
 - ``warm``: a ``WarmPool`` zygote (this process a child subreaper) forks a worker that runs
   ``torch.cuda.init()`` and a matmul on cuda:0; and whether importing the zygote's PRELOAD in a
-  fresh python loads libcuda (``cuda_driver_loaded``: if so, warm starts are off on GPU).
+  fresh python loads or initialises the CUDA driver (``cudadriver.driver_state``: the zygote
+  forks from a loaded driver, not from an initialised one), ``driver_states`` through
+  ``torch.cuda.init()``, and whether a fork of a process that imported torch can use CUDA.
 - ``nccl``: a clean ``unicron run`` over NCCL, one rank per GPU (1 on a one-GPU machine).
 - ``hang``: 2 ranks, ``--inject hang@1:5 --max-restarts 0`` (default hang thresholds), steps
   ending in ``dist.barrier()``: fault-to-detection time, decision, culprit rank 1 named, exit code,
   and whether the job was idle or busy when called hung (a CUDA spin-wait counts as busy).
-  ``hang-item``: the same with steps ending in ``loss.item()``, as real loops sync (NCCL only).
+  ``hang-item``: the same with steps ending in ``loss.item()``, as real loops sync, over NCCL (one rank
+  when there is one GPU).
 - ``cuda-assert``: rank 1 hits a real device-side assert at step 3 of the first attempt,
   ``--max-restarts 1``: the decision (severity, rule, reason) and whether the restart recovered.
 - ``crash``: ``--inject kill@1:5 --max-restarts 1`` with ``unicron.State``: detection time,
@@ -182,8 +185,10 @@ def run_command(cmd: list[str], env: dict[str, str], timeout_s: float, cwd: Path
 
 
 def run_job(ctx: Context, name: str, *, inject: str | None, max_restarts: int, sync: str = "barrier",
-            assert_step: int = 0, nproc: int = NPROC, backend: str | None = None) -> dict[str, Any]:
-    """``unicron run`` of gpu_checks_jobs/train_check.py (2 ranks): the summary of its events, exit code, output tails."""
+            assert_step: int = 0, nproc: int = NPROC, backend: str | None = None,
+            fault_rank: int = 1) -> dict[str, Any]:
+    """``unicron run`` of gpu_checks_jobs/train_check.py (2 ranks): the summary of its events, exit code, output
+    tails. ``fault_rank`` is the rank the fault hits (its step log times the fault)."""
     work = ctx.work / name
     log_dir, step_logs, script = work / "logs", work / "steps", work / "train_check.py"
     step_logs.mkdir(parents=True)
@@ -198,10 +203,11 @@ def run_job(ctx: Context, name: str, *, inject: str | None, max_restarts: int, s
         code, out, err = run_command(cmd, env, ctx.left(), work)
     finally:
         leftovers = kill_leftovers(str(work))
-    rank1 = step_logs / "rank1.txt"
+    rank_log = step_logs / f"rank{fault_rank}.txt"
     step = FAULT_STEP if inject else assert_step
     events = read_events(log_dir)
-    summary = summarize_job(events, fault_time(rank1.read_text(), step) if rank1.exists() else None, 1)
+    summary = summarize_job(events, fault_time(rank_log.read_text(), step) if rank_log.exists() else None,
+                            fault_rank)
     summary.update(exit_code=code, wall_s=round(time.monotonic() - t0, 2), backend=env["GPU_CHECK_BACKEND"],
                    command=" ".join(cmd[2:]), stdout_tail=out[-1500:], stderr_tail=err[-3000:],
                    leftover_pids_killed=leftovers, events=events[-80:])
@@ -252,13 +258,19 @@ def check_warm(ctx: Context) -> Result:
         probe = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         probe = {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
+    code, out, err = run_command([sys.executable, str(JOBS / "driver_states.py")], ctx.env, min(ctx.left(), 120),
+                                 ctx.work)
+    try:
+        states = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        states = {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
     work = ctx.work / "warm"
     work.mkdir()
     shutil.copy(JOBS / "warm_probe.py", work / "warm_probe.py")
     logs = RankLogs(local_rank=0, rank=0, directory=str(work), stdout_path=str(work / "stdout.log"),
                     stderr_path=str(work / "stderr.log"), tee_stdout=False, tee_stderr=False,
                     error_file=str(work / "error.json"), prefix="")
-    d: dict[str, Any] = {"driver_probe": probe, "subreaper": set_child_subreaper(True)}
+    d: dict[str, Any] = {"driver_probe": probe, "driver_states": states, "subreaper": set_child_subreaper(True)}
     worker = None
     try:
         with WarmPool(1, python=sys.executable, base_env=ctx.env) as pool:
@@ -285,8 +297,10 @@ def check_warm(ctx: Context) -> Result:
     result = next((x for x in d["stdout"].splitlines() if x.startswith("WARM_RESULT")), "")
     ok = bool(d.get("started_warm")) and d.get("exit_code") == 0 and f"matmul_sum={WARM_EXPECTED_SUM} " in result
     line = (f"zygote ready {d.get('ready')} in {d.get('ready_s')}s, threads {d.get('threads')}, disabled "
-            f"{d.get('disabled')!r}; forked worker exit {d.get('exit_code')}: {result or d.get('miss')}; libcuda "
-            f"loaded by PRELOAD {probe.get('after_preload')}, by device_count {probe.get('after_device_count')}")
+            f"{d.get('disabled')!r}; forked worker exit {d.get('exit_code')}: {result or d.get('miss')}; CUDA driver "
+            f"after PRELOAD {probe.get('after_preload')}, after device_count {probe.get('after_device_count')}, after "
+            f"torch.cuda.init() {states.get('after_init')}; a fork after import used CUDA: exit "
+            f"{states.get('fork_after_import_exit')}")
     return ok, line, d
 
 
@@ -299,21 +313,26 @@ def check_nccl(ctx: Context) -> Result:
     return ok, f"{nproc} rank(s) trained over NCCL, exit {s['exit_code']}, warm-started ranks {s['warm']}", s
 
 
-def check_hang(ctx: Context, sync: str = "barrier") -> Result:
-    s = run_job(ctx, f"hang-{sync}", inject=f"hang@1:{FAULT_STEP}", max_restarts=0, sync=sync)
+def check_hang(ctx: Context, sync: str = "barrier", nproc: int = NPROC, backend: str | None = None) -> Result:
+    rank = nproc - 1
+    s = run_job(ctx, f"hang-{sync}", inject=f"hang@{rank}:{FAULT_STEP}", max_restarts=0, sync=sync, nproc=nproc,
+                backend=backend, fault_rank=rank)
     hang_seen = (s["first_fault"] or {}).get("fault_kind") == "hang"
     rule = s["decisions"][0]["rule"] if s["decisions"] else None
     # Steps that end in a barrier leave rank 0 waiting inside a collective: the culprit must be named.
-    ok = hang_seen and rule == "hang" and s["exit_code"] not in (0, None) and (sync != "barrier" or s["culprit_named"])
-    line = (f"{ctx.backend}, steps end in {sync}: hang detected {hang_seen}, {s['detection_s']}s after the fault; "
-            f"{describe_decision(s)}; exit {s['exit_code']}")
+    named = sync != "barrier" or nproc == 1 or s["culprit_named"]
+    ok = hang_seen and rule == "hang" and s["exit_code"] not in (0, None) and named
+    line = (f"{s['backend']} x{nproc}, steps end in {sync}: hang detected {hang_seen}, {s['detection_s']}s after "
+            f"the fault; {describe_decision(s)}; exit {s['exit_code']}")
     return bool(ok), line, s
 
 
 def check_hang_item(ctx: Context) -> Result:
-    if ctx.backend != "nccl":
-        return True, f"skipped: {ctx.backend}'s all_reduce blocks, so this is the hang check again", {"skip": True}
-    return check_hang(ctx, sync="item")
+    if ctx.backend == "nccl":
+        return check_hang(ctx, sync="item")
+    if ctx.device == "cuda":  # one GPU: NCCL takes one rank, so the hang path over NCCL with a single rank
+        return check_hang(ctx, sync="item", nproc=1, backend="nccl")
+    return True, f"skipped: {ctx.backend}'s all_reduce blocks, so this is the hang check again", {"skip": True}
 
 
 def check_cuda_assert(ctx: Context) -> Result:
@@ -345,8 +364,10 @@ def check_snapshot(ctx: Context) -> Result:
     except (ValueError, IndexError):
         return False, f"snapshot probe exit {code}: {err.strip()[-300:]!r}", {"exit_code": code, "stderr": err[-3000:]}
     ok = code == 0 and all(d.get("exact") or [False])
+    ratios = "; ".join(f"batch {r.get('batch')} ({r.get('step_ms', {}).get('none')} ms): synchronous "
+                       f"{r.get('ratio_sync')}, background {r.get('ratio_background')}" for r in d.get("runs", []))
     line = (f"{d.get('device')}, {d.get('state_mb')} MB of state: background snapshots exact {d.get('exact')}; "
-            f"steps/s vs no snapshot: synchronous {d.get('ratio_sync')}, background {d.get('ratio_background')}")
+            f"page-locked slots {d.get('pinned_slots')} {d.get('pin_error')}; steps/s vs no snapshot: {ratios}")
     return ok, line, d
 
 

@@ -28,7 +28,7 @@ from unicron.agent.warm import (
     shadowed_preloads,
     should_refill,
 )
-from unicron.worker.zygote import SpecError, cuda_driver_loaded, parse_spec
+from unicron.worker.zygote import SpecError, parse_spec
 
 PY = sys.executable
 IMPORT_S = 90.0  # importing torch on two shared, busy cores
@@ -355,16 +355,3 @@ def test_take_refuses_a_shadowing_script_directory(tmp_path: Path, subreaper: No
         pool.refill()
         assert pool.take([*BOOT, str(tmp_path / "t.py")], base_env(), rank_logs(tmp_path / "logs")) is None
         assert pool.last_miss == "the script's directory shadows preloaded numpy"
-
-
-def test_a_zygote_that_loaded_the_cuda_driver_refuses_to_fork(tmp_path: Path) -> None:
-    maps = tmp_path / "maps"
-    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
-    assert not cuda_driver_loaded(str(maps))
-    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n")
-    assert cuda_driver_loaded(str(maps))
-    assert not cuda_driver_loaded(str(tmp_path / "missing"))
-    import torch
-
-    assert torch.ones(1).sum().item() == 1.0
-    assert not cuda_driver_loaded()  # this CPU-only test process, torch imported and used

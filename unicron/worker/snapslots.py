@@ -5,7 +5,9 @@ One rank's directory ``$UNICRON_SNAPSHOT_DIR/rank{R}/`` holds
 ``slot{k}.bin`` (k < keep)
     the tensors of one snapshot, raw, each at the offset its record names. A slot file is
     mapped once (``MAP_SHARED``) and reused: a commit is one ``copy_`` per tensor into it, no
-    serialization. It is resized only when the state's total size changes.
+    serialization. It is resized only when the state's total size changes. A slot that
+    receives CUDA tensors is page-locked for the GPUs once (``cudadriver.register_host``), so
+    the device-to-host copies into it are asynchronous DMA at full bandwidth.
 ``step{S:010d}.pt``
     the marker: JSON ``{"format": 2, "step", "slot", "nbytes", "tensors": [records], "tree"}``
     (``snapcodec``); ``nbytes`` is the slot's data size, what the agent reports. Its name is the one ``snapshot`` and the
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from unicron.worker import snapcodec, snapshot
+from unicron.worker import cudadriver, snapcodec, snapshot
 
 FORMAT = 2
 
@@ -68,6 +70,9 @@ class SlotStore:
         self._maps: dict[int, torch.Tensor] = {}  # slot -> uint8 view of its mapped file
         self._views: dict[int, tuple[snapcodec.Layout, list[torch.Tensor]]] = {}  # slot -> its views
         self._layout: snapcodec.Layout | None = None  # of the last commit: reused while specs match
+        self._pinned: set[int] = set()  # slots page-locked for the GPUs (``_pin``)
+        self._pin_tried: set[int] = set()
+        self.pin_error: str | None = None  # why the last slot could not be page-locked
         self.prepared = False
 
     def prepare(self, newest_kept: int) -> None:
@@ -110,6 +115,8 @@ class SlotStore:
         if slot in self._held:  # its data is about to be overwritten: no marker may point at it
             _unlink(self.directory / snapshot.snapshot_name(self._held.pop(slot)))
         views = self._slot_views(slot, layout)
+        if slot not in self._pin_tried and views and any(t.is_cuda for t in encoder.tensors):
+            self._pin(slot)
         now, later = _split(len(encoder.tensors), deferred) if views else ([], [])
         _copy([views[i] for i in now], [encoder.tensors[i] for i in now])
         head = json.dumps({"format": FORMAT, "step": step, "slot": slot, "nbytes": layout.nbytes})
@@ -140,8 +147,7 @@ class SlotStore:
         data = self._maps.get(slot)
         if data is not None and data.numel() == total:
             return data
-        self._maps.pop(slot, None)  # unmap before resizing (a shrunk mapping faults past its end)
-        self._views.pop(slot, None)
+        self._unmap(slot)  # before resizing (a shrunk mapping faults past its end)
         path = self.directory / slot_name(slot)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -154,6 +160,25 @@ class SlotStore:
         data = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
         self._maps[slot] = data
         return data
+
+    def _pin(self, slot: int) -> None:
+        """Page-lock a slot that receives CUDA tensors, once: device-to-host copies into pageable
+        memory go through a bounce buffer at a fraction of the bandwidth and block the copying
+        thread. Where the driver refuses, the slot stays pageable (slower, still correct)."""
+        self._pin_tried.add(slot)
+        rc = cudadriver.register_host(self._maps[slot].data_ptr(), self._maps[slot].numel())
+        if rc == cudadriver.CUDA_SUCCESS:
+            self._pinned.add(slot)
+        else:
+            self.pin_error = f"cuMemHostRegister of slot {slot} failed with CUresult {rc}"
+
+    def _unmap(self, slot: int) -> None:
+        self._views.pop(slot, None)
+        self._pin_tried.discard(slot)
+        data = self._maps.pop(slot, None)
+        if data is not None and slot in self._pinned:  # unregistered while still mapped
+            self._pinned.discard(slot)
+            cudadriver.unregister_host(data.data_ptr())
 
 
 class PendingSnapshot:

@@ -19,8 +19,9 @@ the same clean state every time: a restart costs a fork, not an interpreter and 
 End of input (the pool closed, or the agent died) makes it exit 0 quietly.
 
 Why forking a process with torch imported is safe here: torch initialises CUDA lazily and the
-zygote never touches a GPU (one whose imports initialised CUDA, or merely loaded the CUDA
-driver, exits before it says ready, and the agent then starts workers cold);
+zygote never touches a GPU (one whose imports initialised CUDA, or the CUDA driver, exits
+before it says ready, and the agent then starts workers cold; a driver merely mapped, as CUDA 13
+builds of torch do on import, is no reason: see ``cudadriver``);
 the zygote is started with the workers' OMP_NUM_THREADS, so numpy's BLAS starts no thread
 pool and the zygote forks with one thread (it reports its thread count when ready); torch
 creates its CPU thread pools on first use, in the worker.
@@ -60,7 +61,7 @@ import time
 from typing import IO, Any
 
 # Imported before torch, as in a cold worker: hooks remember the default excepthooks.
-from unicron.worker import boot
+from unicron.worker import boot, cudadriver
 
 # torch._dynamo is what the first optimizer construction imports (about 1.5 s): preloading it
 # makes a warm worker's first step as fast as its later ones.
@@ -133,19 +134,11 @@ def _preload() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         raise RuntimeError("importing torch initialised CUDA; a zygote must not hold a GPU context")
-    if cuda_driver_loaded():
-        # The CUDA driver does not survive fork once loaded (even by a device count, without a
-        # context): forks of this process would fail on their first CUDA call.
-        raise RuntimeError("importing loaded the CUDA driver (libcuda); workers cannot be forked from it")
-
-
-def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
-    """Whether libcuda is mapped into this process (False where that cannot be read)."""
-    try:
-        with open(maps, encoding="utf-8", errors="replace") as f:
-            return any("/libcuda.so" in line for line in f)
-    except OSError:
-        return False
+    if cudadriver.driver_state() == cudadriver.INITIALIZED:
+        # An initialised CUDA driver does not survive fork (even one a device count initialised,
+        # without a context): forks of this process would fail on their first CUDA call. A
+        # driver merely mapped (torch's CUDA 13 builds map it on import) is fine.
+        raise RuntimeError("importing initialised the CUDA driver (cuInit); workers cannot be forked from it")
 
 
 class _Capture:
