@@ -21,7 +21,14 @@ from typing import Any
 
 import zmq
 
-from unicron.agent.attempt import group_spec, hang_detector, worker_env_factory
+from unicron.agent.attempt import (
+    attempt_line,
+    group_spec,
+    hang_detector,
+    inject_warnings,
+    stop_answer,
+    worker_env_factory,
+)
 from unicron.agent.healthwatch import HealthWatch, read_health_safely
 from unicron.agent.janitor import Janitor
 from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
@@ -48,7 +55,6 @@ from unicron.errors import (
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
-from unicron.worker.inject import parse_inject_spec
 
 log = logging.getLogger(__name__)
 
@@ -295,18 +301,9 @@ class Agent:
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
                          ranks=sorted(group.ranks), world_size=spec.world_size,
                          restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts)
-        what = f"attempt {spec.attempt}: ranks {min(group.ranks)}-{max(group.ranks)} of {spec.world_size}"
-        if spec.restore_step is not None:
-            what += f", restoring step {spec.restore_step} from memory"
-        elif spec.restore_note:
-            what += f", from the script's own start: {spec.restore_note}"
-        self.ui.info(what)
-        if spec.inject and spec.node_rank == 0:
-            # Checked up front only on one node: the world size is known from now on.
-            for fault in parse_inject_spec(spec.inject):
-                if fault.rank is not None and fault.rank >= spec.world_size:
-                    self.ui.warn(f"--inject {fault}: rank {fault.rank} does not exist (world size "
-                                 f"{spec.world_size}); it never fires")
+        self.ui.info(attempt_line(spec, sorted(group.ranks)))
+        for warning in inject_warnings(spec):
+            self.ui.warn(warning)
 
     def _on_stop(self, body: dict[str, Any]) -> None:
         # Answer at once: the coordinator then knows this node is alive and busy stopping (it
@@ -322,15 +319,9 @@ class Agent:
             # What the workers said before the stop came (an `exiting` may be queued behind it).
             if self.pull is not None:
                 self._drain_workers(self.pull)
-            # Report ranks that already died before we kill the rest: the root cause is often
-            # among them (a SIGKILLed rank), while its peers' exceptions only echo it.
-            for fault in group.settle_dying():
+            faults, finished, stacks = stop_answer(group, body["want_stacks"])
+            for fault in faults:
                 self._report(fault)
-            # Ranks that had ended cleanly before the stop: when the others then lost their
-            # peers, that is why (the decision says so).
-            finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values() if r.exitcode == 0]
-            if body["want_stacks"]:
-                stacks = group.dump_stacks()
             self._stop_group(reason=body["reason"])
         # The first report, not the verdict: the decision that follows names the root cause.
         self.ui.warn(f"stopping attempt {body['attempt']} (first report: {body['reason']})")

@@ -1,6 +1,7 @@
 """From the coordinator's ``assign`` to what a node's workers are started with: the group's
 layout, its hang detector and each worker's environment (torchrun's variables, then the agent's
-own ``UNICRON_*`` channel to it)."""
+own ``UNICRON_*`` channel to it); what the user is told when they start; and what a ``stop``
+is answered with."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from unicron.agent.settings import AgentSettings
-from unicron.agent.workers import GroupSpec
+from unicron.agent.workers import GroupSpec, WorkerGroup
 from unicron.detect.hang import HangDetector
+from unicron.worker.inject import parse_inject_spec
 
 
 def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
@@ -49,3 +51,33 @@ def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, st
         return env
 
     return env_for
+
+
+def attempt_line(spec: GroupSpec, ranks: list[int]) -> str:
+    """The user's line for an attempt whose workers started on this node."""
+    what = f"attempt {spec.attempt}: ranks {min(ranks)}-{max(ranks)} of {spec.world_size}"
+    if spec.restore_step is not None:
+        what += f", restoring step {spec.restore_step} from memory"
+    elif spec.restore_note:
+        what += f", from the script's own start: {spec.restore_note}"
+    return what
+
+
+def inject_warnings(spec: GroupSpec) -> list[str]:
+    """``--inject`` faults aimed at ranks the job does not have: they would never fire. Said on
+    node 0 only (once per job), now that the world size is known."""
+    if not spec.inject or spec.node_rank != 0:
+        return []
+    return [f"--inject {fault}: rank {fault.rank} does not exist (world size {spec.world_size}); it never fires"
+            for fault in parse_inject_spec(spec.inject) if fault.rank is not None and fault.rank >= spec.world_size]
+
+
+def stop_answer(group: WorkerGroup, want_stacks: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                                                 dict[str, str]]:
+    """Before a stopped attempt's workers are killed: the faults of ranks that already died
+    (often the root cause, e.g. a SIGKILLed rank, while its peers' exceptions only echo it), the
+    ranks that had ended cleanly (when the others then lost their peers, that is why), and every
+    live rank's stack if the coordinator asked."""
+    faults = group.settle_dying()
+    finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values() if r.exitcode == 0]
+    return faults, finished, group.dump_stacks() if want_stacks else {}

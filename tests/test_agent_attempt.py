@@ -1,0 +1,30 @@
+"""What an agent says when an attempt's workers start (unicron.agent.attempt): pure, no processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from unicron.agent.attempt import attempt_line, inject_warnings
+from unicron.agent.workers import GroupSpec
+
+SPEC = GroupSpec(attempt=2, restart_count=2, rank_offset=2, world_size=4, node_rank=1, nnodes=2,
+                 local_world_sizes=(2, 2), master_addr="10.0.0.1", master_port=29500, restore_step=None, inject="")
+
+
+def test_the_attempt_line_says_where_the_state_comes_from() -> None:
+    assert attempt_line(SPEC, [3, 2]) == "attempt 2: ranks 2-3 of 4"
+    assert attempt_line(replace(SPEC, restore_step=17), [2, 3]) == \
+        "attempt 2: ranks 2-3 of 4, restoring step 17 from memory"
+    noted = replace(SPEC, restore_note="rank 1's snapshots were lost with its node")
+    assert attempt_line(noted, [2, 3]) == \
+        "attempt 2: ranks 2-3 of 4, from the script's own start: rank 1's snapshots were lost with its node"
+
+
+def test_faults_aimed_past_the_world_are_named_once_by_node_0() -> None:
+    spec = replace(SPEC, node_rank=0, inject="kill@1:5;hang@4:2;exit=3@*:9;slow=2@7:1")
+    assert inject_warnings(spec) == [
+        "--inject hang@4:2: rank 4 does not exist (world size 4); it never fires",
+        "--inject slow=2.0@7:1: rank 7 does not exist (world size 4); it never fires",
+    ]
+    assert inject_warnings(replace(spec, node_rank=1)) == []  # the other nodes stay quiet
+    assert inject_warnings(replace(spec, inject="")) == []
