@@ -445,9 +445,14 @@ def test_bad_environment_names_its_variable(script: str, env: dict[str, str], me
     ("c.json", '{"weight": true}', "c.json: weight: expected a string or number, got true"),
     ("c.json", '{"no-warm": "perhaps"}', "c.json: no-warm: expected 1/0"),
     ("c.ini", "x=1", "c.ini: config file must end in .toml, .yaml, .yml or .json"),
+    ("c.toml", "nproc-per-node = 2\nnproc_per_node = 3\n",
+     "c.toml: nproc-per-node is set twice ('nproc-per-node', 'nproc_per_node')"),
+    ("c.json", '{"max-restarts": 1, "max-restarts": 2}', "c.json: not valid JSON: 'max-restarts' appears twice"),
+    ("c.yaml", "max-restarts: 1\nmax-restarts: 2\n", "c.yaml: not valid YAML: 'max-restarts' appears twice"),
+    ("c.toml", "\udcff\udcfe = 1", "c.toml: not UTF-8 text (byte 0)"),
 ])
 def test_bad_config_file_names_file_and_key(script: str, tmp_path: Path, name: str, text: str, message: str) -> None:
-    (tmp_path / name).write_text(text)
+    (tmp_path / name).write_bytes(text.encode("utf-8", "surrogateescape"))  # \udcff: the byte 0xff
     with pytest.raises(ConfigError) as err:
         parse(["--config", str(tmp_path / name), script])
     assert message in str(err.value)

@@ -50,6 +50,34 @@ def test_two_agents_on_loopback_form_one_job(workdir, launch) -> None:
     assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
 
 
+def ipv6_loopback_port() -> int:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            return int(s.getsockname()[1])
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+
+
+def test_two_agents_meet_at_an_ipv6_endpoint_and_a_static_ipv6_master(workdir, launch) -> None:
+    port = ipv6_loopback_port()  # free on ::1; the coordinator listens on both stacks
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = [a if a != f"127.0.0.1:{port}" else f"[::1]:{port}" for a in agent_args(workdir, port, "2", steps=3, sleep=0)]
+    agents = [launch(args, workdir, env) for _ in range(2)]
+    for item in agents:
+        code, out, err = item.wait(90)
+        assert code == 0, err
+    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
+    assert len(starts) == 1 and starts[0]["world_size"] == 2
+    # torchrun's static rendezvous with a bare IPv6 --master-addr (no brackets)
+    static = ["run", "--rdzv-backend", "static", "--master-addr", "::1", "--master-port", str(ipv6_loopback_port()),
+              "--nproc-per-node", "1", "--log-dir", str(workdir / "logs2"), str(workdir / "train_state.py"),
+              "--no-state", "--steps", "2", "--sleep", "0", "--out", str(workdir / "out2.txt")]
+    code, out, err = launch(static, workdir, clean_env()).wait(90)
+    assert code == 0, err
+    assert (workdir / "out2.txt").exists()
+
+
 def test_working_rank_on_one_node_keeps_the_other_node_from_calling_a_hang(workdir, launch) -> None:
     # Rank 1 evaluates for 6 s while rank 0, on the other node, idles in a barrier: rank 0's
     # agent sees only idle ranks, and must hear from the coordinator that the job is working

@@ -107,6 +107,7 @@ class Agent:
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
         dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IPV6, 1)  # an IPv6 literal endpoint needs it; IPv4 ones are unaffected
         dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
         dealer.setsockopt(zmq.LINGER, 1000)
         dealer.connect(self.endpoint)

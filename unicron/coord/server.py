@@ -85,6 +85,9 @@ class CoordinatorServer:
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * 1024 * 1024)
+        # Dual stack: "*" then listens on IPv6 and IPv4 (libzmq falls back to IPv4 alone on a
+        # host without IPv6), so agents can reach it at [::1]:PORT as under torchrun.
+        self.sock.setsockopt(zmq.IPV6, 1)
         host = "*" if bind_host in ("", "0.0.0.0", "*") else bind_host
         try:
             if port == 0:

@@ -224,9 +224,11 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         master_addr, label["master_addr"] = slurm.first_host, slurm.source["first_host"]
     master_port = 29500 if v["master_port"] is None else v["master_port"]
     if backend == "static" and not endpoint:
-        endpoint, label["rdzv_endpoint"] = f"{master_addr}:{master_port}", label["master_addr"]
-    elif r.ranks["master_addr"] != DEFAULT:
-        warnings.append(f"{label['master_addr']} is only used by the static backend without --rdzv-endpoint")
+        endpoint, label["rdzv_endpoint"] = f"{_bracketed(master_addr)}:{master_port}", label["master_addr"]
+    elif r.ranks["master_addr"] != DEFAULT or r.ranks["master_port"] != DEFAULT:
+        given = [label[k] for k in ("master_addr", "master_port") if r.ranks[k] != DEFAULT]
+        warnings.append(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} only used by the static "
+                        "backend without --rdzv-endpoint")
     try:
         rdzv_host, rdzv_port = split_endpoint(endpoint or "localhost", DEFAULT_PORTS.get(backend))
     except ValueError as err:
@@ -316,3 +318,8 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         sources=tuple(sorted((k, s) for k, s in label.items() if s != "default")),
         warnings=tuple(warnings),
     )
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 literal in brackets, so that HOST:PORT parses (``--master-addr ::1``)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -115,20 +115,18 @@ def load_config_file(path: str) -> dict[str, Any]:
     """Settings from a TOML, YAML or JSON file, keyed by long flag name (dashes or underscores)."""
     suffix = Path(path).suffix.lower()
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a config file is TOML, YAML or JSON") from None
     try:
         if suffix == ".toml":
-            import tomllib
-
-            data: Any = tomllib.loads(text)
+            data: Any = _toml_module(path).loads(text)
         elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _load_yaml(text)
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_repeated_keys)
         else:
             raise ConfigError(f"{path}: config file must end in .toml, .yaml, .yml or .json")
     except ConfigError:
@@ -146,5 +144,56 @@ def load_config_file(path: str) -> dict[str, Any]:
             close = closest_flag(name) if name != "--config" else None
             hint = f" (did you mean {close[2:]}?)" if close else ""
             raise ConfigError(f"{path}: unknown setting {key!r}{hint}")
-        settings[BY_FLAG[name].name[2:]] = value
+        setting = BY_FLAG[name].name[2:]
+        if setting in settings:  # e.g. nproc-per-node and nproc_per_node: which one was meant?
+            raise ConfigError(f"{path}: {setting} is set twice ({', '.join(repr(k) for k in data if _same(k, name))})")
+        settings[setting] = value
     return settings
+
+
+def _same(key: Any, flag: str) -> bool:
+    name = "--" + str(key).replace("_", "-")
+    return name in BY_FLAG and BY_FLAG[name] is BY_FLAG[flag]
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (json keeps the last one silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"{key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _load_yaml(text: str) -> Any:
+    """``yaml.safe_load``, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"{key!r} appears twice in one mapping",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
+
+
+def _toml_module(path: str) -> Any:
+    try:
+        import tomllib  # Python 3.11+
+
+        return tomllib
+    except ImportError:
+        try:
+            import tomli  # the same parser, for Python 3.10
+
+            return tomli
+        except ImportError:
+            raise ConfigError(f"{path}: TOML config files need Python 3.11+ or the tomli package; "
+                              "use .yaml or .json") from None

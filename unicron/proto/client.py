@@ -40,6 +40,7 @@ def request(
     codec = Codec(key, f"client-{os.getpid()}-{os.urandom(4).hex()}", job=job)
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IPV6, 1)  # an IPv6 literal endpoint needs it; IPv4 ones are unaffected
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(tcp_endpoint(endpoint))
