@@ -166,3 +166,23 @@ def test_the_launchers_own_unicron_variables_never_reach_a_worker(tmp_path: Path
         assert not worker["secret_in_proc"], name
         assert "UNICRON_SECRET" not in worker["vars"] and "UNICRON_RESTORE_STEP" not in worker["vars"], name
         assert worker["vars"].get("UNICRON_INJECT") == ("exit=3@1:2" if worker["attempt"] == "0" else None), name
+
+
+READ_STDIN = r'''
+import os, sys
+line = sys.stdin.readline()  # what pdb and input() read: the launcher's stdin, as under torchrun
+print(f"rank {os.environ['RANK']} read {line.strip()!r}", flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["torchrun", "unicron", "unicron --no-warm"])
+def test_a_worker_reads_the_launchers_stdin(tmp_path: Path, launcher: str) -> None:
+    (tmp_path / "read.py").write_text(READ_STDIN)
+    cmd = ([str(TORCHRUN)] if launcher == "torchrun" else [sys.executable, "-m", "unicron", "run",
+                                                           *launcher.split()[1:]])
+    proc = subprocess.run([*cmd, "--standalone", "--nproc-per-node", "1", "read.py"], cwd=tmp_path,
+                          env=clean_env(), input="hello from the terminal\n", capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 read 'hello from the terminal'" in proc.stdout

@@ -291,9 +291,11 @@ class WarmPool:
         with contextlib.suppress(OSError):
             fcntl.fcntl(spec_w, fcntl.F_SETPIPE_SZ, SPEC_PIPE_BYTES)
         try:
+            # Its stdin is ours, which its workers inherit, as cold workers do (pdb, input()).
             self._popen = subprocess.Popen(
-                [self.python, "-u", "-m", ZYGOTE_MODULE, "--reply-fd", str(reply_w), " " * TITLE_ROOM],
-                stdin=spec_r, env=self.zygote_env, pass_fds=(reply_w,), start_new_session=True,
+                [self.python, "-u", "-m", ZYGOTE_MODULE, "--reply-fd", str(reply_w), "--spec-fd", str(spec_r),
+                 " " * TITLE_ROOM],
+                env=self.zygote_env, pass_fds=(reply_w, spec_r), start_new_session=True,
             )
         except OSError as err:
             os.close(spec_w)

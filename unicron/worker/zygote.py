@@ -1,9 +1,9 @@
-"""A fork server for warm workers: ``python -u -m unicron.worker.zygote --reply-fd N``.
+"""A fork server for warm workers: ``python -u -m unicron.worker.zygote --reply-fd N --spec-fd M``.
 
 The agent's ``WarmPool`` (``unicron.agent.warm``) starts one zygote when the agent starts. It
 imports unicron's worker code, numpy, torch and torch.distributed once (the seconds every cold
 worker spends before its first line of training code), writes ``{"ready": true}`` on
-``--reply-fd``, then blocks reading its stdin (no CPU) for JSON lines, one per worker::
+``--reply-fd``, then blocks reading ``--spec-fd`` (no CPU) for JSON lines, one per worker::
 
     {"argv": [(--module) SCRIPT ARGS...], "env": {...}, "cwd": "...", "stdout": path|null, "stderr": path|null}
 
@@ -12,8 +12,8 @@ child subreaper, and it answers ``{"pid": N}``. The worker is then what ``python
 unicron.worker.boot ARGV`` spawned by the agent with that environment, directory and log files
 would be: the agent's child (``waitpid``, PDEATHSIG and ``getppid`` behave as for a cold
 worker), the leader of its own session, ``os.environ`` replaced wholesale, ``sys.argv`` /
-``sys.orig_argv`` of the cold command, stdin on /dev/null, fds 1/2 on the log files (or the
-console the agent had), and ``unicron.worker.boot.main`` run with the same exit codes,
+``sys.orig_argv`` of the cold command, stdin the agent's (the zygote's own, which it never
+reads), fds 1/2 on the log files (or the console the agent had), and ``unicron.worker.boot.main`` run with the same exit codes,
 tracebacks, error file and hooks. The zygote itself never runs training code, so it forks from
 the same clean state every time: a restart costs a fork, not an interpreter and its imports.
 End of input (the pool closed, or the agent died) makes it exit 0 quietly.
@@ -44,8 +44,7 @@ What a warm worker cannot redo, and how it is handled:
 - The command line: a worker rewrites its argument area to show the cold command
   (``show_command``), so ``ps``, ``pgrep -f``/``pkill -f`` and psutil find the script; only
   ``/proc/PID/environ`` still shows the zygote's starting environment (``os.environ`` is right).
-- Differences that remain: stdin is /dev/null rather than
-  the agent's stdin, all workers share the zygote's string-hash seed (PYTHONHASHSEED), and
+- Differences that remain: all workers share the zygote's string-hash seed (PYTHONHASHSEED), and
   ``sys.modules`` already holds torch/numpy before the script runs (a script that sets warning
   filters *before* ``import torch`` still sees torch's import-time warnings, replayed).
 """
@@ -175,12 +174,6 @@ class _Capture:
                 os.write(fd, captured)
 
 
-def _stdin_from_devnull() -> None:
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-
-
 def _apply_thread_count(env: dict[str, str]) -> None:
     """torch read OMP_NUM_THREADS when the zygote imported it; the worker's value wins."""
     torch = sys.modules.get("torch")
@@ -294,11 +287,11 @@ def fork_worker(reply_fd: int, spec_fd: int) -> int | None:
 
 def main(argv: list[str]) -> int:
     boot.die_with_agent(str(os.getppid()))  # the zygote must not outlive its agent
-    room_ok = len(argv) == 2 or (len(argv) == 3 and not argv[2].strip())  # the spaces are title room
-    if not room_ok or argv[0] != "--reply-fd" or not argv[1].isdigit():
-        print("usage: python -m unicron.worker.zygote --reply-fd N [SPACES]", file=sys.stderr)
+    room_ok = len(argv) == 4 or (len(argv) == 5 and not argv[4].strip())  # the spaces are title room
+    if not room_ok or argv[0] != "--reply-fd" or argv[2] != "--spec-fd" or not (argv[1] + argv[3]).isdigit():
+        print("usage: python -m unicron.worker.zygote --reply-fd N --spec-fd M [SPACES]", file=sys.stderr)
         return 2
-    reply_fd = int(argv[1])
+    reply_fd, spec_fd = int(argv[1]), int(argv[3])
     capture = _Capture()
     try:
         _preload()
@@ -307,8 +300,6 @@ def main(argv: list[str]) -> int:
         print(f"unicron zygote: preloading failed: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_PRELOAD_FAILED
     capture.end()
-    spec_fd = os.dup(0)  # specs come on our stdin; workers get /dev/null there, as cold ones from us
-    _stdin_from_devnull()
     if not _reply(reply_fd, {"ready": True, "threads": len(os.listdir("/proc/self/task"))}):
         return 0
     specs = LineReader(spec_fd)
