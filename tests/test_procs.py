@@ -231,6 +231,24 @@ def test_tee_finish_drains_everything_written(tmp_path: Path) -> None:
     assert tee.pending() == 0
 
 
+def test_an_untouched_stream_shows_partial_lines_at_once_and_byte_for_byte(tmp_path: Path) -> None:
+    # A worker's stderr that the user did not tee is echoed raw: a progress bar's "\r" updates
+    # show as they are written (not when a newline finally comes), and no newline is added.
+    log = tmp_path / "stderr.log"
+    console = io.BytesIO()
+    tee = ConsoleTee(stderr=console, interval_s=0.01)
+    with open(log, "wb", buffering=0) as writer:
+        finish = tee.follow(str(log), "[default0]:", stream="stderr", raw=True)
+        for i in range(3):
+            writer.write(f"\rprogress {i}".encode())
+            wait_until(lambda i=i: console.getvalue().endswith(f"\rprogress {i}".encode()), timeout_s=10,
+                       what=f"update {i} on the console before any newline")
+        writer.write(b"\rdone\nlast words, unterminated")
+    finish()
+    tee.close(timeout_s=30)
+    assert console.getvalue() == b"\rprogress 0\rprogress 1\rprogress 2\rdone\nlast words, unterminated"
+
+
 def test_slow_console_does_not_block_the_worker(tmp_path: Path, workers: list[WorkerProcess]) -> None:
     release = threading.Event()
 

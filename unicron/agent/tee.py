@@ -45,9 +45,11 @@ def write_to_console(stream: Console, data: bytes) -> None:
 class _Follow:
     """One file being echoed: where it is read up to, and the unfinished last line."""
 
-    def __init__(self, path: str, prefix: bytes, sink: Console, copy: LineCopy | None = None) -> None:
+    def __init__(self, path: str, prefix: bytes, sink: Console, copy: LineCopy | None = None,
+                 raw: bool = False) -> None:
         self.path = path
         self.prefix = prefix
+        self.raw = raw  # echoed byte for byte as it comes, partial lines included (not teed: the worker's own stream)
         self.sink = sink
         self.copy = copy
         self.handle: IO[bytes] | None = None
@@ -59,7 +61,7 @@ class ConsoleTee:
     """Echoes log files to the console, each line prefixed, from one background thread.
 
     ``follow`` starts echoing a file; ``finish`` says its writer has exited, so the rest of the
-    file is echoed (an unterminated last line gets a newline) and following stops. ``close``
+    file is echoed (an unterminated last line gets a newline, unless raw) and following stops. ``close``
     finishes everything and waits for the thread. A follow with a ``LineCopy`` also appends its
     matching lines to that file, which stays open while any follow still copies into it.
     """
@@ -84,11 +86,13 @@ class ConsoleTee:
         self._thread: threading.Thread | None = None
 
     def follow(
-        self, path: str, prefix: str, *, stream: str = "stdout", copy: LineCopy | None = None
+        self, path: str, prefix: str, *, stream: str = "stdout", copy: LineCopy | None = None, raw: bool = False
     ) -> Callable[[], None]:
-        """Echo ``path`` to the console's ``stream`` ("stdout"/"stderr"); returns its ``finish``."""
+        """Echo ``path`` to the console's ``stream`` ("stdout"/"stderr"); returns its ``finish``.
+        ``raw``: no prefix, and every byte shows as soon as it is read, an unfinished line (a
+        progress bar's ``\r`` updates) too, as if the worker wrote to the console itself."""
         sink = (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
-        entry = _Follow(path, prefix.encode(), sink, copy)
+        entry = _Follow(path, b"" if raw else prefix.encode(), sink, copy, raw)
         with self._lock:
             if self._closing:
                 raise RuntimeError("ConsoleTee is closed")
@@ -110,8 +114,8 @@ class ConsoleTee:
         if logs.tee_stdout and logs.stdout_path:
             finishers.append(self.follow(logs.stdout_path, logs.prefix, stream="stdout", copy=logs.copy_stdout))
         if logs.tee_stderr and logs.stderr_path:
-            prefix = logs.prefix if logs.stderr_prefixed else ""
-            finishers.append(self.follow(logs.stderr_path, prefix, stream="stderr", copy=logs.copy_stderr))
+            finishers.append(self.follow(logs.stderr_path, logs.prefix, stream="stderr", copy=logs.copy_stderr,
+                                         raw=not logs.stderr_prefixed))
 
         def finish_all() -> None:
             for finish in finishers:
@@ -167,6 +171,8 @@ class ConsoleTee:
         data = entry.handle.read(1 << 16)
         if not data:
             return False
+        if entry.raw:
+            self._emit(entry, data)
         buffered = entry.partial + data
         lines = buffered.split(b"\n")
         entry.partial = lines.pop()
@@ -176,14 +182,16 @@ class ConsoleTee:
             cut, entry.partial = entry.partial, b""
         shown = lines + [cut] if cut else lines
         if shown:
-            self._emit(entry, b"".join(entry.prefix + line + b"\n" for line in shown))
+            if not entry.raw:
+                self._emit(entry, b"".join(entry.prefix + line + b"\n" for line in shown))
             self._copy(entry, lines)
             self._copy(entry, [cut] if cut else [], terminated=False)
         return True
 
     def _flush_partial(self, entry: _Follow) -> None:
         if entry.partial:
-            self._emit(entry, entry.prefix + entry.partial + b"\n")
+            if not entry.raw:  # raw: shown already, and the worker chose not to end the line
+                self._emit(entry, entry.prefix + entry.partial + b"\n")
             self._copy(entry, [entry.partial], terminated=False)
             entry.partial = b""
 
