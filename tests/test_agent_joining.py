@@ -39,8 +39,10 @@ def test_a_join_unanswered_for_a_while_is_told_once() -> None:
 
 def test_refusals_of_a_join_end_the_agent_with_the_reason() -> None:
     j = JoinState("tcp://h:1", join_timeout_s=3, now=0.0)
-    with pytest.raises(RendezvousError, match="job is full"):
-        j.on_reject({"reason": "job is full: 2 node(s) already joined"})
+    with pytest.raises(RendezvousError, match="job j is over"):
+        j.on_reject({"reason": "job j is over"})
+    with pytest.raises(RendezvousError, match="--nnodes mismatch"):
+        j.on_reject({"reason": "--nnodes mismatch: this node says 2:2, the job is 3:3", "wait": False})
     # "fenced" from a node that never was a member is a refusal like any other
     with pytest.raises(RendezvousError, match="not a member"):
         j.on_reject({"reason": "not a member of the job", "fenced": True})
@@ -68,3 +70,25 @@ def test_a_fenced_member_joins_again_at_once_carrying_what_it_kept() -> None:
     assert j2.join_due(114.0) and j2.join_fields() == {"snapshots": {}, "snapshot_bytes": {}}
     with pytest.raises(RendezvousError, match="within 15 s"):
         j2.join_due(116.0)
+
+
+def test_a_full_job_is_waited_out_until_a_place_frees_or_the_join_timeout() -> None:
+    # A crashed node's replacement may ask before the crash is noticed: "full" is for now.
+    j = JoinState("tcp://h:1", join_timeout_s=20, now=0.0)
+    assert j.join_due(0.0)
+    full = {"reason": "job is full: 2 node(s) already joined", "wait": True}
+    assert j.on_reject(full) is Refusal.WAIT
+    notice = j.waiting_notice(full["reason"])
+    assert notice is not None and "no place for this node yet (job is full: 2 node(s) already joined)" in notice
+    assert j.waiting_notice(full["reason"]) is None  # said once
+    assert j.quiet_notice(15.0) is None  # it did answer: no "no answer yet"
+    assert not j.join_due(0.5) and j.join_due(1.0)  # still asking, every second
+    assert j.on_reject(full) is Refusal.WAIT
+    j.on_welcome()  # a member was lost: the next join got its place
+    assert j.welcomed and j.refused is None
+    late = JoinState("tcp://h:1", join_timeout_s=20, now=0.0)
+    late.on_reject(full)
+    late.waiting_notice(full["reason"])
+    with pytest.raises(RendezvousError, match=r"refused this node for 20 s: job is full"):
+        late.join_due(20.5)
+

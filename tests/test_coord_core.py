@@ -187,7 +187,15 @@ def test_join_refusals() -> None:
     assert "mismatch" in sends(core.on_join("x", join("x", mn=1, mx=2), 0), "reject")["x"]["reason"]
     core.on_join("a", join("a"), 0)
     core.on_join("b", join("b"), 0)
-    assert "full" in sends(core.on_join("c", join("c"), 0), "reject")["c"]["reason"]
+    full = core.on_join("c", join("c"), 0)
+    assert "full" in sends(full, "reject")["c"]["reason"] and sends(full, "reject")["c"]["wait"] is True
+    assert [o.fields["waits"] for o in full if isinstance(o, Emit) and o.kind == "join_refused"] == [True]
+    again = core.on_join("c", join("c"), 1)  # the waiting agent asks every second: logged once
+    assert sends(again, "reject")["c"]["wait"] is True and not [o for o in again if isinstance(o, Emit)]
+    # once b is lost (silent past the heartbeat timeout), c gets its place
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 4)
+    core.tick(4.0)
+    assert "c" in sends(core.on_join("c", join("c"), 4.1), "welcome")
 
 
 def test_late_joiner_grows_the_job_without_spending_budget() -> None:

@@ -78,6 +78,31 @@ def test_two_agents_meet_at_an_ipv6_endpoint_and_a_static_ipv6_master(workdir, l
     assert (workdir / "out2.txt").exists()
 
 
+def test_a_crashed_nodes_replacement_that_asks_too_early_waits_for_its_place(workdir, launch) -> None:
+    # A scheduler restarts a crashed node at once: its join arrives while the dead node still
+    # counts (it is declared lost only after the heartbeat timeout). The job is full for now,
+    # so the replacement keeps asking, gets the place, and the job finishes.
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = agent_args(workdir, port, "2", "--redirects", "1", steps=400, sleep=0.05)
+    a = launch(args, workdir, env)
+    wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "a's coordinator to listen")
+    b = launch(args, workdir, env)
+    _wait_for_output(workdir, "starts at step", 2)
+    b.proc.send_signal(signal.SIGKILL)  # its workers die with it (PDEATHSIG)
+    b.proc.wait(10)
+    replacement = launch(args, workdir, env)
+    for item in (a, replacement):
+        code, out, err = item.wait(120)
+        assert code == 0, err
+    assert (workdir / "out.txt").exists()
+    events = read_events(workdir / "logs")
+    refused = [e for e in events if e["kind"] == "join_refused"]
+    assert refused and all(e["waits"] for e in refused) and "job is full" in refused[0]["reason"], refused
+    lost = [e for e in events if e["kind"] == "node_lost"]
+    assert lost and lost[0]["ts"] > refused[0]["ts"]  # asked before the loss, admitted after it
+
+
 def test_working_rank_on_one_node_keeps_the_other_node_from_calling_a_hang(workdir, launch) -> None:
     # Rank 1 evaluates for 6 s while rank 0, on the other node, idles in a barrier: rank 0's
     # agent sees only idle ranks, and must hear from the coordinator that the job is working

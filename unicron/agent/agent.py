@@ -246,8 +246,11 @@ class Agent:
                 self.ui.info("job finished: all workers exited 0")
                 return 0
             elif msg.kind == "reject":
-                if self.joining.on_reject(body) is Refusal.FENCED:
+                refusal = self.joining.on_reject(body)
+                if refusal is Refusal.FENCED:
                     self._fenced(body["reason"])
+                elif refusal is Refusal.WAIT and (notice := self.joining.waiting_notice(body["reason"])):
+                    self.ui.warn(notice)
 
     def _fenced(self, reason: str) -> None:
         """The coordinator no longer counts this node (see ``unicron.agent.joining``). Its

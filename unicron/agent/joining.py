@@ -25,6 +25,7 @@ STACK_STOP_MARGIN_S = 10.0  # the coordinator's stop timeout beyond the grace pe
 class Refusal(enum.Enum):
     FENCED = "fenced"  # a member no more: stop the workers and join again
     STALE = "stale"  # the answer to a heartbeat sent before the re-join: the join's answer decides
+    WAIT = "wait"  # no place yet (the job is full): keep asking until the join timeout
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class JoinState:
         self.last_sent: float | None = None
         self.rejoin: Rejoin | None = None
         self.noticed = False
+        self.refused: str | None = None  # why the last join was turned away, while it waits for a place
 
     def quiet_notice(self, now: float) -> str | None:
         """Once, when a first join has gone unanswered for a while: what to tell the user. The
@@ -58,7 +60,8 @@ class JoinState:
         this node's messages (another secret) would otherwise keep it silent for the whole
         join timeout."""
         after = min(QUIET_NOTICE_S, self.join_timeout_s / 2)
-        if self.welcomed or self.noticed or self.rejoin is not None or now - self.started < after:
+        if self.welcomed or self.noticed or self.rejoin is not None or self.refused is not None \
+                or now - self.started < after:
             return None
         self.noticed = True
         return (f"no answer yet from the coordinator at {self.endpoint} after {after:g} s; still trying for up "
@@ -70,6 +73,9 @@ class JoinState:
         if self.welcomed or (self.last_sent is not None and now - self.last_sent < JOIN_RETRY_S):
             return False
         if now - self.started > self.join_timeout_s:
+            if self.refused is not None:
+                raise RendezvousError(f"the coordinator refused this node for {self.join_timeout_s:g} s: "
+                                      f"{self.refused}")
             raise RendezvousError(f"no coordinator answered at {self.endpoint} within {self.join_timeout_s:g} s "
                                   "(a coordinator drops, unanswered, what is signed with another UNICRON_SECRET)")
         self.last_sent = now
@@ -77,17 +83,29 @@ class JoinState:
 
     def on_welcome(self) -> Rejoin | None:
         """Now a member; returns the re-join this ends, if it was one."""
-        ended, self.welcomed, self.rejoin = self.rejoin, True, None
+        ended, self.welcomed, self.rejoin, self.refused = self.rejoin, True, None, None
         return ended
 
     def on_reject(self, body: dict[str, Any]) -> Refusal:
-        """A refusal of a join (the job is over, full, or of another shape) ends the agent."""
+        """A refusal of a join that can pass (the job is full now: a member may be lost soon, as
+        when a crashed node's replacement starts before the crash is noticed) is waited out;
+        any other (the job is over, or of another shape) ends the agent."""
         if body.get("fenced") is True:
             if self.welcomed:
                 return Refusal.FENCED
             if self.rejoin is not None:
                 return Refusal.STALE
+        if body.get("wait") is True and not self.welcomed:
+            return Refusal.WAIT
         raise RendezvousError(f"the coordinator refused this node: {body['reason']}")
+
+    def waiting_notice(self, reason: str) -> str | None:
+        """What to tell the user when a join is turned away for now: once per distinct reason."""
+        if reason == self.refused:
+            return None
+        self.refused = reason
+        return (f"the coordinator has no place for this node yet ({reason}); asking again every "
+                f"{JOIN_RETRY_S:g} s until a member is lost, for up to {self.join_timeout_s:g} s")
 
     def fenced(self, rejoin: Rejoin, now: float, timeout_s: float) -> None:
         """Join again at once, carrying ``rejoin``, for at most ``timeout_s``: the coordinator

@@ -50,6 +50,7 @@ class JobCore:
         self.transfer_bytes = 0
         self._down_since: float | None = None
         self._told_silent: frozenset[str] = frozenset()  # silent nodes the others were told of
+        self._refused: dict[str, str] = {}  # node -> why its last join was refused (logged once)
 
     # ---- messages from agents ------------------------------------------------------
     def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -62,8 +63,13 @@ class JobCore:
         known = self.members.is_active(node_id)
         result = self.members.join(node_id, body["host"], body["nproc"], body.get("node_rank"), now)
         if not result.accepted:
-            return [Send(node_id, "reject", {"reason": result.reason}),
-                    Emit("join_refused", {"node_id": node_id, "host": body["host"], "reason": result.reason})]
+            out_refused: list[Out] = [Send(node_id, "reject", {"reason": result.reason, "wait": result.transient})]
+            if self._refused.get(node_id) != result.reason:  # a waiting agent asks every second: log it once
+                self._refused[node_id] = result.reason
+                out_refused.append(Emit("join_refused", {"node_id": node_id, "host": body["host"],
+                                                         "reason": result.reason, "waits": result.transient}))
+            return out_refused
+        self._refused.pop(node_id, None)
         out: list[Out] = [Send(node_id, "welcome", {"node_id": node_id, "epoch": self.members.epoch})]
         if known:
             return out

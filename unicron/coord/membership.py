@@ -37,6 +37,9 @@ class NodeRecord:
 class JoinResult:
     accepted: bool
     reason: str = ""
+    # No place now, but there may be one soon (a member about to be declared lost): the agent
+    # keeps asking, as torchrun's extra nodes wait in the rendezvous, instead of ending.
+    transient: bool = False
 
 
 class Membership:
@@ -83,13 +86,14 @@ class Membership:
             existing.last_heartbeat = now  # a re-sent join (the agent retries until welcomed)
             return JoinResult(True)
         if len(self.active()) >= self.max_nodes:
-            return JoinResult(False, f"job is full: {self.max_nodes} node(s) already joined")
+            return JoinResult(False, f"job is full: {self.max_nodes} node(s) already joined", transient=True)
         if requested_rank is not None:
             if requested_rank >= self.max_nodes:
                 return JoinResult(False, f"--node-rank {requested_rank} is not below --nnodes {self.max_nodes}")
             taken = [n for n in self.active() if n.requested_rank == requested_rank]
             if taken:
-                return JoinResult(False, f"node rank {requested_rank} is already taken by {taken[0].host}")
+                return JoinResult(False, f"node rank {requested_rank} is already taken by {taken[0].host}",
+                                  transient=True)
         record = NodeRecord(node_id, host, nproc, requested_rank, now, now)
         if existing is not None:
             # A fenced node back (same agent): it asks for its old place, so the ranks it holds

@@ -38,7 +38,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "inject": bool},
     "stop": {"attempt": int, "reason": str, "want_stacks": bool},
     "shutdown": {"exit_code": int, "reason": str},
-    "reject": {"reason": str, "fenced?": bool},  # fenced: no longer a member (re-join)
+    # fenced: no longer a member (re-join); wait: no place yet, ask again (a member may be lost soon)
+    "reject": {"reason": str, "fenced?": bool, "wait?": bool},
     "status": {"snapshot": dict},
 }
 
