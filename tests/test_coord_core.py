@@ -143,6 +143,21 @@ def test_lost_node_in_elastic_job_reforms_with_survivors() -> None:
     assert assigns["a"]["restore_step"] is None  # world size changed: b's ranks are gone
 
 
+def test_reforming_after_a_loss_waits_for_no_last_call() -> None:
+    # Formed at MAX at once; the last call (30 s) would have counted from the first join, so a
+    # loss at 4.5 s used to leave the survivors idle until 30 s, silently.
+    job = JobSpec("job", 1, 2, max_restarts=3, last_call_s=30, heartbeat_timeout_s=3, join_timeout_s=60,
+                  stop_timeout_s=10, heartbeat_interval_s=0.5)
+    core = JobCore(job, ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_join("b", join("b", mn=1, mx=2), 0)
+    started(core, 0.1)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 3.5)
+    core.tick(4.5)  # b lost
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 5)
+    assert any(isinstance(o, OpenStore) for o in outs), outs
+
+
 def test_a_fixed_size_job_missing_a_node_says_it_waits_for_it() -> None:
     core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
     core.on_join("a", join("a"), 0)

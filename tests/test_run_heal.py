@@ -56,6 +56,16 @@ def test_fault_heals_and_matches_failure_free_run(workdir, reference_hash, fault
     assert [e["warm"] for e in started] == [2, 2]
 
 
+def test_a_failure_right_after_a_restore_is_reported_at_the_restored_step(workdir, reference_hash) -> None:
+    code, out, err = _train(workdir, "healed.txt", "--inject", "kill@1:5", script_args=("--fail-after-restore", "0"))
+    assert code == 0, err
+    assert (workdir / "healed.txt").read_text() == reference_hash
+    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
+    assert len(starts) == 3 and starts[1]["restore_step"] == starts[2]["restore_step"]
+    # The rank had restored that step when it failed: the step it had reached, not 0.
+    assert f"exception on rank 0 at step {starts[1]['restore_step']}: RuntimeError: failing on purpose" in err, err
+
+
 def test_hang_is_detected_culprit_named_and_healed(workdir, reference_hash) -> None:
     code, out, err = _train(workdir, "healed.txt", "--inject", "hang@1:6", steps=12, sleep=0.05)
     assert code == 0, err

@@ -24,6 +24,8 @@ parser.add_argument("--no-state", action="store_true")
 # --pause KIND@RANK:STEP:SECONDS, KIND eval (forward passes, as an evaluation loop), io (writing
 # a file, little CPU) or native (computing in C calls, the Python frame still, as a spin-wait).
 parser.add_argument("--pause", default="")
+# --fail-after-restore RANK: that rank raises right after restoring, in the first restart only
+parser.add_argument("--fail-after-restore", type=int, default=-1)
 args = parser.parse_args()
 
 
@@ -60,6 +62,8 @@ opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 state = None if args.no_state else unicron.State(model=model, optimizer=opt)
 start = state.restore() if state is not None else 0
 print(f"rank {rank} starts at step {start} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')})", flush=True)
+if rank == args.fail_after_restore and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
+    raise RuntimeError(f"failing on purpose right after restoring step {start}")
 for step in range(start, args.steps):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 8, generator=g)

@@ -115,7 +115,9 @@ class WorkerGroup:
                 proc = start_worker(self.cmd, env, plan, tee=self.tee)
             else:
                 self.warm_starts += 1
-            self.ranks[plan.rank] = RankState(plan.rank, plan.local_rank, proc, plan, now)
+            # A restored rank starts at the step it restores: its faults and status count from there.
+            self.ranks[plan.rank] = RankState(plan.rank, plan.local_rank, proc, plan, now,
+                                              step=self.spec.restore_step or 0)
         # Hang detection runs on the monotonic clock: a wall-clock step (NTP, a VM pause) must
         # not look like a stall.
         self.hang.start(time.monotonic(), list(self.ranks))

@@ -225,7 +225,11 @@ class JobCore:
             have = len(self.members.active())
             waited_out = now - self.waiting_since > self.spec.join_timeout_s
             # With MIN nodes the join timeout ends the wait for more (a last call longer than it).
-            if now >= self.not_before and (self.members.ready(now) or (waited_out and have >= self.spec.min_nodes)):
+            # Re-forming after a failure waits for no last call: the survivors are known, and a
+            # node that comes later joins the running job (which re-forms with it).
+            reforming = self.next_attempt > 0 and have >= self.spec.min_nodes
+            if now >= self.not_before and (self.members.ready(now) or reforming
+                                           or (waited_out and have >= self.spec.min_nodes)):
                 self.store_pending = True
                 out.append(OpenStore(self.next_attempt))
             elif waited_out and have < self.spec.min_nodes:

@@ -75,9 +75,11 @@ def _str(value: Any, name: str) -> str:
 class Fault:
     """One observed failure of one rank, node or GPU (or of the whole job, for a hang).
 
-    ``steps_completed`` is the number of steps the failed rank (or the job) completed in the
-    attempt that failed; ``None`` means unknown (e.g. ``--no-inject``: no step reports), which
-    the classifier and the policy treat as "maybe made progress", never as zero.
+    ``steps_completed`` is the step the failed rank (or the slowest rank, for a hang) had
+    completed, counting the steps its attempt restored; 0 only for a rank that never completed
+    one; ``None`` means unknown (e.g. ``--no-inject``: no step reports), which the classifier and
+    the policy treat as "maybe made progress", never as zero. (Progress within the attempt, for
+    the crash-loop guard, is counted apart.)
     """
 
     kind: str
