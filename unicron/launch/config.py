@@ -289,7 +289,8 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
     elif max_nodes == 1 and v["coordinator"] is None:
         secret, secret_source = secrets.token_hex(32).encode(), "generated"
     else:
-        why = f"{label['coordinator']} {v['coordinator']}" if v["coordinator"] else f"{max_nodes} nodes"
+        nodes = f"{max_nodes} nodes" if min_nodes == max_nodes else f"up to {max_nodes} nodes"
+        why = f"{label['coordinator']} {v['coordinator']}" if v["coordinator"] else nodes
         raise UsageError(f"this job ({why}) needs the same secret on every node: set UNICRON_SECRET or "
                          "pass --secret-file PATH")
 
