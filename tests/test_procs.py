@@ -231,6 +231,20 @@ def test_tee_finish_drains_everything_written(tmp_path: Path) -> None:
     assert tee.pending() == 0
 
 
+def test_a_teed_stream_ends_lines_at_carriage_returns_as_torchrun_does(tmp_path: Path) -> None:
+    log = tmp_path / "stdout.log"
+    console = io.BytesIO()
+    tee = ConsoleTee(stdout=console, interval_s=0.01)
+    with open(log, "wb", buffering=0) as writer:
+        finish = tee.follow(str(log), "[p]:")
+        writer.write(b"a\rb\r")  # the \r may be half of a \r\n: nothing extra until the next read
+        wait_until(lambda: console.getvalue() == b"[p]:a\n", timeout_s=10, what="the first line")
+        writer.write(b"\nc\n10%\r20%\r")
+    finish()
+    tee.close(timeout_s=30)
+    assert console.getvalue() == b"[p]:a\n[p]:b\n[p]:c\n[p]:10%\n[p]:20%\n"
+
+
 def test_an_untouched_stream_shows_partial_lines_at_once_and_byte_for_byte(tmp_path: Path) -> None:
     # A worker's stderr that the user did not tee is echoed raw: a progress bar's "\r" updates
     # show as they are written (not when a newline finally comes), and no newline is added.

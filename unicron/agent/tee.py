@@ -10,12 +10,15 @@ attempt's shared ``filtered_stdout.log`` (``filtered_stderr.log``); see ``unicro
 from __future__ import annotations
 
 import io
+import re
 import sys
 import threading
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
 from unicron.agent.logs import LineCopy, RankLogs, copied_lines
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 class Console(Protocol):
@@ -174,8 +177,13 @@ class ConsoleTee:
         if entry.raw:
             self._emit(entry, data)
         buffered = entry.partial + data
-        lines = buffered.split(b"\n")
-        entry.partial = lines.pop()
+        held = b""
+        if buffered.endswith(b"\r"):  # maybe half of a \r\n: decided with the next read
+            buffered, held = buffered[:-1], b"\r"
+        # \r\n, \r and \n each end a line, as in torchrun's text-mode tail: a progress bar's
+        # updates become prefixed lines of their own.
+        lines = _LINE_END.split(buffered)
+        entry.partial = lines.pop() + held
         cut = b""
         if len(entry.partial) > self.max_line_bytes:
             # A line with no newline in sight (a progress bar with \r) is shown in pieces.
@@ -191,7 +199,7 @@ class ConsoleTee:
     def _flush_partial(self, entry: _Follow) -> None:
         if entry.partial:
             if not entry.raw:  # raw: shown already, and the worker chose not to end the line
-                self._emit(entry, entry.prefix + entry.partial + b"\n")
+                self._emit(entry, entry.prefix + entry.partial.removesuffix(b"\r") + b"\n")
             self._copy(entry, [entry.partial], terminated=False)
             entry.partial = b""
 
