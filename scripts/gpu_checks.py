@@ -247,23 +247,21 @@ def check_pynvml(ctx: Context) -> Result:
     return ok, line, details
 
 
+def run_probe(ctx: Context, script: str) -> dict[str, Any]:
+    """A job script that prints one JSON line: that line, or what it printed when it did not."""
+    code, out, err = run_command([sys.executable, str(JOBS / script)], ctx.env, min(ctx.left(), 120), ctx.work)
+    try:
+        return dict(json.loads(out.strip().splitlines()[-1]))
+    except (ValueError, IndexError, TypeError):
+        return {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
+
+
 def check_warm(ctx: Context) -> Result:
     from unicron.agent.logs import RankLogs
     from unicron.agent.signals import set_child_subreaper
     from unicron.agent.warm import WarmPool
 
-    code, out, err = run_command([sys.executable, str(JOBS / "driver_probe.py")], ctx.env, min(ctx.left(), 120),
-                                 ctx.work)
-    try:
-        probe = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        probe = {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
-    code, out, err = run_command([sys.executable, str(JOBS / "driver_states.py")], ctx.env, min(ctx.left(), 120),
-                                 ctx.work)
-    try:
-        states = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        states = {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
+    probe, states = run_probe(ctx, "driver_probe.py"), run_probe(ctx, "driver_states.py")
     work = ctx.work / "warm"
     work.mkdir()
     shutil.copy(JOBS / "warm_probe.py", work / "warm_probe.py")
