@@ -21,6 +21,8 @@ Each check is one JSON record (``name, ok, seconds, summary, details`` or ``erro
   ``--max-restarts 1``: the decision (severity, rule, reason) and whether the restart recovered.
 - ``crash``: ``--inject kill@1:5 --max-restarts 1`` with ``unicron.State``: detection time,
   decision, recovery (exit 0), ``restore_step``.
+- ``nccl-faults`` (one GPU only, where the 2-rank checks run gloo): the ``cuda-assert`` and
+  ``crash`` jobs again over NCCL with one rank.
 
 The 2-rank jobs use NCCL with a GPU per rank; on one GPU both ranks share cuda:0 over gloo on
 CUDA tensors (NCCL refuses two ranks on one GPU) and the JSON says so. Without CUDA the script
@@ -52,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CHECKS = ("pynvml", "warm", "nccl", "hang", "hang-item", "cuda-assert", "crash", "snapshot")
+CHECKS = ("pynvml", "warm", "nccl", "hang", "hang-item", "cuda-assert", "crash", "nccl-faults", "snapshot")
 FAULT_STEP = 5
 ASSERT_STEP = 3
 STEPS = 120
@@ -199,7 +201,7 @@ def run_job(ctx: Context, name: str, *, inject: str | None, max_restarts: int, s
            str(script), str(STEPS), sync, str(assert_step), str(step_logs)]
     t0 = time.monotonic()
     try:
-        env = {**ctx.env, "GPU_CHECK_BACKEND": backend or ctx.backend}
+        env = {**ctx.env, "GPU_CHECK_BACKEND": backend or ctx.backend, "GPU_CHECK_FAULT_RANK": str(fault_rank)}
         code, out, err = run_command(cmd, env, ctx.left(), work)
     finally:
         leftovers = kill_leftovers(str(work))
@@ -343,6 +345,26 @@ def check_cuda_assert(ctx: Context) -> Result:
     return ok, line, s
 
 
+def check_nccl_faults(ctx: Context) -> Result:
+    """With one GPU the 2-rank fault checks run gloo: here the CUDA-error and crash paths run
+    over NCCL with one rank (the restart builds a new NCCL communicator in a warm fork)."""
+    if ctx.backend == "nccl":
+        return True, "skipped: the 2-rank checks already run NCCL", {"skip": True}
+    backend = "nccl" if ctx.device == "cuda" else "gloo"  # gloo on CPU (--cpu): this script's own test
+    asserted = run_job(ctx, "nccl-assert", inject=None, max_restarts=1, assert_step=ASSERT_STEP, nproc=1,
+                       backend=backend, fault_rank=0)
+    killed = run_job(ctx, "nccl-crash", inject=f"kill@0:{FAULT_STEP}", max_restarts=1, nproc=1, backend=backend,
+                     fault_rank=0)
+    rule = asserted["decisions"][0]["rule"] if asserted["decisions"] else None
+    ok = (rule == ("cuda-error" if ctx.device == "cuda" else "uncaught-exception") and asserted["exit_code"] == 0
+          and killed["exit_code"] == 0 and killed["restore_step"] is not None)
+    line = (f"{backend} x1: device-side assert {describe_decision(asserted)}, restore_step {asserted['restore_step']}, "
+            f"exit {asserted['exit_code']}; SIGKILL seen {killed['detection_s']}s after the fault, "
+            f"{describe_decision(killed)}, restore_step {killed['restore_step']}, exit {killed['exit_code']}, "
+            f"warm-started ranks {killed['warm']}")
+    return ok, line, {"assert": asserted, "crash": killed}
+
+
 def check_crash(ctx: Context) -> Result:
     s = run_job(ctx, "crash", inject=f"kill@1:{FAULT_STEP}", max_restarts=1)
     first = s["first_fault"] or {}
@@ -371,7 +393,8 @@ def check_snapshot(ctx: Context) -> Result:
 
 CHECK_FUNCS: dict[str, Callable[[Context], Result]] = {
     "pynvml": check_pynvml, "warm": check_warm, "nccl": check_nccl, "hang": check_hang, "hang-item": check_hang_item,
-    "cuda-assert": check_cuda_assert, "crash": check_crash, "snapshot": check_snapshot,
+    "cuda-assert": check_cuda_assert, "crash": check_crash, "nccl-faults": check_nccl_faults,
+    "snapshot": check_snapshot,
 }
 
 

@@ -166,6 +166,16 @@ def test_cpu_run_of_the_warm_hang_crash_and_snapshot_checks(workdir: Path) -> No
     assert snap["device"] == "cpu" and snap["exact"] == [True, True, True] and snap["ratio_background"] > 0
 
 
+def test_cpu_run_of_the_one_rank_fault_checks(workdir: Path) -> None:
+    out_file = workdir / "one.json"
+    code, out, err = run_script(["--cpu", "--out", str(out_file), "--only", "nccl-faults"], workdir)
+    assert code == 0, err
+    single = checks_by_name(out_file)["nccl-faults"]  # on CPU: the one-rank jobs over gloo
+    assert single["ok"] is True, single
+    assert single["details"]["assert"]["decisions"][0]["rule"] == "uncaught-exception"
+    assert single["details"]["crash"]["restore_step"] == 4 and single["details"]["crash"]["backend"] == "gloo"
+
+
 def test_a_check_past_its_timeout_is_stopped_and_recorded(workdir: Path) -> None:
     out_file = workdir / "t.json"
     code, out, err = run_script(["--cpu", "--out", str(out_file), "--only", "crash", "--timeout-per-check", "3"],

@@ -29,6 +29,7 @@ from unicron.agent.rootcause import (
     read_tail,
     root_cause,
     signal_name,
+    stderr_summary,
     tail_lines,
 )
 
@@ -179,6 +180,40 @@ def test_make_failure_prefers_the_error_file_over_stderr() -> None:
     assert no_file.error is None and no_file.error_file is None
     assert no_file.traceback == "noise\nlast words" and no_file.summary == "last words"
     assert no_file.timestamp == 60.0
+
+
+# What a rank killed by NCCL's watchdog leaves on stderr (torch 2.11 + CUDA 13 on an H200, a
+# device-side assert the watchdog found first): the process ends in std::terminate, SIGABRT.
+NCCL_WATCHDOG_ABORT = """\
+[rank0]:[E1204 16:46:22.791] [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread terminated with exception: CUDA error: device-side assert triggered
+Search for `cudaErrorAssert' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.
+CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.
+For debugging consider passing CUDA_LAUNCH_BLOCKING=1
+Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.
+
+Exception raised from query at /pytorch/c10/cuda/CUDAEvent.h:111 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f018df7305d in libc10.so)
+frame #4: c10d::ProcessGroupNCCL::Watchdog::runLoop() + 0x9c3 (0x7f00d99071d3 in libtorch_cuda.so)
+
+terminate called after throwing an instance of 'c10::DistBackendError'
+  what():  [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread terminated with exception: CUDA error: device-side assert triggered
+Search for `cudaErrorAssert' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.
+Exception raised from run at /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2125 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f018df7305d in libc10.so)
+frame #4: <unknown function> + 0x129ecc (0x7f0194129ecc in /lib/x86_64-linux-gnu/libc.so.6)
+"""
+
+
+def test_the_summary_of_a_crash_report_is_its_error_not_its_last_stack_frame() -> None:
+    expected = ("[PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread terminated with exception: "
+                "CUDA error: device-side assert triggered")
+    assert stderr_summary(NCCL_WATCHDOG_ABORT) == expected
+    # the what() line cut off by the tail's limit: the last line that is not a frame or a hint
+    head = NCCL_WATCHDOG_ABORT.split("terminate called")[0]
+    assert stderr_summary(head).endswith("terminated with exception: CUDA error: device-side assert triggered")
+    traceback = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    boom()\nKeyError: 1\n'
+    assert stderr_summary(traceback) == "KeyError: 1"
+    assert stderr_summary("frame #0: only frames\n") == "frame #0: only frames" and stderr_summary("") == ""
 
 
 def test_read_tail_reads_only_the_end(tmp_path: Path) -> None:

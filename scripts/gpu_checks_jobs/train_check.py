@@ -1,8 +1,9 @@
 """The job of gpu_checks.py's checks nccl, hang, hang-item, cuda-assert and crash.
 
 A small MLP, gradients averaged with all_reduce, unicron.State. It writes "pre STEP TIME ATTEMPT"
-just before each optimizer step; the injected fault fires in that step's hook, so rank 1's last
-"pre" line is when the fault happened. Arguments: STEPS SYNC(barrier|item) ASSERT_STEP STEP_LOG_DIR.
+just before each optimizer step; the injected fault fires in that step's hook, so the faulty
+rank's last "pre" line is when the fault happened (GPU_CHECK_FAULT_RANK: the rank that hits the
+device-side assert, 1 by default). Arguments: STEPS SYNC(barrier|item) ASSERT_STEP STEP_LOG_DIR.
 """
 import os
 import sys
@@ -17,6 +18,7 @@ steps, sync, assert_step, log_dir = int(sys.argv[1]), sys.argv[2], int(sys.argv[
 rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 cuda = os.environ["GPU_CHECK_DEVICE"] == "cuda"
+fault_rank = int(os.environ.get("GPU_CHECK_FAULT_RANK", "1"))  # the rank that hits the device-side assert
 if cuda:
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
 device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -37,7 +39,7 @@ for step in range(start, steps):
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
     log.write(f"pre {step + 1} {time.time():.6f} {attempt}\n")
-    if rank == 1 and attempt == 0 and step + 1 == assert_step:
+    if rank == fault_rank and attempt == 0 and step + 1 == assert_step:
         # Index 5 of 2: on CUDA the bounds check of the index kernel is a device-side assert.
         # (No error words on the failing line: the classifier reads a traceback's source lines.)
         print(torch.zeros(2, device=device)[torch.tensor([5], device=device)])
