@@ -409,3 +409,16 @@ def test_a_node_that_left_is_described_by_its_reason_not_as_silent() -> None:
     assert lost.rule == left.rule == "node-lost"
     assert lost.reason == "node n1 stopped answering heartbeats"
     assert left.reason == "node n1 left: interrupted by SIGTERM"
+
+
+def test_a_process_ended_by_a_cxx_exception_is_described_by_its_message() -> None:
+    # NCCL's watchdog met a device-side assert first: std::terminate, SIGABRT, stack frames last.
+    tail = ("terminate called after throwing an instance of 'c10::DistBackendError'\n"
+            "  what():  [PG ID 0 Rank 0] Process group watchdog thread terminated with exception: "
+            "CUDA error: device-side assert triggered\n"
+            "Exception raised from run at ProcessGroupNCCL.cpp:2125 (most recent call first):\n"
+            "frame #4: <unknown function> + 0x129ecc (0x7f0194129ecc in /lib/x86_64-linux-gnu/libc.so.6)\n")
+    c = classify(Fault(kind="exit", ts=1.0, rank=0, exitcode=-6, stderr_tail=tail), ())
+    assert c.rule == "cuda-error"
+    assert "watchdog thread terminated with exception: CUDA error: device-side assert triggered" in c.reason
+    assert "frame #" not in c.reason

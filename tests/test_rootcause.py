@@ -29,9 +29,9 @@ from unicron.agent.rootcause import (
     read_tail,
     root_cause,
     signal_name,
-    stderr_summary,
     tail_lines,
 )
+from unicron.detect.faults import stderr_summary
 
 PY = sys.executable
 

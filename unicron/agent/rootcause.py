@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import time
@@ -29,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from unicron.detect.faults import stderr_summary
 
 if TYPE_CHECKING:
     from unicron.agent.procs import WorkerProcess
@@ -75,28 +76,6 @@ class WorkerFailure:
         if self.error is not None and self.error.message.strip():
             return self.error.message.strip().splitlines()[0]
         return stderr_summary(self.stderr_tail)
-
-
-# Lines of a crash report that say where or how to debug, not what went wrong: C++ stack frames
-# (torch's c10::Error dumps them), CUDA's standard hints, indented traceback lines.
-_NOT_THE_ERROR = re.compile(r"^(frame #\d+:|Exception raised from |Search for `|CUDA kernel errors might|"
-                            r"For debugging consider|Compile with `TORCH_USE_CUDA_DSA`|\s)")
-_CXX_WHAT = re.compile(r"^\s*what\(\):\s*(\S.*)$")  # std::terminate's report of the C++ exception
-
-
-def stderr_summary(tail: str) -> str:
-    """The line of a dead process's stderr that says what went wrong: the message of the C++
-    exception that terminated it (an NCCL watchdog's ``what():``), else the last line that is
-    not a stack frame or a debugging hint, else the last line."""
-    lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
-    for line in reversed(lines):
-        found = _CXX_WHAT.match(line)
-        if found:
-            return found.group(1).strip()
-    for line in reversed(lines):
-        if not _NOT_THE_ERROR.match(line):
-            return line.strip()
-    return lines[-1].strip() if lines else ""
 
 
 def signal_name(exitcode: int) -> str | None:

@@ -13,7 +13,7 @@ import signal as _signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from unicron.detect.faults import DEFAULT_ACTION, Classification, Fault, Severity
+from unicron.detect.faults import DEFAULT_ACTION, Classification, Fault, Severity, stderr_summary
 
 # Health faults this close (seconds) to a worker fault on the same node are evidence about it.
 HEALTH_EVIDENCE_WINDOW_S = 30.0
@@ -139,8 +139,7 @@ def _error_summary(fault: Fault, ev: Evidence) -> str:
     if ev.exception_type:
         msg = _short(ev.exception_message)
         return f"{ev.exception_type}: {msg}" if msg else ev.exception_type
-    tail = _strip_prefixes(fault.stderr_tail).strip()
-    return _short(fault.message) or _short(tail.splitlines()[-1] if tail else "")
+    return _short(fault.message) or _short(stderr_summary(_strip_prefixes(fault.stderr_tail)))
 
 
 def _has(*needles: str, case: bool = True) -> Callable[[Fault, Evidence], bool]:

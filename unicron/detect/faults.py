@@ -8,6 +8,7 @@ every type here has an explicit ``to_dict``/``from_dict`` (never pickle).
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -188,3 +189,25 @@ class Classification:
             )
         except KeyError as exc:
             raise ValueError(f"classification field {exc.args[0]!r} is missing") from None
+
+
+# Lines of a crash report that say where or how to debug, not what went wrong: C++ stack frames
+# (torch's c10::Error dumps them), CUDA's standard hints, indented traceback lines.
+_NOT_THE_ERROR = re.compile(r"^(frame #\d+:|Exception raised from |Search for `|CUDA kernel errors might|"
+                            r"For debugging consider|Compile with `TORCH_USE_CUDA_DSA`|\s)")
+_CXX_WHAT = re.compile(r"^\s*what\(\):\s*(\S.*)$")  # std::terminate's report of the C++ exception
+
+
+def stderr_summary(tail: str) -> str:
+    """The line of a dead process's stderr that says what went wrong: the message of the C++
+    exception that terminated it (an NCCL watchdog's ``what():``), else the last line that is
+    not a stack frame or a debugging hint, else the last line."""
+    lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        found = _CXX_WHAT.match(line)
+        if found:
+            return found.group(1).strip()
+    for line in reversed(lines):
+        if not _NOT_THE_ERROR.match(line):
+            return line.strip()
+    return lines[-1].strip() if lines else ""
