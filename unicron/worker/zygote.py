@@ -134,9 +134,9 @@ def _preload() -> None:
     if torch is not None and torch.cuda.is_initialized():
         raise RuntimeError("importing torch initialised CUDA; a zygote must not hold a GPU context")
     if cudadriver.driver_state() == cudadriver.INITIALIZED:
-        # An initialised CUDA driver does not survive fork (even one a device count initialised,
-        # without a context): forks of this process would fail on their first CUDA call. A
-        # driver merely mapped (torch's CUDA 13 builds map it on import) is fine.
+        # An initialised CUDA driver does not survive fork (even without a context): forks of
+        # this process would fail on their first CUDA call. A driver merely mapped (torch's
+        # CUDA 13 builds map it on import) is fine.
         raise RuntimeError("importing initialised the CUDA driver (cuInit); workers cannot be forked from it")
 
 
