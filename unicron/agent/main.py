@@ -4,6 +4,7 @@ the agent until the job ends. Everything started here is stopped here, on every 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import time
@@ -22,6 +23,9 @@ from unicron.coord.server import CoordinatorServer
 from unicron.errors import UsageError
 from unicron.events import EVENTS_FILE, EventLog
 from unicron.runs import RunInfo, register_run, unregister_run
+
+# How long to keep trying to host the coordinator while its port is taken but nobody listens.
+_HOST_RACE_S = 2.0
 
 
 def run_job(cfg: Any) -> int:
@@ -96,16 +100,31 @@ def _coordinator(s: AgentSettings, events: EventLog,
         return None, _tcp(s.coordinator)
     if not s.embed_coordinator or not _is_local(s.rdzv_host):
         return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
-    try:
-        server = CoordinatorServer(s.secret, bind_host="*", port=s.rdzv_port, events_for=lambda _job: events,
-                                   decider_for=DetectDecider, jobs={s.run_id}, exit_when_done=True,
-                                   advertise_addr=s.advertise_addr, warn=warn)
-    except zmq.ZMQError as err:
-        if err.errno == zmq.EADDRINUSE and s.rdzv_port != 0:
-            return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")  # another agent here hosts it
-        raise UsageError(f"cannot listen on port {s.rdzv_port}: {err.strerror}") from None
     host = "127.0.0.1" if s.rdzv_host in ("", "localhost", "0.0.0.0") else s.rdzv_host
-    return server, _tcp(f"{host}:{server.port}")
+    deadline = time.monotonic() + _HOST_RACE_S
+    while True:
+        try:
+            server = CoordinatorServer(s.secret, bind_host="*", port=s.rdzv_port, events_for=lambda _job: events,
+                                       decider_for=DetectDecider, jobs={s.run_id}, exit_when_done=True,
+                                       advertise_addr=s.advertise_addr, warn=warn)
+            return server, _tcp(f"{host}:{server.port}")
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EADDRINUSE or s.rdzv_port == 0:
+                raise UsageError(f"cannot listen on port {s.rdzv_port}: {err.strerror}") from None
+        # EADDRINUSE alone does not prove another agent hosts it: two agents started at the same
+        # instant can both lose, because with SO_REUSEADDR Linux lets both bind and then fails
+        # both listen() calls. Only a listener is proof; without one, try again shortly.
+        if _listening(host, s.rdzv_port) or time.monotonic() > deadline:
+            return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
+        time.sleep(random.uniform(0.005, 0.05))
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _tcp(endpoint: str) -> str:
