@@ -29,17 +29,16 @@ from unicron.agent.attempt import (
     stop_answer,
     worker_env_factory,
 )
-from unicron.agent.healthwatch import HealthWatch, read_health_safely
 from unicron.agent.janitor import Janitor
 from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import Helpers
 from unicron.agent.pace import LoopPace
+from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
-from unicron.agent.ui import fault_line
 from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
@@ -84,10 +83,9 @@ class Agent:
         self.link = CoordinatorLink(time.monotonic(), heartbeat_interval_s=s.heartbeat_interval_s,
                                     heartbeat_timeout_s=s.heartbeat_timeout_s)
         self.stalls = StallWatch(time.monotonic())  # reset as the loop starts
-        self.last_heartbeat = 0.0
+        self.reporter = Reporter(self.codec, node_id=self.node_id, host=self.host,
+                                 heartbeat_interval_s=s.heartbeat_interval_s, events=events, ui=ui)
         self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
-        self.sent_level = Activity.IDLE
-        self.health = HealthWatch()
         self.dropped_local = 0
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
         # A zygote with torch imported forks every worker, so no start (first or restart) pays
@@ -116,7 +114,7 @@ class Agent:
         pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self.agent_addr = f"ipc://{self.work_dir}/agent.sock"
         pull.bind(self.agent_addr)
-        self.dealer = dealer
+        self.reporter.dealer = dealer
         self.pull = pull
         self.stalls = StallWatch(time.monotonic())
         try:
@@ -134,7 +132,7 @@ class Agent:
                                                 (self.signals.fileno(), zmq.POLLIN)]
                 items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
                 imminent = not self.joining.welcomed or self.pending_assign is not None or exit_fds is None
-                wait_s = self.pace.wait_s(now_m, last_heartbeat=self.last_heartbeat, imminent=imminent)
+                wait_s = self.pace.wait_s(now_m, last_heartbeat=self.reporter.last_heartbeat, imminent=imminent)
                 self._paused(self.stalls.lapse(time.monotonic()), stalled=True)
                 fired = {sock for sock, _ in zmq.zmq_poll(items, math.ceil(wait_s * 1000))}
                 # Late out of the poll: this process did not run (SIGSTOP, a VM pause). Nobody's
@@ -312,8 +310,7 @@ class Agent:
     def _on_stop(self, body: dict[str, Any]) -> None:
         # Answer at once: the coordinator then knows this node is alive and busy stopping (it
         # may be silent for the grace period), not frozen.
-        self.last_heartbeat = 0.0
-        self._heartbeat()
+        self._heartbeat(at_once=True)
         if self.pending_assign is not None and self.pending_assign["attempt"] == body["attempt"]:
             self.pending_assign = None
         group = self.group
@@ -387,19 +384,6 @@ class Agent:
         if reaped:
             self.events.emit("orphans_reaped", pids=reaped)
 
-    def _report(self, fault: dict[str, Any]) -> None:
-        group = self.group
-        if fault.get("kind") in ("exit", "exception") and self.health.evidence:
-            # Recent health changes travel with the failure they may explain.
-            for item in self.health.take_evidence():
-                self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
-                                     "fault": dict(item, attempt=group.spec.attempt if group else -1)})
-        fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
-        self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)
-        self.ui.warn(fault_line(fault, self.node_id))
-        self._send("fault", {"node_id": self.node_id, "attempt": group.spec.attempt if group else -1,
-                             "fault": fault})
-
     def _stop_group(self, reason: str, sig: int = signal.SIGTERM) -> None:
         self.pending_assign = None
         group = self.group
@@ -410,40 +394,12 @@ class Agent:
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
-    # ---- heartbeats ----------------------------------------------------------------
-    def _heartbeat(self) -> None:
-        if not self.joining.welcomed:
-            return  # not a member (yet, or again): the coordinator would refuse it
-        now = time.monotonic()
-        group = self.group
-        # A group that finished or reported a hang samples no more: its last level is stale.
-        running = group is not None and not group.finished_reported and not group.hang_reported
-        level = group.level if running and group is not None else Activity.IDLE
-        # A change of activity goes out at once: other agents' hang thresholds depend on it.
-        if now - self.last_heartbeat < self.s.heartbeat_interval_s and level == self.sent_level:
-            return
-        self.last_heartbeat, self.sent_level = now, level
-        if self.health.due(now):
-            self._check_health(read_health_safely())
-        workers = group.summary() if group is not None else []
-        self._send("heartbeat", {"node_id": self.node_id, "epoch": self.epoch,
-                                 "attempt": group.spec.attempt if group else -1,
-                                 "workers": workers, "health": self.health.reading,
-                                 "activity": level.name.lower()})
-        self.ui.update(workers)
+    def _report(self, fault: dict[str, Any]) -> None:
+        self.reporter.report(fault, self.group)
 
-    def _check_health(self, reading: dict[str, Any]) -> None:
-        group = self.group
-        report, kept = self.health.update(reading, node=self.node_id, host=self.host, running=group is not None,
-                                          attempt=group.spec.attempt if group is not None else -1)
-        for fault in report:
-            self._report(fault)
-        for f in kept:
-            self.events.emit("health", error_type=f.error_type, message=f.message, gpu=f.gpu)
+    def _heartbeat(self, *, at_once: bool = False) -> None:
+        if self.joining.welcomed:  # not a member (yet, or again): the coordinator would refuse it
+            self.reporter.heartbeat(self.group, epoch=self.epoch, at_once=at_once)
 
     def _send(self, kind: str, body: dict[str, Any]) -> None:
-        try:
-            self.dealer.send(self.codec.encode(kind, body), zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("coordinator queue full; %s dropped", kind)
-
+        self.reporter.send(kind, body)
