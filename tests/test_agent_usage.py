@@ -12,12 +12,14 @@ import pytest
 from unicron.agent.usage import tree_usage
 from unicron.detect.activity import Activity, ActivityTracker, BusyRule
 
-# A leader that idles while its child computes (a data loader, a helper process), and a leader
-# that idles alone (a rank waiting in a collective).
+# A leader that idles while its child computes (a data loader, a helper process), a leader that
+# computes itself (a long native call, a spin-wait), and a leader that idles alone (a rank
+# waiting in a collective).
 BUSY_CHILD = ("import subprocess, sys, time\n"
               "child = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
               "print('ready', flush=True)\n"
               "try:\n    time.sleep(3600)\nfinally:\n    child.kill(); child.wait()\n")
+SPIN = "import time\nprint('ready', flush=True)\nwhile True: pass\n"
 IDLE = "import time\nprint('ready', flush=True)\ntime.sleep(3600)\n"
 
 
@@ -44,20 +46,21 @@ def procs():
         psutil.wait_procs(children, timeout=10)
 
 
-def test_a_busy_descendant_makes_its_rank_busy_and_an_idle_tree_is_idle(procs) -> None:
-    busy, idle = procs(BUSY_CHILD), procs(IDLE)
+def test_a_computing_descendant_is_work_a_computing_leader_is_busy_an_idle_tree_idle(procs) -> None:
+    helped, spinning, idle = procs(BUSY_CHILD), procs(SPIN), procs(IDLE)
     tracker = ActivityTracker(BusyRule(window_s=1.0, period_s=0.25))
+    expected = {0: Activity.WORKING, 1: Activity.BUSY, 2: Activity.IDLE}
     deadline = time.monotonic() + 30
     verdict = None
     while time.monotonic() < deadline:
         now = time.monotonic()
         if tracker.due(now):
-            tracker.add(now, {0: tree_usage(busy.pid), 1: tree_usage(idle.pid)})
+            tracker.add(now, {0: tree_usage(helped.pid), 1: tree_usage(spinning.pid), 2: tree_usage(idle.pid)})
             verdict = tracker.levels(now)
-            if verdict == {0: Activity.BUSY, 1: Activity.IDLE}:  # the idle tree's start-up has aged out
+            if verdict == expected:  # the trees' start-up has aged out
                 break
         time.sleep(0.05)
-    assert verdict == {0: Activity.BUSY, 1: Activity.IDLE}
+    assert verdict == expected
     idle.kill()
     idle.wait()
     assert tree_usage(idle.pid) is None

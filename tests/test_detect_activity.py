@@ -22,6 +22,16 @@ def test_level_between_by_io_then_cpu_and_counters_that_go_back() -> None:
         BusyRule(cpu_cores=0.0)
 
 
+def test_helper_processes_that_compute_are_work_the_worker_itself_spinning_is_busy() -> None:
+    rule = BusyRule(cpu_cores=0.2, io_bytes_per_s=1000.0)
+    # A data loader's workers (half a core between them) while the worker waits for batches.
+    assert level_between(Usage(0.0, 1.0, 0, 0.5), Usage(1.0, 1.55, 0, 1.0), rule) is Activity.WORKING
+    # The worker spins (a CUDA synchronisation, a long native call); its helpers are quiet.
+    assert level_between(Usage(0.0, 1.0, 0, 0.5), Usage(1.0, 2.0, 0, 0.55), rule) is Activity.BUSY
+    # Helpers that exited took their time to the worker as reaped time: no negative work either.
+    assert level_between(Usage(0.0, 5.0, 0, 4.0), Usage(1.0, 1.05, 0, 0.0), rule) is Activity.IDLE
+
+
 def test_wire_names() -> None:
     assert [Activity.parse(n) for n in ("idle", "busy", "working", "WORKING")] == [
         Activity.IDLE, Activity.BUSY, Activity.WORKING, Activity.WORKING]

@@ -98,6 +98,8 @@ def test_a_frozen_rank_is_named_and_the_job_heals(workdir, reference_hash) -> No
     ("eval", 6, ("--hang-busy-floor", "3")),  # Python moving: work, even past the busy threshold
     ("io", 6, ("--hang-busy-floor", "3")),  # writing a file: work
     ("native", 5, ()),  # CPU in C calls, Python still: the busy threshold (10 s) applies
+    ("helper", 6, ("--hang-busy-floor", "3")),  # a helper process computes, the worker waits: work
+    ("thread", 6, ("--hang-busy-floor", "3")),  # a thread pool evaluates, the main thread waits: work
 ])
 def test_long_phase_between_steps_is_not_a_hang(workdir, reference_hash, kind, seconds, flags) -> None:
     # Rank 1 spends seconds between two steps while rank 0 idles in a barrier: far beyond the

@@ -173,6 +173,71 @@ def test_motion_needs_new_calls_and_the_main_threads_cpu() -> None:
         assert _moved_while(poll) == 0
 
 
+def test_work_on_another_thread_moves_while_the_main_thread_waits_for_it() -> None:
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def evaluate(stop: threading.Event) -> None:
+        with torch.no_grad():
+            while not stop.is_set():
+                model(torch.ones(64, 8))
+
+    def poll(stop: threading.Event) -> None:  # a monitoring thread: new calls, little CPU
+        q: queue.Queue[int] = queue.Queue()
+        while not stop.is_set():
+            try:
+                q.get(timeout=0.01)
+            except queue.Empty:
+                pass
+
+    def on_a_pool(work):
+        def body(stop: threading.Event) -> None:
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(work, stop).result()  # the main thread waits, one frame, no CPU
+        return body
+
+    assert _moved_while(on_a_pool(evaluate)) >= 1
+    assert _moved_while(on_a_pool(poll)) == 0
+
+
+def test_another_threads_motion_needs_its_own_cpu() -> None:
+    from unicron.worker.liveness import OtherThreads
+
+    used = [0.0]
+    others = OtherThreads(cpu=lambda _tid: used[0])
+    stop = threading.Event()
+
+    def work() -> int:
+        return sum(range(50))
+
+    def calls() -> None:  # new Python calls all the time: new frames
+        while not stop.is_set():
+            work()
+
+    thread = threading.Thread(target=calls, name="evaluator")
+    thread.start()
+    try:
+        verdicts = []
+        for i in range(12):  # the frames change; the CPU the fake clock reports decides
+            used[0] += 0.05 * 0.1  # a tenth of a core per 0.05 s tick
+            verdicts.append(others.moving(i * 0.05))
+            time.sleep(0.01)
+        assert not any(verdicts)
+        for i in range(12, 24):
+            used[0] += 0.05 * 0.9
+            verdicts.append(others.moving(i * 0.05))
+            time.sleep(0.01)
+        assert any(verdicts[12:])
+    finally:
+        stop.set()
+        thread.join()
+    assert not others.moving(2.0) and not others._seen, "a thread that ended is forgotten"
+
+
 def test_two_calls_at_the_same_instruction_are_two_samples() -> None:
     # What a sampler sees of `Linear, Tanh, Linear`: the same code at the same instruction, in two
     # different calls. Code and instruction alone called them one frame, still.

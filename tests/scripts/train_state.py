@@ -22,7 +22,9 @@ parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--no-state", action="store_true")
 # A long phase between steps on one rank (an evaluation), while the others wait in a barrier:
 # --pause KIND@RANK:STEP:SECONDS, KIND eval (forward passes, as an evaluation loop), io (writing
-# a file, little CPU) or native (computing in C calls, the Python frame still, as a spin-wait).
+# a file, little CPU), native (computing in C calls, the Python frame still, as a spin-wait) or
+# helper (a helper process computes while the worker waits for it, as a data loader's workers)
+# or thread (eval on a thread pool while the main thread waits for it).
 parser.add_argument("--pause", default="")
 # --fail-after-restore RANK: that rank raises right after restoring, in the first restart only
 parser.add_argument("--fail-after-restore", type=int, default=-1)
@@ -37,11 +39,23 @@ def pause(kind: str, seconds: float) -> None:
             while time.monotonic() < end:
                 model(batch)
         return
+    if kind == "thread":
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(pause, "eval", seconds).result()
+        return
     if kind == "native":
         import hashlib
 
         while time.monotonic() < end:
             hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
+        return
+    if kind == "helper":
+        import subprocess
+
+        spin = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass\n"
+        subprocess.run([sys.executable, "-c", spin], check=True)
         return
     chunk = os.urandom(1 << 20)
     with open(f"{args.out or 'pause'}.scratch", "wb") as fh:

@@ -10,31 +10,37 @@ from unicron.agent.proctree import tree_of
 from unicron.detect.activity import Usage
 
 
-def _one(proc: psutil.Process) -> tuple[float, int]:
+def _one(proc: psutil.Process) -> tuple[float, float, int]:
+    """(own CPU seconds, reaped children's CPU seconds, I/O bytes) of one process."""
     with proc.oneshot():
         t = proc.cpu_times()
         # children_*: time of children this process already reaped (a data loader that exited).
-        cpu = t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+        reaped = getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
         try:
             io = proc.io_counters()
             moved = getattr(io, "read_chars", io.read_bytes) + getattr(io, "write_chars", io.write_bytes)
         except (psutil.AccessDenied, AttributeError, NotImplementedError):
             moved = 0
-    return cpu, int(moved)
+    return t.user + t.system, reaped, int(moved)
 
 
 def tree_usage(pid: int) -> Usage | None:
-    """CPU seconds and I/O bytes of ``pid`` and its descendants, stamped with the time they were
-    read (``time.monotonic``); None when ``pid`` is gone."""
+    """CPU seconds and I/O bytes of ``pid`` and its descendants (and the descendants' part of
+    the CPU), stamped with the time they were read (``time.monotonic``); None when ``pid`` is
+    gone."""
     members = tree_of(pid)
-    cpu, moved = 0.0, 0
+    own, helpers, moved = 0.0, 0.0, 0
     for n, member in enumerate(members):
         try:
-            c, m = _one(psutil.Process(member))
+            c, reaped, m = _one(psutil.Process(member))
         except psutil.Error:
             if n == 0:
                 return None  # the worker itself is gone
             continue  # a descendant that exited between listing and reading
-        cpu += c
+        if n == 0:
+            own = c
+        else:
+            helpers += c
+        helpers += reaped  # every descendant's time, live or reaped, is its helpers'
         moved += m
-    return Usage(ts=time.monotonic(), cpu_s=cpu, io_bytes=moved)
+    return Usage(ts=time.monotonic(), cpu_s=own + helpers, io_bytes=moved, helper_cpu_s=helpers)

@@ -4,12 +4,14 @@ Three levels, job-wide (the highest level of any rank counts):
 
 - ``IDLE``: no CPU time, no I/O, Python still. A hung collective, a deadlock, a stuck read:
   every rank waits. A hang once it lasts ``max(k x median, floor)``.
-- ``BUSY``: CPU time but Python still and no I/O: one long native call, or a spin-wait (a CUDA
-  synchronisation spins by default, so a hung NCCL collective looks like this). A hang only
-  after the longer ``max(busy_k x median, busy_floor)``.
+- ``BUSY``: CPU time in the worker process itself but Python still and no I/O: one long native
+  call, or a spin-wait (a CUDA synchronisation spins by default, so a hung NCCL collective looks
+  like this). A hang only after the longer ``max(busy_k x median, busy_floor)``.
 - ``WORKING``: some rank's Python keeps moving (``unicron.worker.liveness``: an evaluation, a
-  compilation) or its process tree reads or writes (a checkpoint). That is progress: the hang
-  clock restarts from it.
+  compilation), its process tree reads or writes (a checkpoint), or its helper processes
+  compute (data loader workers, a ``multiprocessing.Pool``, compile workers) while the worker
+  waits for them. That is progress: the hang clock restarts from it. A wait in a collective
+  keeps no helper computing: a data loader stops once its prefetch queue is full.
 
 Pure: counters, ``moved`` reports and times are passed in; the agent samples the counters with
 psutil (``unicron.agent.usage``).
@@ -44,6 +46,7 @@ class Usage:
     ts: float
     cpu_s: float  # user + system time, reaped children included
     io_bytes: int  # bytes read + written through read()/write()-like calls (files, pipes)
+    helper_cpu_s: float = 0.0  # the part of cpu_s spent by the worker's descendants
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ def level_between(before: Usage, after: Usage, rule: BusyRule) -> Activity:
         return Activity.IDLE
     if max(0, after.io_bytes - before.io_bytes) / dt >= rule.io_bytes_per_s:
         return Activity.WORKING
+    if max(0.0, after.helper_cpu_s - before.helper_cpu_s) / dt >= rule.cpu_cores:
+        return Activity.WORKING  # its helpers compute: the worker waits for their output
     if max(0.0, after.cpu_s - before.cpu_s) / dt >= rule.cpu_cores:
         return Activity.BUSY
     return Activity.IDLE

@@ -24,6 +24,13 @@ synchronisation (not CUDA's default spin) can fall under it; it then counts as i
 Holding a frame keeps its locals (an activation) alive up to ``SAMPLE_S`` longer; ``stop()`` at
 the script's end drops it.
 
+Work can also run in other Python threads while the main thread waits for it (an evaluation
+on a thread pool, a prefetching thread). Each such thread is judged the same way, on its own
+frames and its own CPU clock (``/proc/self/task/TID/schedstat``), with a higher bar
+(``MIN_CPU_THREAD``): a monitoring thread that wakes every few milliseconds makes new calls but
+barely computes, and must not keep a hung rank looking busy with work. unicron's own threads
+(named ``unicron-...``) never count.
+
 Costs nothing while steps flow: sampling starts only at 1.5 x the median recent step interval
 (at least ``OVERDUE_S``); before that the thread only compares two clock readings every
 ``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``.
@@ -46,6 +53,7 @@ WINDOW = 20  # samples (1 s at SAMPLE_S)
 MIN_CHANGES = 2
 MIN_CPU = 0.02  # cores used by the main thread over the window, for motion to count
 SEND_EVERY_S = 0.5
+MIN_CPU_THREAD = 0.2  # cores a thread other than the main one must use for its motion to count
 
 
 class FrameSample:
@@ -105,12 +113,64 @@ def main_thread_cpu() -> float | None:
         return None
 
 
+def thread_cpu(native_id: int) -> float | None:
+    """CPU seconds a thread of this process has used; None once it is gone (a file, never a
+    clock id of a thread that may have exited)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _rate(samples: deque[tuple[float, float]]) -> float:
+    if len(samples) < 2:
+        return 0.0
+    (t0, c0), (t1, c1) = samples[0], samples[-1]
+    return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class OtherThreads:
+    """Python threads other than the main one and the caller's, judged as the main thread is,
+    each on its own frames and CPU (at least ``MIN_CPU_THREAD``)."""
+
+    def __init__(self, cpu: Callable[[int], float | None] = thread_cpu) -> None:
+        self._cpu = cpu
+        self._seen: dict[int, tuple[MotionJudge, deque[tuple[float, float]]]] = {}
+
+    def reset(self) -> None:
+        self._seen.clear()  # drops the frames the judges hold
+
+    def moving(self, now: float) -> bool:
+        """One sample of every such thread; whether any of them is moving and computing."""
+        frames = sys._current_frames()
+        skip = {threading.main_thread().ident, threading.get_ident()}
+        threads = {t.ident: t for t in threading.enumerate() if t.ident is not None and t.ident not in skip
+                   and t.native_id is not None and not t.name.startswith("unicron-")}
+        for ident in [i for i in self._seen if i not in threads]:
+            del self._seen[ident]
+        moving = False
+        for ident, thread in threads.items():
+            frame = frames.get(ident)
+            if frame is None or thread.native_id is None:
+                continue
+            judge, cpu = self._seen.setdefault(ident, (MotionJudge(), deque(maxlen=WINDOW + 1)))
+            changed = judge.add(FrameSample(frame, frame.f_lasti))  # every thread, every sample
+            used = self._cpu(thread.native_id)
+            if used is not None:
+                cpu.append((now, used))
+            moving = moving or (changed and _rate(cpu) >= MIN_CPU_THREAD)
+        return moving
+
+
 class FrameWatch:
     """The sampling thread. ``boundary()`` at every step; ``emit()`` sends ``moved``."""
 
     def __init__(self, emit: Callable[[], object], *, clock: Callable[[], float] = time.monotonic,
-                 cpu: Callable[[], float | None] = main_thread_cpu) -> None:
+                 cpu: Callable[[], float | None] = main_thread_cpu,
+                 others: OtherThreads | None = None) -> None:
         self._emit = emit
+        self._others = others if others is not None else OtherThreads()
         self._clock = clock
         self._cpu = cpu
         self._cpu_samples: deque[tuple[float, float]] = deque(maxlen=WINDOW + 1)
@@ -141,11 +201,13 @@ class FrameWatch:
         """No more samples (the script is ending): drop the frame the judge holds."""
         self._stopped = True
         self._judge.reset()
+        self._others.reset()
 
     def sample(self, now: float) -> bool:
         """One sample (the thread's body, callable from tests); returns whether ``moved`` was sent."""
         if self._stopped or not self.overdue(now):
             self._judge.reset()  # drops the frame it holds
+            self._others.reset()
             self._cpu_samples.clear()
             return False
         moving = self._judge.add(main_thread_signature())
@@ -154,7 +216,8 @@ class FrameWatch:
             self._cpu_samples.append((now, cpu))
         # Without the thread's CPU clock the frames alone decide.
         computing = cpu is None or self._computing()
-        if not moving or not computing or now - self._last_sent < SEND_EVERY_S:
+        others = self._others.moving(now)
+        if not (moving and computing or others) or now - self._last_sent < SEND_EVERY_S:
             return False
         self._last_sent = now
         self._emit()
@@ -162,10 +225,7 @@ class FrameWatch:
 
     def _computing(self) -> bool:
         """The main thread used at least ``MIN_CPU`` of a core over the window."""
-        if len(self._cpu_samples) < 2:
-            return False
-        (t0, c0), (t1, c1) = self._cpu_samples[0], self._cpu_samples[-1]
-        return t1 > t0 and (c1 - c0) / (t1 - t0) >= MIN_CPU
+        return _rate(self._cpu_samples) >= MIN_CPU
 
     def overdue(self, now: float) -> bool:
         return now - self._last_boundary >= self._overdue_s
