@@ -62,9 +62,16 @@ class Holdings:
         else:
             missing = [rank for node_id, first, count in layout for rank in range(first, first + count)
                        if not (self.nodes[node_id].steps.get(rank) if node_id in self.nodes else None)]
-            why = (f"rank {missing[0]}'s new node holds no snapshot of it" if missing
-                   else "no step is held for every rank")
+            why = self._missing(missing[0], layout) if missing else "no step is held for every rank"
         return f"the snapshots kept in memory (newest: step {newest}) cannot be restored: {why}"
+
+    def _missing(self, rank: int, layout: list[tuple[str, int, int]]) -> str:
+        node_id = next(n for n, first, count in layout if first <= rank < first + count)
+        if node_id not in self.nodes:
+            return f"rank {rank}'s new node holds no snapshot of it"
+        if any(n.steps.get(rank) for n in self.nodes.values()):
+            return f"rank {rank} moved to a node that holds no snapshot of it"
+        return f"rank {rank} had taken no snapshot yet"
 
     def restored_bytes(self, step: int, node_ids: Iterable[str]) -> int:
         """Bytes of ``step`` held on ``node_ids`` (those of the new layout)."""
