@@ -140,6 +140,8 @@ def test_c10d_and_etcd_default_ports(script: str) -> None:
     assert parse(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h", script], env).rdzv_port == 29400
     assert parse(["--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h", script], env).rdzv_port == 2379
     assert parse(["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "[::1]:5", script], env).rdzv_host == "::1"
+    assert parse(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "::1", script], env).rdzv_host == "::1"  # bare: the default port
+    assert parse(["--nnodes", "2", "--rdzv-endpoint", "[fe80::1%eth0]:5", script], env).rdzv_host == "fe80::1%eth0"
 
 
 def test_inject_specs(script: str) -> None:
@@ -314,6 +316,11 @@ BAD_FLAGS = [
     (["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "host"], "the port is missing"),
     (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h o:1"], "bad endpoint 'h o:1'"),
     (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:0"], "port 0 cannot be found"),
+    # Brackets that do not close, text after them, a third colon: refused, not joined for 600 s
+    (["--nnodes", "2", "--rdzv-endpoint", "[::1"], "--rdzv-endpoint: bad endpoint '[::1'"),
+    (["--nnodes", "2", "--rdzv-endpoint", "[::1]x:5"], "bad endpoint '[::1]x:5'"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400:1"], "bad endpoint '127.0.0.1:29400:1'"),
+    (["--master-addr", "a:b"], "--master-addr: not a host name or address: 'a:b'"),
     (["--rdzv-id", "a/b"], "--rdzv-id: must be letters"),
     (["--rdzv-conf", "join_timeout"], "--rdzv-conf: expected KEY=VALUE,...; bad item 'join_timeout'"),
     (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf: join_timeout: not a number: 'soon'"),

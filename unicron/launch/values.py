@@ -6,6 +6,7 @@ message that makes sense after "<source>: " (the flag, variable or file that gav
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import signal
@@ -16,7 +17,7 @@ from unicron.errors import UsageError
 from unicron.worker.inject import parse_fault
 
 _RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
-_HOST = re.compile(r"^[\w.:\[\]-]+$")
+_HOST = re.compile(r"^[\w.-]+$")
 _RUN_ID = re.compile(r"^[\w.:@+-]+$")
 
 
@@ -173,7 +174,8 @@ def to_rdzv_id(text: str) -> str:
 
 
 def to_host(text: str) -> str:
-    if not _HOST.match(text):
+    inner = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not _valid_host(inner):
         raise ValueError(f"not a host name or address: {text!r}")
     return text
 
@@ -186,17 +188,18 @@ def to_port(text: str) -> int:
 
 
 def split_endpoint(text: str, default_port: int | None) -> tuple[str, int]:
-    """HOST[:PORT] as torchrun parses it ([v6] brackets allowed); raises ValueError."""
+    """HOST[:PORT] as torchrun parses it (an IPv6 literal bare, or in [brackets] with a port);
+    raises ValueError for anything that is not a host name, an IPv4 or an IPv6 address."""
     text = text.strip()
-    if text.startswith("[") and text.endswith("]"):
+    bracketed = re.fullmatch(r"\[([^\[\]]*)\](?::(.*))?", text)
+    if bracketed:
+        host, port_text = bracketed.group(1), bracketed.group(2)
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:  # no port, or a bare IPv6 literal (which takes none)
         host, port_text = text, None
-    elif ":" in text and not (text.count(":") > 1 and not text.startswith("[")):
-        host, _, port_text = text.rpartition(":")
-    else:
-        host, port_text = text, None
-    host = host[1:-1] if len(host) > 1 and host[0] == "[" and host[-1] == "]" else host
-    if not host or not _HOST.match(host):
-        raise ValueError(f"bad endpoint {text!r}: expected HOST:PORT")
+    if not _valid_host(host):
+        raise ValueError(f"bad endpoint {text!r}: expected HOST:PORT (an IPv6 address as [ADDR]:PORT)")
     if port_text is None:
         if default_port is None:
             raise ValueError(f"bad endpoint {text!r}: the port is missing (HOST:PORT)")
@@ -204,6 +207,16 @@ def split_endpoint(text: str, default_port: int | None) -> tuple[str, int]:
     if not re.match(r"^\d{1,5}$", port_text) or int(port_text) > 65535:
         raise ValueError(f"bad endpoint {text!r}: port must be 0..65535")
     return host, int(port_text)
+
+
+def _valid_host(host: str) -> bool:
+    if ":" not in host:
+        return bool(_HOST.match(host))
+    try:
+        ipaddress.IPv6Address(host)  # a scope (fe80::1%eth0) included
+    except ValueError:
+        return False
+    return True
 
 
 def to_hostport(text: str) -> str:
