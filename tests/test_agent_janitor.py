@@ -47,6 +47,68 @@ def test_the_directories_go_when_their_owner_is_sigkilled(tmp_path: Path) -> Non
             owner.wait()
 
 
+# A stand-in agent: a janitor with a marker, then a process started in a session of its own
+# (a daemon the worker started) with the marker in its environment, and one without it.
+OWNER = """\
+import os, subprocess, sys, time
+from unicron.agent.janitor import Janitor
+marker = "UNICRON_AGENT_ADDR=ipc://" + sys.argv[1]
+j = Janitor([], marker=marker)
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+marked = subprocess.Popen(sleeper, env={**os.environ, "UNICRON_AGENT_ADDR": marker.partition("=")[2]},
+                          start_new_session=True)
+other = subprocess.Popen(sleeper, start_new_session=True)
+print(j.pid, marked.pid, other.pid, flush=True)
+if sys.argv[2] == "close":
+    j.close()
+    print("closed", flush=True)
+time.sleep(600)
+"""
+
+
+def _owner_leaves(tmp_path: Path, how: str) -> tuple[psutil.Process, psutil.Process]:
+    """Start the stand-in agent, end it ``how`` (SIGKILL, or a clean close then SIGKILL); return
+    its marked and unmarked daemons (the caller reaps what is left)."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "agent.sock"), how], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        janitor, marked, other = (psutil.Process(int(p)) for p in owner.stdout.readline().split())
+        if how == "close":
+            assert owner.stdout.readline().strip() == "closed"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        if how != "close":
+            janitor.wait(10)
+        return marked, other
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_the_workers_leftovers_go_when_the_agent_is_sigkilled(tmp_path: Path) -> None:
+    marked, other = _owner_leaves(tmp_path, "kill")
+    try:
+        _wait(lambda: not marked.is_running() or marked.status() == psutil.STATUS_ZOMBIE, 10,
+              "the janitor to kill the marked daemon")
+        assert other.is_running() and other.status() != psutil.STATUS_ZOMBIE, "only the agent's own are killed"
+    finally:
+        for proc in (marked, other):
+            if proc.is_running():
+                proc.kill()
+
+
+def test_a_clean_end_kills_nothing(tmp_path: Path) -> None:
+    marked, other = _owner_leaves(tmp_path, "close")
+    try:
+        assert marked.is_running() and marked.status() != psutil.STATUS_ZOMBIE
+    finally:
+        for proc in (marked, other):
+            if proc.is_running():
+                proc.kill()
+
+
 def test_closing_lets_the_watcher_go_and_reaps_it(tmp_path: Path) -> None:
     kept = tmp_path / "kept"
     kept.mkdir()

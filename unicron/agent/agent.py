@@ -73,7 +73,9 @@ class Agent:
         self.ctx: zmq.Context = zmq.Context.instance()
         self.work_dir = make_work_dir()  # short: ipc paths are limited to ~100 bytes
         self.shm_dir = make_shm_dir(s.run_id)
-        self.janitor = Janitor([self.shm_dir, self.work_dir])  # removes them if this process dies
+        self.agent_addr = f"ipc://{self.work_dir}/agent.sock"  # the workers' channel; marks their processes
+        # removes the directories, and kills what the workers started, if this process dies
+        self.janitor = Janitor([self.shm_dir, self.work_dir], marker=f"UNICRON_AGENT_ADDR={self.agent_addr}")
         self.stack_dir = os.path.join(self.work_dir, "stacks")
         os.makedirs(self.stack_dir, exist_ok=True)
         self.tee = ConsoleTee()
@@ -112,7 +114,6 @@ class Agent:
         pull = self.ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        self.agent_addr = f"ipc://{self.work_dir}/agent.sock"
         pull.bind(self.agent_addr)
         self.reporter.dealer = dealer
         self.pull = pull

@@ -5,11 +5,21 @@ controls. A SIGKILL, the kernel's OOM killer or a signal it does not handle (SIG
 no such path, and the snapshots (model and optimizer state, three steps of it per rank) would
 hold that much RAM in ``/dev/shm`` until the next agent on the machine cleans up (``shm.py``).
 
+The same deaths leave the workers' own children behind: the workers go with the agent
+(PDEATHSIG), but what they started (a subprocess, a daemon in a session of its own) is
+adopted by init and runs on. Every process started from a worker's environment carries the
+agent's ``UNICRON_AGENT_ADDR`` (an IPC path unique to the agent), so the janitor kills those.
+Not found that way: children a warm worker forked without exec (their ``/proc/PID/environ`` is
+the zygote's); a data loader's and a process pool's workers end by themselves when their
+parent is gone.
+
 So the agent starts this small process (``python -S``, a few standard modules: a few MB) with
 the read end of a pipe. It waits for end of input, which comes when the agent closes the pipe
-(it has removed the directories by then) or dies (the kernel closes it), and removes whatever
-of the directories is still there. It runs in a session of its own, ignoring the terminal's
-signals, so a Ctrl-C that also reaches the agent does not take it first.
+(it has removed the directories and stopped its workers by then, and says ``done`` first) or
+dies (the kernel closes it, and nothing was said), and removes whatever of the directories is
+still there and, after a death, kills the processes that carry the marker. It runs in a
+session of its own, ignoring the terminal's signals, so a Ctrl-C that also reaches the agent
+does not take it first.
 """
 
 from __future__ import annotations
@@ -22,23 +32,47 @@ _PROGRAM = """
 import os, shutil, signal, sys
 for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT):
     signal.signal(sig, signal.SIG_IGN)
-fd = int(sys.argv[1])
+fd, marker = int(sys.argv[1]), sys.argv[2].encode()
+said = b""
 try:
-    while os.read(fd, 4096):
-        pass
+    while chunk := os.read(fd, 4096):
+        said = (said + chunk)[-4:]
 except OSError:
     pass
-for path in sys.argv[2:]:
+for path in sys.argv[3:]:
     shutil.rmtree(path, ignore_errors=True)
+def marked():
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                entries = f.read().split(b"\\0")
+        except OSError:
+            continue
+        if marker in entries:
+            yield int(name)
+for _ in range(5 if marker and said != b"done" else 0):  # again: one may have forked meanwhile
+    found = False
+    for pid in marked():
+        found = True
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if not found:
+        break
 """
 
 
 class Janitor:
-    def __init__(self, paths: list[str], python: str = sys.executable) -> None:
+    def __init__(self, paths: list[str], python: str = sys.executable, marker: str = "") -> None:
+        """``marker``: an environment entry (``NAME=value``) that only this agent's workers'
+        processes carry; they are killed if the agent dies."""
         read_fd, self._write_fd = os.pipe()
         try:
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [python, "-S", "-c", _PROGRAM, str(read_fd), *paths], pass_fds=(read_fd,),
+                [python, "-S", "-c", _PROGRAM, str(read_fd), marker, *paths], pass_fds=(read_fd,),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True)
         except OSError:
@@ -51,8 +85,13 @@ class Janitor:
         return self._proc.pid if self._proc is not None else None
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """The agent removed its directories: let the watcher go, and reap it."""
+        """The agent removed its directories and stopped its workers: let the watcher go, and
+        reap it."""
         if self._write_fd >= 0:
+            try:
+                os.write(self._write_fd, b"done")  # a clean end: nothing to kill
+            except OSError:
+                pass
             os.close(self._write_fd)
             self._write_fd = -1
         if self._proc is not None:
