@@ -293,6 +293,9 @@ class Agent:
         self.group = group
         self.last_attempt = spec.attempt
         self.pace.watch_now()
+        # Said before the workers start: what they print (an ImportError's traceback) comes after.
+        nproc = spec.local_world_sizes[spec.node_rank]
+        self.ui.info(attempt_line(spec, [spec.rank_offset + lr for lr in range(nproc)]))
         try:
             group.start(time.time())
         except FatalUserError as err:  # no such program, not executable: this node is not lost
@@ -304,7 +307,6 @@ class Agent:
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
                          ranks=sorted(group.ranks), world_size=spec.world_size,
                          restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts)
-        self.ui.info(attempt_line(spec, sorted(group.ranks)))
         for warning in inject_warnings(spec):
             self.ui.warn(warning)
 

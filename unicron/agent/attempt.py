@@ -54,7 +54,7 @@ def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, st
 
 
 def attempt_line(spec: GroupSpec, ranks: list[int]) -> str:
-    """The user's line for an attempt whose workers started on this node."""
+    """The user's line for an attempt whose workers start on this node."""
     what = f"attempt {spec.attempt}: ranks {min(ranks)}-{max(ranks)} of {spec.world_size}"
     if spec.restore_step is not None:
         what += f", restoring step {spec.restore_step} from memory"
