@@ -142,57 +142,41 @@ def _moved_while(body) -> int:
     return len(sent)
 
 
-def test_motion_needs_new_calls_and_the_main_threads_cpu() -> None:
-    import hashlib
-    import queue
-
+def _evaluate(stop: threading.Event) -> None:  # an evaluation loop: new calls, a core of CPU
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def evaluate(stop: threading.Event) -> None:
-        with torch.no_grad():
-            while not stop.is_set():
-                model(torch.ones(64, 8))
-
-    def poll(stop: threading.Event) -> None:  # a new queue.get call every 10 ms, at almost no CPU
-        q: queue.Queue[int] = queue.Queue()
+    with torch.no_grad():
         while not stop.is_set():
-            try:
-                q.get(timeout=0.01)
-            except queue.Empty:
-                pass
+            model(torch.ones(64, 8))
+
+
+def _poll(stop: threading.Event) -> None:  # a new queue.get call every 10 ms, at almost no CPU
+    import queue
+
+    q: queue.Queue[int] = queue.Queue()
+    while not stop.is_set():
+        try:
+            q.get(timeout=0.01)
+        except queue.Empty:
+            pass
+
+
+def test_motion_needs_new_calls_and_the_main_threads_cpu() -> None:
+    import hashlib
 
     def native(stop: threading.Event) -> None:  # CPU in C calls, one Python frame
         while not stop.is_set():
             hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
 
-    assert _moved_while(evaluate) >= 1
+    assert _moved_while(_evaluate) >= 1
     assert _moved_while(native) == 0
     if main_thread_cpu() is not None:  # without the thread's CPU clock the frames alone decide
-        assert _moved_while(poll) == 0
+        assert _moved_while(_poll) == 0
 
 
 def test_work_on_another_thread_moves_while_the_main_thread_waits_for_it() -> None:
-    import queue
     from concurrent.futures import ThreadPoolExecutor
-
-    import torch
-
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def evaluate(stop: threading.Event) -> None:
-        with torch.no_grad():
-            while not stop.is_set():
-                model(torch.ones(64, 8))
-
-    def poll(stop: threading.Event) -> None:  # a monitoring thread: new calls, little CPU
-        q: queue.Queue[int] = queue.Queue()
-        while not stop.is_set():
-            try:
-                q.get(timeout=0.01)
-            except queue.Empty:
-                pass
 
     def on_a_pool(work):
         def body(stop: threading.Event) -> None:
@@ -200,8 +184,8 @@ def test_work_on_another_thread_moves_while_the_main_thread_waits_for_it() -> No
                 pool.submit(work, stop).result()  # the main thread waits, one frame, no CPU
         return body
 
-    assert _moved_while(on_a_pool(evaluate)) >= 1
-    assert _moved_while(on_a_pool(poll)) == 0
+    assert _moved_while(on_a_pool(_evaluate)) >= 1
+    assert _moved_while(on_a_pool(_poll)) == 0  # a monitoring thread: new calls, little CPU
 
 
 def test_another_threads_motion_needs_its_own_cpu() -> None:
