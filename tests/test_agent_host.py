@@ -72,3 +72,26 @@ def test_a_port_held_by_no_listener_for_good_is_joined_after_a_while(tmp_path, m
         port = sock.getsockname()[1]
         server, endpoint = host(tmp_path, port)
     assert server is None and endpoint == f"tcp://127.0.0.1:{port}"
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_named() -> None:
+    assert agent_main._unresolved("tcp://nosuchhost.invalid:5") == "nosuchhost.invalid"  # RFC 6761: never resolves
+    assert agent_main._unresolved("tcp://localhost:5") is None
+    assert agent_main._unresolved("tcp://127.0.0.1:5") is None
+    assert agent_main._unresolved("tcp://[::1]:5") is None
+    assert agent_main._unresolved("tcp://[fe80::1%eth0]:5") is None
+
+
+def test_a_typo_in_the_rendezvous_host_is_said_at_once_not_only_as_silence(tmp_path) -> None:
+    from e2e import clean_env, run_unicron
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, _, err = run_unicron(["run", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                f"nosuchhost.invalid:{port}", "--rdzv-conf", "join_timeout=2", str(script)],
+                               tmp_path, timeout=60, env=clean_env(UNICRON_SECRET="s" * 32))
+    assert code == 4, err
+    assert "the rendezvous host nosuchhost.invalid does not resolve (yet)" in err, err

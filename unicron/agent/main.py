@@ -3,6 +3,7 @@ the agent until the job ends. Everything started here is stopped here, on every 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import socket
@@ -72,6 +73,9 @@ def run_agent(s: AgentSettings) -> int:
 
                     metrics, mport = start_metrics_server(s.metrics_port, server.metrics)
                     ui.info(f"metrics on http://{_display_host(s)}:{mport}/metrics")
+            elif (unresolved := _unresolved(endpoint)) is not None:  # a typo would look like a silent coordinator
+                ui.warn(f"the rendezvous host {unresolved} does not resolve (yet); still trying for up to "
+                        f"{s.join_timeout_s:g} s")
             events.emit("agent_start", endpoint=endpoint, nproc=s.nproc, pid=os.getpid(),
                         coordinator=server is not None)
             agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals)
@@ -132,6 +136,21 @@ def _tcp(endpoint: str) -> str:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+
+
+def _unresolved(endpoint: str) -> str | None:
+    """The host of ``tcp://HOST:PORT`` if it is a name that does not resolve, else None."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host.partition("%")[0])
+        return None  # an address: nothing to resolve
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return host
+    return None
 
 
 def _display_host(s: AgentSettings) -> str:
