@@ -104,7 +104,7 @@ def _coordinator(s: AgentSettings, events: EventLog,
         return None, _tcp(s.coordinator)
     if not s.embed_coordinator or not _is_local(s.rdzv_host):
         return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
-    host = "127.0.0.1" if s.rdzv_host in ("", "localhost", "0.0.0.0") else s.rdzv_host
+    host = _display_host(s)
     deadline = time.monotonic() + _HOST_RACE_S
     while True:
         try:

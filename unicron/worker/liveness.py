@@ -145,18 +145,18 @@ class OtherThreads:
         """One sample of every such thread; whether any of them is moving and computing."""
         frames = sys._current_frames()
         skip = {threading.main_thread().ident, threading.get_ident()}
-        threads = {t.ident: t for t in threading.enumerate() if t.ident is not None and t.ident not in skip
-                   and t.native_id is not None and not t.name.startswith("unicron-")}
+        threads = {t.ident: t.native_id for t in threading.enumerate() if t.ident is not None
+                   and t.ident not in skip and t.native_id is not None and not t.name.startswith("unicron-")}
         for ident in [i for i in self._seen if i not in threads]:
             del self._seen[ident]
         moving = False
-        for ident, thread in threads.items():
+        for ident, native_id in threads.items():
             frame = frames.get(ident)
-            if frame is None or thread.native_id is None:
+            if frame is None:
                 continue
             judge, cpu = self._seen.setdefault(ident, (MotionJudge(), deque(maxlen=WINDOW + 1)))
             changed = judge.add(FrameSample(frame, frame.f_lasti))  # every thread, every sample
-            used = self._cpu(thread.native_id)
+            used = self._cpu(native_id)
             if used is not None:
                 cpu.append((now, used))
             moving = moving or (changed and _rate(cpu) >= MIN_CPU_THREAD)

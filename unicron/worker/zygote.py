@@ -14,8 +14,9 @@ would be: the agent's child (``waitpid``, PDEATHSIG and ``getppid`` behave as fo
 worker), the leader of its own session, ``os.environ`` replaced wholesale, ``sys.argv`` /
 ``sys.orig_argv`` of the cold command, stdin the agent's (the zygote's own, which it never
 reads), fds 1/2 on the log files (or the console the agent had), and
-``unicron.worker.boot.main`` run with the same exit codes, tracebacks, error file and hooks. The zygote itself never runs training code, so it forks from
-the same clean state every time: a restart costs a fork, not an interpreter and its imports.
+``unicron.worker.boot.main`` run with the same exit codes, tracebacks, error file and hooks.
+The zygote itself never runs training code, so it forks from the same clean state every time:
+a restart costs a fork, not an interpreter and its imports.
 End of input (the pool closed, or the agent died) makes it exit 0 quietly.
 
 Why forking a process with torch imported is safe here: torch initialises CUDA lazily and the
