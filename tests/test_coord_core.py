@@ -240,6 +240,25 @@ def test_detect_decider_on_real_fault_shapes(fault, action) -> None:
         assert decision.exit_code != 0
 
 
+def test_detect_decider_calls_restored_attempts_that_fail_before_new_ground_a_crash_loop() -> None:
+    decider = DetectDecider()
+    fault = {"kind": "exit", "rank": 1, "exitcode": 1, "node_id": "n", "host": "h", "summary": "x", "pid": 3,
+             "stderr_tail": "RuntimeError: loss is nan"}
+    first = decider.decide([dict(fault, attempt=0, progress=7, reached=7, restored_from=0, ts=1.0)], {}, 1.0,
+                           max_restarts=20, active_nodes=1, min_nodes=1)
+    assert first.action == "restart"
+    actions = [decider.decide([dict(fault, attempt=n, progress=1, reached=7, restored_from=6, ts=1.0 + n)], {},
+                              1.0 + n, max_restarts=20, active_nodes=1, min_nodes=1) for n in (1, 2, 3)]
+    assert [d.action for d in actions] == ["restart", "restart", "stop"]
+    assert "crash loop" in actions[-1].reason and actions[-1].exit_code != 0
+    assert [r.replayed for r in decider.history] == [False, True, True, True]
+    # Garbage in the new fields is ignored, never raised.
+    other = DetectDecider()
+    other.decide([dict(fault, attempt=0, progress=7, reached="7", restored_from=True, ts=1.0)], {}, 1.0,
+                 max_restarts=20, active_nodes=1, min_nodes=1)
+    assert other.history[-1].reached is None and not other.history[-1].replayed
+
+
 def test_node_busy_stopping_its_workers_is_judged_by_the_stop_timeout() -> None:
     core = two_nodes_running(ScriptedDecider(RESTART))
     core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 2}}, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from unicron.detect.classify import classify
 from unicron.detect.faults import Action, Fault, Severity
-from unicron.detect.policy import Decision, FailureRecord, RestartPolicy, StopReason
+from unicron.detect.policy import Decision, FailureRecord, RestartPolicy, StopReason, replayed_only
 from unicron.errors import CrashLoopError, FatalUserError, RestartBudgetExceeded, WorkerFailedError
 
 POLICY = RestartPolicy(crash_loop_limit=3, reattempt_window_s=30.0, backoff_first_s=1.0, backoff_cap_s=30.0)
@@ -36,7 +37,8 @@ class Job:
         self.policy = policy
         self.decisions: list[Decision] = []
 
-    def fail(self, what: str, now: float, progress: int | None, rank: int | None = 1, node: str = "n1") -> Decision:
+    def fail(self, what: str, now: float, progress: int | None, rank: int | None = 1, node: str = "n1", *,
+             replayed: bool = False, reached: int | None = None) -> Decision:
         spec = dict(KINDS[what])
         kind = str(spec.pop("kind"))
         if "rank" in spec:
@@ -45,10 +47,10 @@ class Job:
         fault = Fault(kind, now, rank=rank, node=node, attempt=self.attempt, steps_completed=steps, **spec)  # type: ignore[arg-type]
         c = classify(fault)
         d = self.policy.decide(self.history, fault, c, now, max_restarts=self.max_restarts,
-                               steps_completed_since_last_restart=progress, elastic=self.elastic)
+                               steps_completed_since_last_restart=progress, elastic=self.elastic, replayed=replayed)
         self.decisions.append(d)
         if d.action is not Action.NONE:
-            self.history.append(d.record(fault, c, progress, now))
+            self.history.append(d.record(fault, c, progress, now, reached=reached, replayed=replayed))
         if d.action in (Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE):
             self.attempt += 1
         return d
@@ -141,6 +143,33 @@ def test_crash_loop_guard_message() -> None:
     assert d.action is Action.STOP and d.stop is StopReason.CRASH_LOOP
     assert d.reason.startswith("crash loop: 3 restarts without completing a step; last cause: rank 3")
     assert isinstance(d.to_error(), CrashLoopError)
+
+
+def test_restored_attempts_that_only_replay_earlier_steps_are_a_crash_loop() -> None:
+    # A rank raises after its optimizer step and before commit(): each attempt restores step 6,
+    # redoes step 7 (progress 1) and fails again; the restore is exact, so it always will.
+    job = Job(max_restarts=100)
+    history = job.history
+    assert not replayed_only(history, 0, 7)  # the first attempt started fresh
+    job.fail("crash", 1.0, 7, rank=1)
+    job.history[-1] = replace(job.history[-1], reached=7)
+    for n in (1, 2):
+        assert replayed_only(history, 6, 7) and not replayed_only(history, 6, 8)
+        d = job.fail("crash", 1.0 + n, 1, rank=1, replayed=True, reached=7)
+        assert d.action is Action.RESTART
+    d = job.fail("crash", 4.0, 1, rank=1, replayed=True, reached=7)
+    assert d.action is Action.STOP and d.stop is StopReason.CRASH_LOOP
+    assert d.reason.startswith("crash loop: 3 restarts without completing a step that an earlier attempt "
+                               "had not already completed")
+    # Passing the earlier attempts' furthest step breaks the run of replays.
+    moving = Job(max_restarts=100)
+    moving.fail("crash", 1.0, 7, rank=1, reached=7)
+    for n in range(1, 10):
+        assert not replayed_only(moving.history, 6 + n, 7 + n)
+        assert moving.fail("crash", 1.0 + n, 1, rank=1, reached=7 + n).action is Action.RESTART
+    # A fresh start (no restore) redoes steps by design: never a replay.
+    assert not replayed_only(moving.history, None, 3) and not replayed_only(moving.history, 0, 3)
+    assert not replayed_only([], 6, 7)  # nothing earlier to compare with
 
 
 def test_unknown_progress_never_counts_as_a_crash_loop() -> None:

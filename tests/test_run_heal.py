@@ -181,6 +181,17 @@ def test_crash_loop_guard_stops_a_job_that_never_progresses(workdir) -> None:
     assert attempts == 4  # the first attempt and 3 restarts without progress
 
 
+def test_restored_attempts_that_fail_again_at_the_same_step_are_a_crash_loop(workdir) -> None:
+    # Rank 1 raises after step 6's optimizer step, before its commit: every attempt restores
+    # step 5, redoes step 6 (one step of progress each time) and fails the same way.
+    code, out, err = _train(workdir, "x.txt", "--max-restarts", "10", script_args=("--raise-after-step", "1:6"))
+    assert code != 0
+    assert "crash loop: 3 restarts without completing a step that an earlier attempt had not" in err
+    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
+    assert [s["restore_step"] for s in starts[1:]] == [5, 5, 5]
+    assert len(starts) == 4
+
+
 def test_same_rank_failing_again_without_progress_stops_a_fixed_size_job(workdir) -> None:
     code, err, attempts = _run_dying(workdir, "1")
     assert code != 0

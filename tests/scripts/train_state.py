@@ -28,6 +28,9 @@ parser.add_argument("--no-state", action="store_true")
 parser.add_argument("--pause", default="")
 # --fail-after-restore RANK: that rank raises right after restoring, in the first restart only
 parser.add_argument("--fail-after-restore", type=int, default=-1)
+# --raise-after-step RANK:STEP: that rank raises after STEP's optimizer step, before its commit,
+# in every attempt (a loss check that fails the same way after each exact restore)
+parser.add_argument("--raise-after-step", default="")
 args = parser.parse_args()
 
 
@@ -88,6 +91,8 @@ for step in range(start, args.steps):
         dist.all_reduce(p.grad)
         p.grad /= world
     opt.step()
+    if args.raise_after_step and args.raise_after_step == f"{rank}:{step + 1}":
+        raise RuntimeError(f"loss check failed after step {step + 1}")
     if state is not None:
         state.commit(step + 1)
     if args.sleep:

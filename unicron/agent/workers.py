@@ -322,7 +322,8 @@ class WorkerGroup:
             if r.exitcode is None:
                 r.state = "hung"
         return {"kind": "hang", "rank": None, "host": self.host, "ts": now, "attempt": self.spec.attempt,
-                "message": verdict.message, "progress": self.progress(now), "latency_s": round(verdict.stalled_s, 3), "steps_completed": min((r.step for r in self.ranks.values()), default=0)}
+                "message": verdict.message, "progress": self.progress(now), "latency_s": round(verdict.stalled_s, 3),
+                "steps_completed": min((r.step for r in self.ranks.values()), default=0), **self.reach()}
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
@@ -342,6 +343,12 @@ class WorkerGroup:
         if max(counts) == 0 and any(self.ran_past_startup(r, now) for r in self.ranks.values()):
             return None
         return max(counts)
+
+    def reach(self) -> dict[str, int]:
+        """The furthest step (over the run) a rank of this attempt completed, and the step the
+        attempt restored (0: a fresh start): the crash-loop guard's "replayed only"."""
+        return {"reached": max((r.step for r in self.ranks.values()), default=0),
+                "restored_from": self.spec.restore_step or 0}
 
     def steps_completed(self, r: RankState, now: float) -> int | None:
         """``r``'s completed steps for a fault; None when unknown: it never said hello (no
@@ -382,7 +389,8 @@ class WorkerGroup:
         fault: dict[str, Any] = {"kind": kind, "rank": r.rank, "local_rank": r.local_rank, "host": self.host,
                                  "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
                                  "steps_completed": self.steps_completed(r, when), "progress": self.progress(when),
-                                 "into_attempt_s": round(now - self.started_at, 3)}  # seconds since the attempt started
+                                 "into_attempt_s": round(now - self.started_at, 3),  # seconds since the attempt started
+                                 **self.reach()}
         if failure is not None:
             fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],
                          traceback=failure.traceback,

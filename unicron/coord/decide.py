@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from unicron.detect.classify import classify, is_victim, root_cause
 from unicron.detect.faults import Fault
-from unicron.detect.policy import FailureRecord, RestartPolicy
+from unicron.detect.policy import FailureRecord, RestartPolicy, replayed_only
 from unicron.detect.stacks import name_culprits
 
 _FAULT_FIELDS = {f.name for f in fields(Fault)}
@@ -73,12 +73,16 @@ class DetectDecider:
         cause = root_cause(parsed)
         classification = classify(cause, [f for f in parsed if f.kind == "health"])
         progress = _progress(faults)
+        reached = _highest(faults, "reached")
+        replayed = replayed_only(self.history, _highest(faults, "restored_from"), reached)
         decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
                                       steps_completed_since_last_restart=progress,
                                       elastic=active_nodes >= min_nodes and active_nodes > 0
                                       and (max_nodes is None or min_nodes < max_nodes)
-                                      and any(f.kind == "node_lost" for f in parsed))
-        self.history.append(decision.record(cause, classification, progress, now))
+                                      and any(f.kind == "node_lost" for f in parsed),
+                                      replayed=replayed)
+        self.history.append(decision.record(cause, classification, progress, now, reached=reached,
+                                            replayed=replayed))
         reason = decision.reason
         if finished and is_victim(cause, classification):
             # torchrun, too, would blame the rank that lost its peer; the peer that left is why.
@@ -101,7 +105,11 @@ class DetectDecider:
 
 
 def _progress(faults: list[dict[str, Any]]) -> int | None:
-    values: list[int] = [f["progress"] for f in faults if isinstance(f.get("progress"), int)]
+    return _highest(faults, "progress")
+
+
+def _highest(faults: list[dict[str, Any]], key: str) -> int | None:
+    values: list[int] = [f[key] for f in faults if isinstance(f.get(key), int) and not isinstance(f[key], bool)]
     return max(values) if values else None
 
 

@@ -6,7 +6,9 @@ Rules, in order (docs/failures.md explains each):
    unknown progress (a script that reports no steps, failing past start-up) is restarted once;
    the same error (on any rank) right after that restart is FATAL.
 3. Out of memory before the first step on ``oom_fatal_after`` consecutive attempts is FATAL too.
-4. Crash-loop guard: ``crash_loop_limit`` restarts in a row without one completed step stop.
+4. Crash-loop guard: ``crash_loop_limit`` restarts in a row without one completed step stop;
+   a restored attempt that fails again before passing the furthest step of an earlier one
+   (a replay of the same failure: restores are bit-exact) counts as no step.
 5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART; a
    RESTART that fails again on the same rank (or node, for node faults) without progress becomes a RECONFIGURE
    when the job is elastic, else STOP. A SEV1 in a job that is not elastic cannot exclude
@@ -58,12 +60,15 @@ class FailureRecord:
     progress: int | None = None  # steps completed in the attempt this failure ended (None: unknown)
     escalated: bool = False
     error: str = ""  # the classification's error, without where it happened
+    reached: int | None = None  # the furthest step (over the whole run) the attempt completed
+    replayed: bool = False  # a restored attempt that failed before passing an earlier one's furthest step
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ts": self.ts, "attempt": self.attempt, "rule": self.rule, "severity": self.severity.value,
             "action": self.action.value, "cause": self.cause, "rank": self.rank, "node": self.node,
             "progress": self.progress, "escalated": self.escalated, "error": self.error,
+            "reached": self.reached, "replayed": self.replayed,
         }
 
     @classmethod
@@ -75,6 +80,8 @@ class FailureRecord:
                 rank=None if data.get("rank") is None else int(data["rank"]), node=str(data.get("node", "")),
                 progress=None if data.get("progress") is None else int(data["progress"]),
                 escalated=bool(data.get("escalated", False)), error=str(data.get("error", "")),
+                reached=None if data.get("reached") is None else int(data["reached"]),
+                replayed=bool(data.get("replayed", False)),
             )
         except KeyError as exc:
             raise ValueError(f"failure record field {exc.args[0]!r} is missing") from None
@@ -104,13 +111,27 @@ class Decision:
             return RestartBudgetExceeded(self.reason)
         return WorkerFailedError(self.reason)
 
-    def record(self, fault: Fault, classification: Classification, progress: int | None, now: float) -> FailureRecord:
+    def record(self, fault: Fault, classification: Classification, progress: int | None, now: float, *,
+               reached: int | None = None, replayed: bool = False) -> FailureRecord:
         """The history entry for this decision (append it before the next ``decide``)."""
         return FailureRecord(
             ts=now, attempt=fault.attempt, rule=classification.rule, severity=classification.severity,
             action=self.action, cause=classification.reason, rank=fault.rank, node=fault.node,
             progress=progress, escalated=self.escalated, error=classification.error,
+            reached=reached, replayed=replayed,
         )
+
+
+def replayed_only(history: Sequence[FailureRecord], restored_from: int | None, reached: int | None) -> bool:
+    """Whether an attempt that restored ``restored_from`` (None or 0: it started fresh) and got
+    as far as step ``reached`` (over the whole run) only redid steps an earlier attempt had
+    completed. Restores are bit-exact, so such an attempt meets the same failure again: a script
+    that raises after its optimizer step and before ``commit()`` redoes one step per attempt
+    forever, each attempt with progress 1. A fresh start redoes steps by design, so never."""
+    if not restored_from or reached is None:
+        return False
+    earlier = [r.reached for r in history if r.reached is not None]
+    return bool(earlier) and reached <= max(earlier)
 
 
 def _no_progress(progress: int | None) -> bool:
@@ -167,13 +188,17 @@ class RestartPolicy:
         max_restarts: int,
         steps_completed_since_last_restart: int | None,
         elastic: bool = False,
+        replayed: bool = False,
     ) -> Decision:
         """Decide once per incident, for its root cause (``classify.root_cause``).
 
         ``steps_completed_since_last_restart``: steps the job completed in the attempt that just
         failed (None when unknown: then neither the crash-loop guard nor "without progress"
         escalation can fire, and backoff grows as if there were no progress). ``elastic``: the
-        job may shrink (min_nodes < current nodes).
+        job may shrink (min_nodes < current nodes). ``replayed``: the attempt restored a
+        snapshot and failed again before completing a step beyond the furthest an earlier
+        attempt had completed (``replayed_only``): its steps redid known work, so the crash-loop
+        guard counts it as no progress. The other rules keep the real count, since it did run.
         """
         progress = steps_completed_since_last_restart
         history = [r for r in history if r.action is not Action.NONE]  # INFO notes are not failures
@@ -218,13 +243,19 @@ class RestartPolicy:
             return stop(StopReason.FATAL, f"user error, not restarted again: the same error came back after a "
                                           f"restart, with no step reported in between: {cause}")
 
-        if _no_progress(progress):
-            restarts = (1 if fault.attempt >= 1 else 0) + sum(1 for r in streak if r.attempt >= 1)
+        if _no_progress(progress) or replayed:
+            # Restarts in a row that completed no step, or only steps an earlier attempt had done.
+            loop: list[FailureRecord] = []
+            for record in reversed(history):
+                if not (_no_progress(record.progress) or record.replayed):
+                    break
+                loop.append(record)
+            restarts = (1 if fault.attempt >= 1 else 0) + sum(1 for r in loop if r.attempt >= 1)
             if restarts >= self.crash_loop_limit:
-                return stop(
-                    StopReason.CRASH_LOOP,
-                    f"crash loop: {restarts} restarts without completing a step; last cause: {cause}",
-                )
+                what = ("without completing a step" if not replayed and not any(r.replayed for r in loop)
+                        else "without completing a step that an earlier attempt had not already completed "
+                             "(each restored attempt failed again before passing it)")
+                return stop(StopReason.CRASH_LOOP, f"crash loop: {restarts} restarts {what}; last cause: {cause}")
 
         action = classification.action
         escalated = False
