@@ -305,16 +305,18 @@ for step in range(1, 31):
     opt.step()
     opt.zero_grad()
     if first and rank == 1 and step == 10:
-        os._exit(0)  # a bug: this rank thinks it is done
+        EXIT(0)  # a bug: this rank thinks it is done
 dist.destroy_process_group()
 print("done", rank, flush=True)
 """
 
 
-def test_a_rank_that_exits_0_early_is_named_as_why_its_peer_failed(workdir) -> None:
+@pytest.mark.parametrize("how", ["os._exit", "sys.exit"])
+def test_a_rank_that_exits_0_early_is_named_as_why_its_peer_failed(workdir, how) -> None:
     """Rank 1 ends cleanly mid-job; rank 0 then loses its peer. torchrun blames rank 0; unicron
-    still classifies rank 0's failure, and says that rank 1 had left."""
-    (workdir / "early.py").write_text(LEAVES_EARLY)
+    still classifies rank 0's failure, and says that rank 1 had left. With ``sys.exit(0)`` its
+    sockets close while its interpreter still tears down: it is named all the same."""
+    (workdir / "early.py").write_text(LEAVES_EARLY.replace("EXIT", how))
     code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
                                   "--log-dir", str(workdir / "logs"), str(workdir / "early.py")], workdir, timeout=90)
     assert code == 0, out + err

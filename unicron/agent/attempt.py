@@ -79,5 +79,8 @@ def stop_answer(group: WorkerGroup, want_stacks: bool) -> tuple[list[dict[str, A
     ranks that had ended cleanly (when the others then lost their peers, that is why), and every
     live rank's stack if the coordinator asked."""
     faults = group.settle_dying()
-    finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values() if r.exitcode == 0]
+    # A script that ended with sys.exit(0) has closed its sockets (its peers fail at once) while its
+    # interpreter may still be tearing down: it said bye, so it counts as ended cleanly too.
+    finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values()
+                if r.exitcode == 0 or (r.exitcode is None and r.said_bye)]
     return faults, finished, group.dump_stacks() if want_stacks else {}

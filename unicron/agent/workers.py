@@ -48,6 +48,7 @@ class RankState:
     ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
     steps_expected: bool = False  # built an optimizer: it will report steps
     exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
+    said_bye: bool = False  # its script ended cleanly (exit 0); the interpreter may still be tearing down
     exiting_at: float | None = None
 
 
@@ -158,6 +159,7 @@ class WorkerGroup:
         elif t == "optim":
             r.steps_expected = True
         elif t == "bye":
+            r.said_bye = True
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for
         elif t == "exiting" and isinstance(msg.get("code"), int):
             r.exiting_code, r.exiting_at = (msg["code"] or None), at
