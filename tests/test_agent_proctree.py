@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 
-from unicron.agent.proctree import children_of, tree_of
+from unicron.agent.proctree import children_of, exiting_from_stat, is_exiting, tree_of
 
 # A leader with two children, one of which has a child of its own; all wait on stdin.
 TREE = ("import subprocess, sys\n"
@@ -39,3 +40,28 @@ def test_tree_matches_psutil_and_a_gone_pid_has_no_children() -> None:
         leader.stdin.close()  # each process exits once its stdin closes, and reaps its children
         leader.wait(30)
     assert children_of(leader.pid) == [] and tree_of(leader.pid) == [leader.pid]
+
+
+def test_a_process_counts_as_exiting_from_the_start_of_its_exit() -> None:
+    # /proc/PID/stat lines: the command name may hold spaces and ')'; flags are field 9.
+    running = b"4242 (python) S 1 4242 4242 0 -1 4194560 100 0 0 0 5 1 0 0 20 0 9 0 1000 0 0\n"
+    exiting = b"4242 (a b) c)) R 1 4242 4242 0 -1 4194564 100 0 0 0 5 1 0 0 20 0 9 0 1000 0 0\n"
+    zombie = b"4242 (python) Z 1 4242 4242 0 -1 4227332 100 0 0 0 5 1 0 0 20 0 1 0 1000 0 0\n"
+    assert not exiting_from_stat(running)
+    assert exiting_from_stat(exiting)  # PF_EXITING (0x4) set: its sockets are about to close
+    assert exiting_from_stat(zombie)
+    # Real processes: alive, then a zombie (not reaped yet), then gone.
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert not is_exiting(proc.pid) and not is_exiting(os.getpid())
+        assert proc.stdin is not None
+        proc.stdin.close()
+        deadline = time.monotonic() + 10
+        while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert is_exiting(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert is_exiting(proc.pid)  # reaped: gone

@@ -181,6 +181,12 @@ def test_signal_stops_everything_and_leaves_no_orphans(workdir, launch, sig, cod
     assert "interrupted" in err
     # What the coordinator decides about the node that left is for the other nodes, not news here.
     assert "SEV1" not in err and "restart budget" not in err, err
+    # Nor is it a node loss in the log: the job ended because its launcher was interrupted.
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] in ("decision", "leave", "waiting_for_nodes")], events
+    end = [e for e in events if e["kind"] == "job_end"]
+    assert len(end) == 1 and end[0]["exit_code"] == code and "interrupted" in end[0]["reason"], end
+    assert end[0]["restarts"] == 0, end
 
 
 def test_workers_die_with_a_sigkilled_agent(workdir, launch) -> None:

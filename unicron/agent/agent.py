@@ -60,8 +60,9 @@ log = logging.getLogger(__name__)
 
 class Agent:
     def __init__(self, s: AgentSettings, *, endpoint: str, run_logs: RunLogDir, events: EventLog,
-                 ui: Any, signals: Any) -> None:
+                 ui: Any, signals: Any, hosts_coordinator: bool = False) -> None:
         self.s = s
+        self.hosts_coordinator = hosts_coordinator  # its coordinator ends the job when this launcher stops
         self.endpoint = endpoint
         self.run_logs = run_logs
         self.events = events
@@ -170,10 +171,14 @@ class Agent:
         except (Interrupted, UnicronError) as err:
             # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
             self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
-            try:
-                self._send("leave", {"node_id": self.node_id, "reason": str(err)})
-            except zmq.ZMQError:
-                pass
+            # Another node's coordinator re-plans without this node; our own ends the job when
+            # this launcher stops (run_agent), recording why: told "leave", it would first decide
+            # a node loss (a restart, a budget stop) that never happens.
+            if not self.hosts_coordinator:
+                try:
+                    self._send("leave", {"node_id": self.node_id, "reason": str(err)})
+                except zmq.ZMQError:
+                    pass
             self.events.emit("agent_exit", error=str(err))
             raise
         finally:

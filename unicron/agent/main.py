@@ -50,7 +50,7 @@ def run_agent(s: AgentSettings) -> int:
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
     ui = AgentUI(s.status_line)
     server: CoordinatorServer | None = None
-    stopped_by = ""
+    stopped_by, stopped_code = "", 1
     metrics: Any = None
     secret_file: str | None = None
     for warning in s.warnings:
@@ -78,10 +78,12 @@ def run_agent(s: AgentSettings) -> int:
                         f"{s.join_timeout_s:g} s")
             events.emit("agent_start", endpoint=endpoint, nproc=s.nproc, pid=os.getpid(),
                         coordinator=server is not None)
-            agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals)
+            agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals,
+                          hosts_coordinator=server is not None)
             return agent.run()
         except BaseException as err:
             stopped_by = str(err) or type(err).__name__
+            stopped_code = getattr(err, "exit_code", 1)
             raise
         finally:
             if metrics is not None:
@@ -91,7 +93,7 @@ def run_agent(s: AgentSettings) -> int:
                 # interrupted or failing) is ended for the other nodes now, not after their wait
                 # for a silent coordinator.
                 server.stop(reason=f"the coordinator's node stopped: {stopped_by}" if stopped_by
-                            else "the coordinator's node stopped")
+                            else "the coordinator's node stopped", exit_code=stopped_code)
                 unregister_run(s.run_id)
             ui.close()
             events.close()

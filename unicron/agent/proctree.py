@@ -43,3 +43,31 @@ def tree_of(pid: int) -> list[int]:
         tree.extend(children_of(tree[i]))
         i += 1
     return tree
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: set as the task starts to exit, before its files close
+
+
+def exiting_from_stat(stat: bytes) -> bool:
+    """Whether a ``/proc/PID/stat`` line shows a process that has begun to exit: a zombie (or
+    dead) state, or ``PF_EXITING`` in its flags (field 9). The command name (field 2) may hold
+    spaces and parentheses, so fields are counted after its last ``)``."""
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
+
+
+def is_exiting(pid: int) -> bool:
+    """Whether ``pid`` has begun to exit (or is gone). A killed process closes its sockets before
+    it becomes a zombie its parent can reap, so its peers can fail on it in that window: this
+    sees it from the first moment of its exit. False where /proc cannot say (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        return exiting_from_stat(stat)
+    except (ValueError, IndexError):
+        return False

@@ -17,6 +17,7 @@ from typing import Any
 
 from unicron.agent.logs import RankLogs, RunLogDir, capture_stderr
 from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
+from unicron.agent.proctree import is_exiting
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.stackdump import dump_stacks
 from unicron.agent.tee import ConsoleTee
@@ -213,26 +214,19 @@ class WorkerGroup:
         """Faults of ranks that already died but are not reapable yet.
 
         A process that exits tears its threads down before the kernel lets the parent reap it,
-        and its peers may see its sockets close (and fail) in between. Waiting for those few
+        and its peers may see its sockets close (and fail) in between: it counts as dying from
+        the first moment of its exit (``proctree.is_exiting``), not only once it is a zombie. Waiting for those few
         milliseconds keeps the real root cause (its exit code) from being lost to its victims.
         A rank that announced a non-zero ``SystemExit`` is dying too, though its interpreter
         may take a second to tear down: if it is still alive at the deadline, its fault is
         reported with the code it announced (the stop that follows kills it).
         """
-        import psutil
-
         faults: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout_s
         while True:
             faults += self.poll(time.time())[0]
-            dying = []
-            for r in self.ranks.values():
-                if r.exitcode is None:
-                    try:
-                        if r.exiting_code is not None or psutil.Process(r.proc.pid).status() == psutil.STATUS_ZOMBIE:
-                            dying.append(r)
-                    except psutil.Error:
-                        dying.append(r)
+            dying = [r for r in self.ranks.values()
+                     if r.exitcode is None and (r.exiting_code is not None or is_exiting(r.proc.pid))]
             if not dying:
                 return faults
             if time.monotonic() > deadline:

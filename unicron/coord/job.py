@@ -298,10 +298,12 @@ class JobCore:
             offset += node.nproc
         return out
 
-    def fail(self, reason: str, now: float) -> list[Out]:
-        """The shell could not do what the job needs (e.g. open a store): end the job."""
+    def fail(self, reason: str, now: float, exit_code: int = 1) -> list[Out]:
+        """The shell could not do what the job needs (e.g. open a store), or the coordinator's
+        own launcher was interrupted: end the job. ``exit_code``: what the log records (the
+        interrupted launcher's 130 or 143); the nodes are told 1, none of them was interrupted."""
         self.store_pending = False
-        return self._finish(1, reason, now)
+        return self._finish(exit_code, reason, now, node_code=1)
 
     # ---- internals -----------------------------------------------------------------
     def _node_gone(self, node_id: str, host: str, how: str, why: str, now: float) -> list[Out]:
@@ -394,12 +396,12 @@ class JobCore:
         if holdings is not None and self.restore_step is not None:
             self.transfer_bytes += holdings.restored_bytes(self.restore_step, [n.node_id for n in nodes])
 
-    def _finish(self, exit_code: int, reason: str, now: float) -> list[Out]:
+    def _finish(self, exit_code: int, reason: str, now: float, node_code: int | None = None) -> list[Out]:
         self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED
         self.exit_code = exit_code
         self.final_reason = reason
-        return [Emit("job_end", {"exit_code": exit_code, "reason": reason,
-                                 "restarts": self.restarts_used}), Finish(exit_code, reason)]
+        return [Emit("job_end", {"exit_code": exit_code, "reason": reason, "restarts": self.restarts_used}),
+                Finish(exit_code if node_code is None else node_code, reason)]
 
     # ---- status --------------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> dict[str, Any]:

@@ -100,6 +100,7 @@ class CoordinatorServer:
             raise
         self._stop = threading.Event()
         self._stop_reason = "the coordinator stopped"
+        self._stop_code = 1  # the exit code recorded for jobs that ``stop`` ends
         self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
         self._stores_ready: queue.Queue[tuple[str, int, Any, str]] = queue.Queue()
         self.thread: threading.Thread | None = None
@@ -111,9 +112,10 @@ class CoordinatorServer:
         self.thread = threading.Thread(target=self.serve, name="unicron-coordinator", daemon=True)
         self.thread.start()
 
-    def stop(self, timeout: float = 5.0, reason: str = "the coordinator stopped") -> None:
-        """Stop serving; jobs still going end now (their nodes are told ``reason``)."""
-        self._stop_reason = reason
+    def stop(self, timeout: float = 5.0, reason: str = "the coordinator stopped", exit_code: int = 1) -> None:
+        """Stop serving; jobs still going end now (their nodes are told ``reason``; the job's
+        end is recorded with ``exit_code``)."""
+        self._stop_reason, self._stop_code = reason, exit_code
         self._stop.set()
         # Wake the serving thread now rather than at its next deadline (a socket of our own:
         # zmq sockets are not shared between threads).
@@ -164,7 +166,7 @@ class CoordinatorServer:
             # coordinator stopped): their nodes hear it now, not after their silence timeout.
             for job_id, slot in list(self.slots.items()):
                 if slot.finished_at is None:
-                    self._run(job_id, slot, slot.core.fail(self._stop_reason, self.clock()))
+                    self._run(job_id, slot, slot.core.fail(self._stop_reason, self.clock(), self._stop_code))
         finally:
             for slot in self.slots.values():
                 slot.stores.clear()

@@ -334,6 +334,8 @@ def _os_exit(status: int) -> NoReturn:
                 callback(status)
             if status == 0:
                 finished_cleanly()
+            else:  # the code is the root cause; peers may fail on the closed sockets first
+                exiting(status)
             channel.get().close()
         except BaseException:  # an exit must happen whatever the cleanup does
             pass
