@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from unicron.agent.attempt import attempt_line, inject_warnings
-from unicron.agent.workers import GroupSpec
+from unicron.agent.ranks import GroupSpec
 
 SPEC = GroupSpec(attempt=2, restart_count=2, rank_offset=2, world_size=4, node_rank=1, nnodes=2,
                  local_world_sizes=(2, 2), master_addr="10.0.0.1", master_port=29500, restore_step=None, inject="")

@@ -371,6 +371,9 @@ class Agent:
             self.events.emit("workers_finished", attempt=group.spec.attempt)
             self._send("finished", {"node_id": self.node_id, "attempt": group.spec.attempt})
             return
+        for r, notice in group.lingering_notices(time.monotonic()):
+            self.ui.warn(notice)
+            self.events.emit("worker_lingering", rank=r.rank, pid=r.proc.pid, message=notice)
         if not group.hang_reported:
             hang = group.check_hang(now, self.link.job_level(time.monotonic()))
             if hang is not None:

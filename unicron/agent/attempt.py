@@ -9,8 +9,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from unicron.agent.ranks import GroupSpec
 from unicron.agent.settings import AgentSettings
-from unicron.agent.workers import GroupSpec, WorkerGroup
+from unicron.agent.workers import WorkerGroup
 from unicron.detect.hang import HangDetector
 from unicron.worker.inject import parse_inject_spec
 
@@ -82,5 +83,5 @@ def stop_answer(group: WorkerGroup, want_stacks: bool) -> tuple[list[dict[str, A
     # A script that ended with sys.exit(0) has closed its sockets (its peers fail at once) while its
     # interpreter may still be tearing down: it said bye, so it counts as ended cleanly too.
     finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values()
-                if r.exitcode == 0 or (r.exitcode is None and r.said_bye)]
+                if r.exitcode == 0 or (r.exitcode is None and r.bye_at is not None)]
     return faults, finished, group.dump_stacks() if want_stacks else {}

@@ -56,6 +56,16 @@ def exiting_from_stat(stat: bytes) -> bool:
     return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
 
 
+def process_state(pid: int) -> str:
+    """The one-letter state of ``pid`` from /proc (R, S, D, T, Z...; "?" if unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rindex(b")") + 2:].split()[0].decode()
+    except (OSError, ValueError, IndexError):
+        return "?"
+
+
 def is_exiting(pid: int) -> bool:
     """Whether ``pid`` has begun to exit (or is gone). A killed process closes its sockets before
     it becomes a zombie its parent can reap, so its peers can fail on it in that window: this

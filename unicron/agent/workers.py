@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from unicron.agent.logs import RankLogs, RunLogDir, capture_stderr
-from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
-from unicron.agent.proctree import is_exiting
+from unicron.agent.logs import RunLogDir, capture_stderr
+from unicron.agent.procs import start_worker, terminate_all
+from unicron.agent.proctree import is_exiting, process_state
+from unicron.agent.ranks import GroupSpec, RankState, median
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.stackdump import dump_stacks
 from unicron.agent.tee import ConsoleTee
@@ -27,46 +26,7 @@ from unicron.detect.activity import Activity, ActivityTracker
 from unicron.detect.hang import HangDetector
 
 RAN_FOR_S = 1.0  # see WorkerGroup.ran_past_startup
-
-
-@dataclass
-class RankState:
-    rank: int
-    local_rank: int
-    proc: WorkerProcess
-    logs: RankLogs
-    started_at: float
-    state: str = "running"
-    step: int = 0
-    last_step_at: float | None = None
-    iter_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    exception: dict[str, Any] | None = None
-    exitcode: int | None = None
-    exited_at: float | None = None
-    snapshot_step: int | None = None
-    steps_in_attempt: int = 0
-    hooked: bool = False  # said hello: its SIGUSR1 stack-dump handler is installed
-    ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
-    steps_expected: bool = False  # built an optimizer: it will report steps
-    exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
-    said_bye: bool = False  # its script ended cleanly (exit 0); the interpreter may still be tearing down
-    exiting_at: float | None = None
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    attempt: int
-    restart_count: int
-    rank_offset: int
-    world_size: int
-    node_rank: int
-    nnodes: int
-    local_world_sizes: tuple[int, ...]
-    master_addr: str
-    master_port: int
-    restore_step: int | None
-    inject: str
-    restore_note: str = ""  # why nothing is restored though snapshots were kept ("" otherwise)
+LINGER_S = 30.0  # a process this long past its script's clean end is named once (lingering_notices)
 
 
 class WorkerGroup:
@@ -101,6 +61,7 @@ class WorkerGroup:
         self.level = Activity.IDLE  # what the local ranks overdue for a step are doing
         self.working_at: float | None = None  # when a rank of the job was last seen working (monotonic)
         self.busy_at: float | None = None  # ... and busy
+        self.linger_s = LINGER_S  # see lingering_notices
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -160,7 +121,7 @@ class WorkerGroup:
         elif t == "optim":
             r.steps_expected = True
         elif t == "bye":
-            r.said_bye = True
+            r.bye_at = time.monotonic()
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for
         elif t == "exiting" and isinstance(msg.get("code"), int):
             r.exiting_code, r.exiting_at = (msg["code"] or None), at
@@ -252,11 +213,11 @@ class WorkerGroup:
 
     def _sampling_starts_s(self) -> float:
         """How overdue the job must be before its ranks' CPU and I/O are sampled."""
-        median = self.hang.stats.job_median()
+        step_s = self.hang.stats.job_median()
         idle_threshold, _ = self.hang.threshold_s(busy=False)
         # Late enough that a healthy step never pays for it, early enough that the evidence
         # (one window) reaches every agent before the idle threshold runs out.
-        return min(max(0.3, 1.5 * median if median else 0.3), 0.4 * idle_threshold)
+        return min(max(0.3, 1.5 * step_s if step_s else 0.3), 0.4 * idle_threshold)
 
     def failure_reported(self) -> bool:
         """Some rank already failed (a non-zero exit, a fatal exception): the coordinator is
@@ -274,12 +235,32 @@ class WorkerGroup:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the
         activity sampling or the earliest hang verdict is due (0 while sampling: check every
         tick; inf when no hang can be called)."""
+        linger = min((bye_at + self.linger_s - mono for _, bye_at in self._lingering()), default=float("inf"))
         if self.hang_reported or not self._hang_possible():
-            return float("inf")
+            return max(0.0, linger)
         wait = self.hang.quiet_s(mono)
         if self.hang.stats.started_all():
             wait = min(wait, self._sampling_starts_s() - self.hang.overdue_s(mono))
-        return max(0.0, wait)
+        return max(0.0, min(wait, linger))
+
+    def _lingering(self) -> list[tuple[RankState, float]]:
+        return [(r, r.bye_at) for r in self.ranks.values()
+                if r.bye_at is not None and r.exitcode is None and not r.lingering_named]
+
+    def lingering_notices(self, mono: float) -> list[tuple[RankState, str]]:
+        """Ranks whose script ended cleanly ``linger_s`` ago while their process lives on, each
+        named once. No hang verdict: a non-daemon thread may be finishing an upload (torchrun
+        waits for it too); only the user can tell that from a thread that never ends."""
+        out = []
+        for r, bye_at in self._lingering():
+            if mono - bye_at < self.linger_s:
+                continue
+            r.lingering_named = True
+            stopped = " and is stopped (SIGSTOP: send it SIGCONT)" if process_state(r.proc.pid) in "tT" else ""
+            out.append((r, f"rank {r.rank}'s script ended {mono - bye_at:.0f} s ago but its process "
+                           f"(pid {r.proc.pid}) has not exited{stopped}; a non-daemon thread or an atexit handler "
+                           "still runs, or its interpreter hangs in teardown; waiting for it, as torchrun does"))
+        return out
 
     def last_step_at(self) -> float | None:
         """Monotonic time of the latest step any rank completed in this attempt (None before one)."""
@@ -368,7 +349,7 @@ class WorkerGroup:
         for r in sorted(self.ranks.values(), key=lambda x: x.rank):
             times = list(r.iter_times)
             out.append({"rank": r.rank, "local_rank": r.local_rank, "pid": r.proc.pid, "state": r.state,
-                        "step": r.step, "iter_time_s": _median(times), "iter_times": [round(t, 4) for t in times],
+                        "step": r.step, "iter_time_s": median(times), "iter_times": [round(t, 4) for t in times],
                         "last_step_at": r.last_step_at, "snapshot_step": r.snapshot_step})
         return out
 
@@ -399,10 +380,3 @@ class WorkerGroup:
                 fault["traceback"] = fault.get("traceback") or r.exception.get("tb")
         fault.update({k: v for k, v in fields.items() if v is not None})
         return json.loads(json.dumps(fault, default=str))
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return round(s[len(s) // 2], 5)
