@@ -422,3 +422,13 @@ def test_a_process_ended_by_a_cxx_exception_is_described_by_its_message() -> Non
     assert c.rule == "cuda-error"
     assert "watchdog thread terminated with exception: CUDA error: device-side assert triggered" in c.reason
     assert "frame #" not in c.reason
+
+
+def test_where_names_the_rank_a_hang_blames_or_the_node() -> None:
+    assert Fault("exit", 1.0, rank=3, host="h").where() == "rank 3 on h"
+    assert Fault("hang", 1.0, host="h", culprit_ranks=(1,)).where() == "rank 1 on h"
+    assert Fault("hang", 1.0, host="h", culprit_ranks=(0, 1)).where() == "the ranks on h"
+    assert Fault("node_lost", 1.0, host="h").where() == "node h"
+    assert Fault("health", 1.0, host="h", gpu=2).where() == "GPU 2 on h"
+    assert Fault("hang", 1.0).where() == "the ranks"
+    assert Fault("exit", 1.0).where() == "the job"

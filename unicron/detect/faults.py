@@ -150,14 +150,19 @@ class Fault:
         )
 
     def where(self) -> str:
-        """Short location for messages: ``rank 3 on node-a`` / ``node node-a`` / ``the job``."""
+        """Short location for messages: ``rank 3 on node-a`` / ``node node-a`` / ``the job``
+        (a hang: ``the ranks on node-a``, or its culprit ``rank 1 on node-a``)."""
         parts = []
         if self.rank is not None:
             parts.append(f"rank {self.rank}")
+        elif len(self.culprit_ranks) == 1:
+            parts.append(f"rank {self.culprit_ranks[0]}")
+        elif self.kind == "hang":
+            parts.append("the ranks")
         if self.gpu is not None:
             parts.append(f"GPU {self.gpu}")
         if self.node or self.host:
-            parts.append(f"on {self.node or self.host}")
+            parts.append(f"on {self.node or self.host}" if parts else f"node {self.node or self.host}")
         return " ".join(parts) if parts else "the job"
 
 
