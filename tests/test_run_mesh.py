@@ -189,6 +189,36 @@ def test_signal_stops_everything_and_leaves_no_orphans(workdir, launch, sig, cod
     assert end[0]["restarts"] == 0, end
 
 
+def test_a_second_signal_cuts_the_grace_period_short(workdir, launch) -> None:
+    """Workers that ignore SIGTERM get --grace-period (60 s here) before SIGKILL; a second
+    signal to the launcher (Ctrl-C twice) kills them at once."""
+    import psutil
+
+    (workdir / "stubborn.py").write_text(
+        "import signal, time, torch.distributed as dist\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('ignoring SIGTERM', flush=True))\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "dist.init_process_group('gloo')\n"
+        "print('ready', flush=True)\n"
+        "while True:\n    time.sleep(0.1)\n")
+    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "60", "--redirects", "1",
+                   "--log-dir", str(workdir / "logs"), str(workdir / "stubborn.py")], workdir)
+    _wait_for_output(workdir, "ready", 2)
+    workers = [c for c in psutil.Process(item.proc.pid).children(recursive=True) if "stubborn.py" in " ".join(c.cmdline())]
+    assert len(workers) == 2, workers
+    item.proc.send_signal(signal.SIGTERM)
+    # The first signal is forwarded and ignored: the workers live on in the grace period.
+    _wait_for_output(workdir, "ignoring SIGTERM", 2)
+    assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    started = time.monotonic()
+    item.proc.send_signal(signal.SIGINT)
+    rc, _, err = item.wait(30)
+    assert time.monotonic() - started < 20, "the second signal did not cut the grace period short"
+    assert rc == 143, err
+    stopped = [e for e in read_events(workdir / "logs") if e["kind"] == "workers_stopped"]
+    assert stopped and stopped[-1]["killed_ranks"] == [0, 1], stopped
+
+
 def test_workers_die_with_a_sigkilled_agent(workdir, launch) -> None:
     import psutil
 

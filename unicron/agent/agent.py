@@ -402,7 +402,10 @@ class Agent:
             return
         self.group = None
         self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
-        killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted)
+        # A signal to the launcher during the grace period (a second Ctrl-C) kills what is left now.
+        signals_before = len(self.signals.received)
+        killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
+                            abort=lambda: len(self.signals.received) > signals_before)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _report(self, fault: dict[str, Any]) -> None:

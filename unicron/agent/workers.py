@@ -86,11 +86,12 @@ class WorkerGroup:
         self.hang.start(time.monotonic(), list(self.ranks))
 
     def stop(self, grace_s: float, sig: int = signal.SIGTERM, *,
-             adopted: Callable[[], Iterable[int]] | None = None) -> list[int]:
+             adopted: Callable[[], Iterable[int]] | None = None, abort: Callable[[], bool] | None = None) -> list[int]:
         """Stop every rank's process tree, and the trees of the ``adopted`` orphans; returns the
-        ranks that had to be SIGKILLed (still running at the end of the grace period)."""
+        ranks that had to be SIGKILLed (still running at the end of the grace period, or when
+        ``abort()`` said so first)."""
         # Every worker, dead ones too: a dead worker's children (data loaders) may still run.
-        report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted)
+        report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted, abort=abort)
         killed = sorted(r.rank for r in self.ranks.values() if r.proc.pid in report.killed)
         now = time.time()
         for r in self.ranks.values():
