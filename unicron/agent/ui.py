@@ -85,5 +85,6 @@ def fault_line(fault: dict[str, Any], node_id: str) -> str:
     if fault.get("error_type") and not fault.get("summary"):
         what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
     step = fault.get("steps_completed")
-    at = f" at step {step}" if isinstance(step, int) else ""  # unknown for scripts that report no steps
+    # unknown (None) for scripts that report no steps, or a rank that died before its hooks were in
+    at = "" if not isinstance(step, int) else " before its first step" if step == 0 else f" at step {step}"
     return f"{fault.get('kind')} on {who}{at}: {what or fault.get('kind')}"

@@ -1,0 +1,15 @@
+"""The console line of a fault (unicron.agent.ui.fault_line): pure."""
+
+from __future__ import annotations
+
+from unicron.agent.ui import fault_line
+
+
+def test_a_fault_line_says_who_when_and_what() -> None:
+    kill = {"kind": "exit", "rank": 1, "summary": "signal SIGKILL (9)"}
+    assert fault_line(dict(kill, steps_completed=15), "n") == "exit on rank 1 at step 15: signal SIGKILL (9)"
+    assert fault_line(dict(kill, steps_completed=0), "n") == "exit on rank 1 before its first step: signal SIGKILL (9)"
+    assert fault_line(dict(kill, steps_completed=None), "n") == "exit on rank 1: signal SIGKILL (9)"
+    exc = {"kind": "exception", "rank": 0, "error_type": "RuntimeError", "message": "boom", "steps_completed": 3}
+    assert fault_line(exc, "n") == "exception on rank 0 at step 3: RuntimeError: boom"
+    assert fault_line({"kind": "node_lost", "node_id": "b"}, "a") == "node_lost on node b: node_lost"
