@@ -13,3 +13,11 @@ def test_a_fault_line_says_who_when_and_what() -> None:
     exc = {"kind": "exception", "rank": 0, "error_type": "RuntimeError", "message": "boom", "steps_completed": 3}
     assert fault_line(exc, "n") == "exception on rank 0 at step 3: RuntimeError: boom"
     assert fault_line({"kind": "node_lost", "node_id": "b"}, "a") == "node_lost on node b: node_lost"
+
+
+def test_a_refused_join_is_shown_on_the_coordinators_console(capsys) -> None:
+    from unicron.agent.ui import AgentUI
+
+    ui = AgentUI("never")
+    ui.on_event({"kind": "join_refused", "host": "10.0.0.2", "reason": "--nnodes mismatch: 3:3 vs 2:2", "waits": False})
+    assert "node 10.0.0.2 refused: --nnodes mismatch: 3:3 vs 2:2" in capsys.readouterr().err

@@ -199,7 +199,11 @@ def test_unacknowledged_stop_times_out_and_node_is_dropped() -> None:
 
 def test_join_refusals() -> None:
     core = JobCore(spec(2, 2), ScriptedDecider(), now=0)
-    assert "mismatch" in sends(core.on_join("x", join("x", mn=1, mx=2), 0), "reject")["x"]["reason"]
+    mismatch = core.on_join("x", join("x", mn=1, mx=2), 0)
+    assert "mismatch" in sends(mismatch, "reject")["x"]["reason"]
+    # Logged (and so shown on the coordinator's console) once, not at every retry.
+    assert [o.fields["waits"] for o in mismatch if isinstance(o, Emit) and o.kind == "join_refused"] == [False]
+    assert not [o for o in core.on_join("x", join("x", mn=1, mx=2), 1) if isinstance(o, Emit)]
     core.on_join("a", join("a"), 0)
     core.on_join("b", join("b"), 0)
     full = core.on_join("c", join("c"), 0)

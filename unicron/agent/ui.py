@@ -54,6 +54,9 @@ class AgentUI:
             blame = f" (culprit rank {', '.join(map(str, culprits))})" if culprits else ""
             reason = str(event.get("reason", "")).splitlines()[0]
             self.warn(f"{event.get('severity')} {event.get('action')}{blame}: {reason}")
+        elif kind == "join_refused":
+            say = self.info if event.get("waits") else self.warn
+            say(f"node {event.get('host')} refused: {event.get('reason')}")
         elif kind == "node_lost":
             self.warn(f"node {event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
         elif kind == "waiting_for_nodes":

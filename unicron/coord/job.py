@@ -55,20 +55,15 @@ class JobCore:
     # ---- messages from agents ------------------------------------------------------
     def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         if self.phase in (Phase.DONE, Phase.FAILED):
-            return [Send(node_id, "reject", {"reason": f"job {self.spec.job_id} is over"})]
+            return self._refuse(node_id, body["host"], f"job {self.spec.job_id} is over")
         if body["min_nodes"] != self.spec.min_nodes or body["max_nodes"] != self.spec.max_nodes:
-            return [Send(node_id, "reject", {"reason": (
+            return self._refuse(node_id, body["host"], (
                 f"--nnodes mismatch: this node says {body['min_nodes']}:{body['max_nodes']}, "
-                f"the job is {self.spec.min_nodes}:{self.spec.max_nodes}")})]
+                f"the job is {self.spec.min_nodes}:{self.spec.max_nodes}"))
         known = self.members.is_active(node_id)
         result = self.members.join(node_id, body["host"], body["nproc"], body.get("node_rank"), now)
         if not result.accepted:
-            out_refused: list[Out] = [Send(node_id, "reject", {"reason": result.reason, "wait": result.transient})]
-            if self._refused.get(node_id) != result.reason:  # a waiting agent asks every second: log it once
-                self._refused[node_id] = result.reason
-                out_refused.append(Emit("join_refused", {"node_id": node_id, "host": body["host"],
-                                                         "reason": result.reason, "waits": result.transient}))
-            return out_refused
+            return self._refuse(node_id, body["host"], result.reason, waits=result.transient)
         self._refused.pop(node_id, None)
         out: list[Out] = [Send(node_id, "welcome", {"node_id": node_id, "epoch": self.members.epoch})]
         if known:
@@ -82,6 +77,15 @@ class JobCore:
             self.attempt.scale_up = True
             out += self._stop_attempt(f"node {body['host']} joined: growing to "
                                       f"{len(self.members.active())} nodes", now, want_stacks=False)
+        return out
+
+    def _refuse(self, node_id: str, host: str, reason: str, *, waits: bool = False) -> list[Out]:
+        """Refuse a join; logged (and shown on the coordinator's console) once per node and reason,
+        since a waiting agent asks every second."""
+        out: list[Out] = [Send(node_id, "reject", {"reason": reason, **({"wait": True} if waits else {})})]
+        if self._refused.get(node_id) != reason:
+            self._refused[node_id] = reason
+            out.append(Emit("join_refused", {"node_id": node_id, "host": host, "reason": reason, "waits": waits}))
         return out
 
     def _rejoined(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
