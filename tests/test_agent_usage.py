@@ -21,6 +21,17 @@ BUSY_CHILD = ("import subprocess, sys, time\n"
               "try:\n    time.sleep(3600)\nfinally:\n    child.kill(); child.wait()\n")
 SPIN = "import time\nprint('ready', flush=True)\nwhile True: pass\n"
 IDLE = "import time\nprint('ready', flush=True)\ntime.sleep(3600)\n"
+# A collective's traffic through a slow link: 20 KiB written to a socket (writev, as gloo
+# sends) 10 times a second, and a logging thread's worth of output: a short line 10 times a second.
+SLOW_LINK = ("import os, socket, time\n"
+             "a, b = socket.socketpair()\n"
+             "print('ready', flush=True)\n"
+             "while True:\n"
+             "    os.writev(a.fileno(), [b'x' * 20480])\n"
+             "    while len(b.recv(65536)) == 65536: pass\n"
+             "    time.sleep(0.1)\n")
+LOGGING = ("import sys, time\nprint('ready', flush=True)\nlog = open(os.devnull, 'w')\n"
+           "while True:\n    log.write('step 12 loss 0.123 lr 1e-4 tokens/s 123456\\n'); log.flush(); time.sleep(0.1)\n")
 
 
 @pytest.fixture
@@ -64,3 +75,20 @@ def test_a_computing_descendant_is_work_a_computing_leader_is_busy_an_idle_tree_
     idle.kill()
     idle.wait()
     assert tree_usage(idle.pid) is None
+
+
+def test_a_slow_links_traffic_is_work_a_logging_thread_is_not(procs) -> None:
+    sending, logging = procs(SLOW_LINK), procs("import os\n" + LOGGING)
+    tracker = ActivityTracker()  # the default rule
+    expected = {0: Activity.WORKING, 1: Activity.IDLE}
+    deadline = time.monotonic() + 30
+    verdict = None
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if tracker.due(now):
+            tracker.add(now, {0: tree_usage(sending.pid), 1: tree_usage(logging.pid)})
+            verdict = tracker.levels(now)
+            if verdict == expected:  # the trees' start-up has aged out
+                break
+        time.sleep(0.05)
+    assert verdict == expected

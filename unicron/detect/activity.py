@@ -54,12 +54,16 @@ class BusyRule:
     """Rates that make a rank BUSY (CPU) or WORKING (I/O), measured over ``window_s``.
 
     0.2 of a core is far above what an idle worker burns (a ZeroMQ I/O thread, a watchdog
-    waking up) and far below a single thread computing or spin-waiting (1.0). 1 MiB/s of I/O
-    catches a checkpoint being written or a dataset being read with little CPU.
+    waking up) and far below a single thread computing or spin-waiting (1.0). 64 KiB/s of I/O
+    catches a checkpoint being written or a dataset being read with little CPU, and a
+    collective's traffic through a slow link: gloo sends with ``writev``, which the kernel
+    counts (its receives are not counted, but activity is job-wide, and every transfer has a
+    sender). A rank in a hung collective moves no bytes at all; a logging thread writes far
+    less (a 200-character line 300 times a second).
     """
 
     cpu_cores: float = 0.2
-    io_bytes_per_s: float = 1024.0 * 1024.0
+    io_bytes_per_s: float = 64.0 * 1024.0
     window_s: float = 1.0
     period_s: float = 0.25
 
