@@ -60,12 +60,13 @@ def _free_port_in(ns: str) -> int:
     return int(out)
 
 
-def _agent(ns: str, addr: str, endpoint: str, workdir, nnodes: str, steps: int, logs: str) -> subprocess.Popen[str]:
+def _agent(ns: str, addr: str, endpoint: str, workdir, nnodes: str, steps: int, logs: str,
+           *script_args: str) -> subprocess.Popen[str]:
     cmd = ["ip", "netns", "exec", ns, *unicron_cmd(
         "run", "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "nsjob",
         "--local-addr", addr, "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "2", "--grace-period", "2",
         "--log-dir", str(workdir / logs), str(workdir / "train_state.py"), "--no-state", "--steps", str(steps),
-        "--sleep", "0.05", "--out", str(workdir / "out.txt"))]
+        "--sleep", "0.05", "--out", str(workdir / "out.txt"), *script_args)]
     # As with torchrun, gloo must be told which interface reaches the other hosts.
     env = clean_env(UNICRON_SECRET="netns-secret", GLOO_SOCKET_IFNAME=f"{ns[:-1]}v{ns[-1]}")
     return subprocess.Popen(cmd, cwd=workdir, env=env,
@@ -98,6 +99,33 @@ def test_agents_in_two_namespaces_form_one_job(two_hosts, workdir) -> None:
         assert starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
         joins = {e["host"] for e in read_events(workdir / "logs_a") if e["kind"] == "join"}
         assert joins == {addr_a, addr_b}
+    finally:
+        _reap(a, b)
+
+
+def test_a_slow_link_is_not_a_hang(two_hosts, workdir) -> None:
+    """Node b's link is rate-limited (2 mbit after a 1.6 MB burst): after a few fast steps,
+    each step's 400 KB all_reduce takes about 1.6 s, past the idle threshold the fast steps set
+    (1.5 s). The ranks wait in collectives while the bytes trickle: that is work, not a hang."""
+    ns_a, ns_b, addr_a, addr_b = two_hosts
+    if shutil.which("tc") is None:
+        pytest.skip("needs tc (iproute2) to shape a link")
+    shaped = subprocess.run(["ip", "netns", "exec", ns_b, "tc", "qdisc", "add", "dev", f"{ns_b[:-1]}vb", "root",
+                             "tbf", "rate", "2mbit", "burst", "1600kb", "latency", "30s"],
+                            capture_output=True, text=True, timeout=20)
+    if shaped.returncode != 0:
+        pytest.skip(f"cannot shape a link here (tbf): {shaped.stderr.strip()}")
+    endpoint = f"{addr_a}:{_free_port_in(ns_a)}"
+    a = _agent(ns_a, addr_a, endpoint, workdir, "2", 12, "logs_a", "--payload", "100000")
+    b = _agent(ns_b, addr_b, endpoint, workdir, "2", 12, "logs_b", "--payload", "100000")
+    try:
+        _, err_a = a.communicate(timeout=150)
+        _, err_b = b.communicate(timeout=60)
+        assert a.returncode == 0, err_a
+        assert b.returncode == 0, err_b
+        events = read_events(workdir / "logs_a")
+        assert not [e for e in events if e["kind"] in ("fault", "decision")], [e for e in events if e["kind"] == "fault"]
+        assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
     finally:
         _reap(a, b)
 

@@ -31,6 +31,8 @@ parser.add_argument("--fail-after-restore", type=int, default=-1)
 # --raise-after-step RANK:STEP: that rank raises after STEP's optimizer step, before its commit,
 # in every attempt (a loss check that fails the same way after each exact restore)
 parser.add_argument("--raise-after-step", default="")
+# --payload N: also all_reduce N floats each step (network traffic, for a slow link)
+parser.add_argument("--payload", type=int, default=0)
 args = parser.parse_args()
 
 
@@ -90,6 +92,8 @@ for step in range(start, args.steps):
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= world
+    if args.payload:
+        dist.all_reduce(torch.ones(args.payload))
     opt.step()
     if args.raise_after_step and args.raise_after_step == f"{rank}:{step + 1}":
         raise RuntimeError(f"loss check failed after step {step + 1}")
