@@ -263,6 +263,15 @@ def test_detect_decider_calls_restored_attempts_that_fail_before_new_ground_a_cr
     assert other.history[-1].reached is None and not other.history[-1].replayed
 
 
+def test_an_elastic_job_below_its_minimum_is_not_called_not_elastic() -> None:
+    lost = {"kind": "node_lost", "node_id": "b", "host": "hb", "message": "no heartbeat", "ts": 1.0, "attempt": 0}
+    below = DetectDecider().decide([lost], {}, 1.0, max_restarts=3, active_nodes=1, min_nodes=2, max_nodes=3)
+    assert below.action == "restart" and "cannot shrink below --nnodes MIN (2 nodes; 1 left)" in below.reason
+    assert "not elastic" not in below.reason
+    fixed = DetectDecider().decide([lost], {}, 1.0, max_restarts=3, active_nodes=1, min_nodes=2, max_nodes=2)
+    assert fixed.action == "restart" and "not elastic" in fixed.reason
+
+
 def test_node_busy_stopping_its_workers_is_judged_by_the_stop_timeout() -> None:
     core = two_nodes_running(ScriptedDecider(RESTART))
     core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 2}}, 2)

@@ -80,7 +80,7 @@ class DetectDecider:
                                       elastic=active_nodes >= min_nodes and active_nodes > 0
                                       and (max_nodes is None or min_nodes < max_nodes)
                                       and any(f.kind == "node_lost" for f in parsed),
-                                      replayed=replayed)
+                                      replayed=replayed, fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes))
         self.history.append(decision.record(cause, classification, progress, now, reached=reached,
                                             replayed=replayed))
         reason = decision.reason
@@ -102,6 +102,13 @@ class DetectDecider:
                         reason=reason if error is None else f"{reason}\n{detail}".rstrip(),
                         severity=decision.severity.value, rule=classification.rule,
                         exit_code=error.exit_code if error is not None else 0, culprits=culprits)
+
+
+def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None) -> str:
+    """Why the job cannot go on without a lost node, in the decision's words."""
+    if (max_nodes is None or min_nodes < max_nodes) and active_nodes < min_nodes:
+        return f"the job cannot shrink below --nnodes MIN ({min_nodes} nodes; {active_nodes} left)"
+    return "the job is not elastic (min nodes = current nodes)"
 
 
 def _progress(faults: list[dict[str, Any]]) -> int | None:

@@ -189,13 +189,15 @@ class RestartPolicy:
         steps_completed_since_last_restart: int | None,
         elastic: bool = False,
         replayed: bool = False,
+        fixed_why: str = "the job is not elastic (min nodes = current nodes)",
     ) -> Decision:
         """Decide once per incident, for its root cause (``classify.root_cause``).
 
         ``steps_completed_since_last_restart``: steps the job completed in the attempt that just
         failed (None when unknown: then neither the crash-loop guard nor "without progress"
         escalation can fire, and backoff grows as if there were no progress). ``elastic``: the
-        job may shrink (min_nodes < current nodes). ``replayed``: the attempt restored a
+        job may shrink (min_nodes < current nodes); ``fixed_why`` says why not, when it may not.
+        ``replayed``: the attempt restored a
         snapshot and failed again before completing a step beyond the furthest an earlier
         attempt had completed (``replayed_only``): its steps redid known work, so the crash-loop
         guard counts it as no progress. The other rules keep the real count, since it did run.
@@ -262,7 +264,7 @@ class RestartPolicy:
         notes: list[str] = []
         if action is Action.RECONFIGURE and not elastic:
             action = Action.RESTART
-            notes.append("the job is not elastic (min nodes = current nodes): restarting on the same nodes")
+            notes.append(f"{fixed_why}: restarting on the same nodes")
         if (
             last is not None and action is Action.REATTEMPT and last.action is Action.REATTEMPT
             and now - last.ts <= self.reattempt_window_s
