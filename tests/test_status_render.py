@@ -157,3 +157,14 @@ def test_nodes_show_what_their_ranks_do_between_steps() -> None:
     assert "activity" in text and "working" in text
     line_b = next(line for line in text.splitlines() if "trn-b" in line and "%" in line)
     assert "idle" not in line_b, "idle (the normal state while steps flow) is shown as '-'"
+
+
+def test_a_waiting_job_shows_no_rate_and_a_node_without_a_place_no_rank() -> None:
+    snapshot = healed_snapshot(NOW)
+    assert "it/s" in capture(render_status(snapshot, NOW), width=140)
+    snapshot["job"]["state"] = "waiting"
+    snapshot["nodes"][1]["node_rank"] = -1  # joined, no place in an attempt yet
+    text = capture(render_status(snapshot, NOW), width=140)
+    assert "it/s" not in text.splitlines()[1] and "waiting" in text
+    line_b = next(line for line in text.splitlines() if "trn-b" in line and "%" in line)
+    assert line_b.strip("│ ").split()[0] == "-", line_b

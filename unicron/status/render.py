@@ -197,7 +197,7 @@ def render_header(snapshot: Mapping[str, Any], now: float) -> Text:
     if step is not None:
         parts.append((f"step {step}", "bold"))
     sps = steps_per_second(snapshot)
-    if sps is not None:
+    if sps is not None and job.get("state") == "running":  # a waiting or stopping job trains at no rate
         parts.append((f"{sps:.3g} it/s", ""))
     parts.append((f"up {fmt_age(job.get('started_at'), now)}", "dim"))
     if job.get("coordinator"):
@@ -263,7 +263,9 @@ def render_nodes(snapshot: Mapping[str, Any], now: float) -> Table:
         table.add_column(name, justify=justify, no_wrap=name != "gpus")  # type: ignore[arg-type]
     for node in nodes_of(snapshot):
         health = _dict(node.get("health"))
-        table.add_row(str(node.get("node_rank", "-")), short_value(node.get("node_id", "?"), 24),
+        rank = node.get("node_rank")
+        # -1: joined, no place in an attempt yet (waiting, or lost before it got one)
+        table.add_row(str(rank) if isinstance(rank, int) and rank >= 0 else "-", short_value(node.get("node_id", "?"), 24),
                       short_value(node.get("host", "-"), 24), state_text(node.get("state"), NODE_STATE_STYLE),
                       fmt_age(node.get("last_heartbeat"), now), _between_steps(node.get("activity")),
                       _percent(health.get("cpu_percent"), 98),
