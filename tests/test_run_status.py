@@ -41,6 +41,7 @@ def test_status_json_and_metrics_follow_a_healing_job(workdir, launch) -> None:
     env = clean_env(UNICRON_RUNS_DIR=str(workdir / "runs"))
     mport = _free_port()
     job = launch(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--metrics-port", str(mport),
+                  "--local-addr", "127.0.0.1",
                   "--log-dir", str(workdir / "logs"), str(workdir / "train_state.py"),
                   "--steps", "400", "--sleep", "0.05"], workdir, env)
     # Before the fault: the JSON snapshot names every rank with its step and pid. The test kills a rank itself
@@ -54,6 +55,7 @@ def test_status_json_and_metrics_follow_a_healing_job(workdir, launch) -> None:
     assert all(isinstance(w["step"], int) for w in workers.values())
     assert any(1 <= (w["snapshot_step"] or 0) <= w["step"] for w in workers.values())
     assert snap["job"]["state"] == "running" and snap["job"]["restarts"] == 0
+    assert snap["job"]["coordinator"].startswith("127.0.0.1:"), snap["job"]  # where nodes reach it: --local-addr
     os.kill(workers[1]["pid"], signal.SIGKILL)
     # After the kill: one restart, visible in status and in metrics.
     snap = wait_for(lambda: (s := _status(workdir, env)) and s["job"]["restarts"] == 1
