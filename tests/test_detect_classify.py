@@ -426,9 +426,10 @@ def test_a_process_ended_by_a_cxx_exception_is_described_by_its_message() -> Non
 
 def test_where_names_the_rank_a_hang_blames_or_the_node() -> None:
     assert Fault("exit", 1.0, rank=3, host="h").where() == "rank 3 on h"
-    assert Fault("hang", 1.0, host="h", culprit_ranks=(1,)).where() == "rank 1 on h"
-    assert Fault("hang", 1.0, host="h", culprit_ranks=(0, 1)).where() == "the ranks on h"
+    # The culprit of a hang may run on another node than the one that reported it: no host.
+    assert Fault("hang", 1.0, host="h", culprit_ranks=(1,)).where() == "rank 1"
+    assert Fault("hang", 1.0, host="h", culprit_ranks=(0, 1)).where() == "the job"
     assert Fault("node_lost", 1.0, host="h").where() == "node h"
     assert Fault("health", 1.0, host="h", gpu=2).where() == "GPU 2 on h"
-    assert Fault("hang", 1.0).where() == "the ranks"
+    assert Fault("hang", 1.0).where() == "the job"
     assert Fault("exit", 1.0).where() == "the job"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -38,7 +37,7 @@ class Job:
         self.decisions: list[Decision] = []
 
     def fail(self, what: str, now: float, progress: int | None, rank: int | None = 1, node: str = "n1", *,
-             replayed: bool = False, reached: int | None = None) -> Decision:
+             reached: int | None = None, restored_from: int | None = None) -> Decision:
         spec = dict(KINDS[what])
         kind = str(spec.pop("kind"))
         if "rank" in spec:
@@ -46,11 +45,13 @@ class Job:
         steps = 0 if progress == 0 else progress
         fault = Fault(kind, now, rank=rank, node=node, attempt=self.attempt, steps_completed=steps, **spec)  # type: ignore[arg-type]
         c = classify(fault)
+        replayed = replayed_only(self.history, restored_from, reached, c.rule, progress)
         d = self.policy.decide(self.history, fault, c, now, max_restarts=self.max_restarts,
                                steps_completed_since_last_restart=progress, elastic=self.elastic, replayed=replayed)
         self.decisions.append(d)
         if d.action is not Action.NONE:
-            self.history.append(d.record(fault, c, progress, now, reached=reached, replayed=replayed))
+            self.history.append(d.record(fault, c, progress, now, reached=reached, restored_from=restored_from,
+                                         replayed=replayed))
         if d.action in (Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE):
             self.attempt += 1
         return d
@@ -149,27 +150,39 @@ def test_restored_attempts_that_only_replay_earlier_steps_are_a_crash_loop() -> 
     # A rank raises after its optimizer step and before commit(): each attempt restores step 6,
     # redoes step 7 (progress 1) and fails again; the restore is exact, so it always will.
     job = Job(max_restarts=100)
-    history = job.history
-    assert not replayed_only(history, 0, 7)  # the first attempt started fresh
-    job.fail("crash", 1.0, 7, rank=1)
-    job.history[-1] = replace(job.history[-1], reached=7)
+    job.fail("crash", 1.0, 7, rank=1, reached=7, restored_from=0)
+    rule = job.history[-1].rule
+    assert replayed_only(job.history, 6, 7, rule, 1)
+    assert not replayed_only(job.history, 6, 8, rule, 2)  # got further
+    assert not replayed_only(job.history, 6, 7, "hang", 1)  # failed another way
+    assert not replayed_only(job.history, 6, 7, rule, None)  # no evidence
+    assert not replayed_only(job.history, 0, 7, rule, 7) and not replayed_only(job.history, None, 7, rule, 7)
+    assert not replayed_only([], 6, 7, rule, 1)  # nothing earlier to compare with
     for n in (1, 2):
-        assert replayed_only(history, 6, 7) and not replayed_only(history, 6, 8)
-        d = job.fail("crash", 1.0 + n, 1, rank=1, replayed=True, reached=7)
-        assert d.action is Action.RESTART
-    d = job.fail("crash", 4.0, 1, rank=1, replayed=True, reached=7)
+        d = job.fail("crash", 1.0 + n, 1, rank=1, reached=7, restored_from=6)
+        assert d.action is Action.RESTART and job.history[-1].replayed
+    d = job.fail("crash", 4.0, 1, rank=1, reached=7, restored_from=6)
     assert d.action is Action.STOP and d.stop is StopReason.CRASH_LOOP
     assert d.reason.startswith("crash loop: 3 restarts without completing a step that an earlier attempt "
                                "had not already completed")
-    # Passing the earlier attempts' furthest step breaks the run of replays.
-    moving = Job(max_restarts=100)
-    moving.fail("crash", 1.0, 7, rank=1, reached=7)
-    for n in range(1, 10):
-        assert not replayed_only(moving.history, 6 + n, 7 + n)
-        assert moving.fail("crash", 1.0 + n, 1, rank=1, reached=7 + n).action is Action.RESTART
-    # A fresh start (no restore) redoes steps by design: never a replay.
-    assert not replayed_only(moving.history, None, 3) and not replayed_only(moving.history, 0, 3)
-    assert not replayed_only([], 6, 7)  # nothing earlier to compare with
+
+
+def test_progress_after_a_fresh_start_or_unrelated_faults_is_no_replay() -> None:
+    # A node lost with its snapshots: the job starts over from step 0 and makes progress,
+    # restored attempt after restored attempt, each short of where the first attempt got.
+    fresh = Job(max_restarts=100)
+    fresh.fail("lost", 1.0, 1050, rank=None, reached=1050, restored_from=1000)
+    fresh.fail("crash", 2.0, 400, rank=1, reached=400, restored_from=0)
+    for n, (start, end) in enumerate([(400, 700), (700, 900), (900, 1000), (1000, 1020)]):
+        assert fresh.fail("crash", 3.0 + n, end - start, rank=1, reached=end, restored_from=start).action \
+            is Action.RESTART
+    assert not any(r.replayed for r in fresh.history)
+    # Different failures, each after a restore of the same step: not one failure replayed.
+    mixed = Job(max_restarts=100)
+    mixed.fail("crash", 1.0, 50, rank=1, reached=1050, restored_from=1000)
+    for n, what in enumerate(["conn", "lost", "oom", "crash"]):
+        assert mixed.fail(what, 2.0 + n, 40, rank=2, reached=1040, restored_from=1000).action is not Action.STOP
+    assert not any(r.replayed for r in mixed.history)
 
 
 def test_unknown_progress_never_counts_as_a_crash_loop() -> None:

@@ -402,10 +402,10 @@ class Agent:
             return
         self.group = None
         self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
-        # A signal to the launcher during the grace period (a second Ctrl-C) kills what is left now.
-        signals_before = len(self.signals.received)
+        # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
+        # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
-                            abort=lambda: len(self.signals.received) > signals_before)
+                            abort=lambda: len(self.signals.received) > 1)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _report(self, fault: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ def tree_of(pid: int) -> list[int]:
     return tree
 
 
+_HAVE_PROC = os.path.exists(f"/proc/{os.getpid()}/stat")
 PF_EXITING = 0x4  # include/linux/sched.h: set as the task starts to exit, before its files close
 
 
@@ -70,6 +71,8 @@ def is_exiting(pid: int) -> bool:
     """Whether ``pid`` has begun to exit (or is gone). A killed process closes its sockets before
     it becomes a zombie its parent can reap, so its peers can fail on it in that window: this
     sees it from the first moment of its exit. False where /proc cannot say (not Linux)."""
+    if not _HAVE_PROC:
+        return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()

@@ -73,8 +73,8 @@ class DetectDecider:
         cause = root_cause(parsed)
         classification = classify(cause, [f for f in parsed if f.kind == "health"])
         progress = _progress(faults)
-        reached = _highest(faults, "reached")
-        replayed = replayed_only(self.history, _highest(faults, "restored_from"), reached)
+        reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
+        replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress)
         decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
                                       steps_completed_since_last_restart=progress,
                                       elastic=active_nodes >= min_nodes and active_nodes > 0
@@ -82,7 +82,7 @@ class DetectDecider:
                                       and any(f.kind == "node_lost" for f in parsed),
                                       replayed=replayed, fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes))
         self.history.append(decision.record(cause, classification, progress, now, reached=reached,
-                                            replayed=replayed))
+                                            restored_from=restored_from, replayed=replayed))
         reason = decision.reason
         if finished and is_victim(cause, classification):
             # torchrun, too, would blame the rank that lost its peer; the peer that left is why.

@@ -247,8 +247,9 @@ class CoordinatorServer:
             else:
                 snap = slot.core.snapshot(now)
                 snap["job"]["dropped_messages"] = self.codec.dropped.total
-                # Where nodes reach it: --local-addr when given (a multi-homed node), else its name
-                snap["job"]["coordinator"] = f"{self.advertise_addr or os.uname().nodename}:{self.port}"
+                # Where nodes reach it: the address its workers are told (--local-addr, else the FQDN)
+                host = self.advertise_addr or os.uname().nodename
+                snap["job"]["coordinator"] = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
                 self._send_raw(identity, msg.job, "status", {"snapshot": snap})
             return
         node_id = msg.body.get("node_id")

@@ -150,15 +150,14 @@ class Fault:
         )
 
     def where(self) -> str:
-        """Short location for messages: ``rank 3 on node-a`` / ``node node-a`` / ``the job``
-        (a hang: ``the ranks on node-a``, or its culprit ``rank 1 on node-a``)."""
+        """Short location for messages: ``rank 3 on node-a`` / ``node node-a`` / ``the job``. A
+        hang is the job's, whichever node reported it: ``the job``, or its one culprit ``rank 1``
+        (the culprit may run on another node than the reporter, so no host is named)."""
+        if self.kind == "hang" and self.rank is None:
+            return f"rank {self.culprit_ranks[0]}" if len(self.culprit_ranks) == 1 else "the job"
         parts = []
         if self.rank is not None:
             parts.append(f"rank {self.rank}")
-        elif len(self.culprit_ranks) == 1:
-            parts.append(f"rank {self.culprit_ranks[0]}")
-        elif self.kind == "hang":
-            parts.append("the ranks")
         if self.gpu is not None:
             parts.append(f"GPU {self.gpu}")
         if self.node or self.host:

@@ -7,8 +7,8 @@ Rules, in order (docs/failures.md explains each):
    the same error (on any rank) right after that restart is FATAL.
 3. Out of memory before the first step on ``oom_fatal_after`` consecutive attempts is FATAL too.
 4. Crash-loop guard: ``crash_loop_limit`` restarts in a row without one completed step stop;
-   a restored attempt that fails again before passing the furthest step of an earlier one
-   (a replay of the same failure: restores are bit-exact) counts as no step.
+   a restored attempt that fails as the one before it did, by the same rule and no further,
+   from no earlier a snapshot (a replay: restores are bit-exact) counts as no step.
 5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART; a
    RESTART that fails again on the same rank (or node, for node faults) without progress becomes a RECONFIGURE
    when the job is elastic, else STOP. A SEV1 in a job that is not elastic cannot exclude
@@ -61,6 +61,7 @@ class FailureRecord:
     escalated: bool = False
     error: str = ""  # the classification's error, without where it happened
     reached: int | None = None  # the furthest step (over the whole run) the attempt completed
+    restored_from: int | None = None  # the step the attempt restored (None or 0: a fresh start)
     replayed: bool = False  # a restored attempt that failed before passing an earlier one's furthest step
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,7 +69,7 @@ class FailureRecord:
             "ts": self.ts, "attempt": self.attempt, "rule": self.rule, "severity": self.severity.value,
             "action": self.action.value, "cause": self.cause, "rank": self.rank, "node": self.node,
             "progress": self.progress, "escalated": self.escalated, "error": self.error,
-            "reached": self.reached, "replayed": self.replayed,
+            "reached": self.reached, "restored_from": self.restored_from, "replayed": self.replayed,
         }
 
     @classmethod
@@ -81,6 +82,7 @@ class FailureRecord:
                 progress=None if data.get("progress") is None else int(data["progress"]),
                 escalated=bool(data.get("escalated", False)), error=str(data.get("error", "")),
                 reached=None if data.get("reached") is None else int(data["reached"]),
+                restored_from=None if data.get("restored_from") is None else int(data["restored_from"]),
                 replayed=bool(data.get("replayed", False)),
             )
         except KeyError as exc:
@@ -112,26 +114,30 @@ class Decision:
         return WorkerFailedError(self.reason)
 
     def record(self, fault: Fault, classification: Classification, progress: int | None, now: float, *,
-               reached: int | None = None, replayed: bool = False) -> FailureRecord:
+               reached: int | None = None, restored_from: int | None = None, replayed: bool = False) -> FailureRecord:
         """The history entry for this decision (append it before the next ``decide``)."""
         return FailureRecord(
             ts=now, attempt=fault.attempt, rule=classification.rule, severity=classification.severity,
             action=self.action, cause=classification.reason, rank=fault.rank, node=fault.node,
             progress=progress, escalated=self.escalated, error=classification.error,
-            reached=reached, replayed=replayed,
+            reached=reached, restored_from=restored_from, replayed=replayed,
         )
 
 
-def replayed_only(history: Sequence[FailureRecord], restored_from: int | None, reached: int | None) -> bool:
-    """Whether an attempt that restored ``restored_from`` (None or 0: it started fresh) and got
-    as far as step ``reached`` (over the whole run) only redid steps an earlier attempt had
-    completed. Restores are bit-exact, so such an attempt meets the same failure again: a script
-    that raises after its optimizer step and before ``commit()`` redoes one step per attempt
-    forever, each attempt with progress 1. A fresh start redoes steps by design, so never."""
-    if not restored_from or reached is None:
+def replayed_only(history: Sequence[FailureRecord], restored_from: int | None, reached: int | None,
+                  rule: str, progress: int | None) -> bool:
+    """Whether a restored attempt replayed the attempt before it: it restored from no earlier a
+    step than that one did (``restored_from``; None or 0: it started fresh), got no further
+    (``reached``, the furthest step over the whole run) and failed by the same rule. Restores
+    are bit-exact, so such an attempt meets the same failure again: a script that raises after
+    its optimizer step and before ``commit()`` redoes one step per attempt forever, each attempt
+    with progress 1. Never for a fresh start (it redoes steps by design), an attempt of unknown
+    progress (no evidence), or another kind of failure (unrelated faults are not a loop)."""
+    if not restored_from or reached is None or progress is None:
         return False
-    earlier = [r.reached for r in history if r.reached is not None]
-    return bool(earlier) and reached <= max(earlier)
+    last = next((r for r in reversed(history) if r.action is not Action.NONE), None)
+    return (last is not None and last.rule == rule and last.reached is not None and reached <= last.reached
+            and restored_from >= (last.restored_from or 0))
 
 
 def _no_progress(progress: int | None) -> bool:
@@ -197,10 +203,9 @@ class RestartPolicy:
         failed (None when unknown: then neither the crash-loop guard nor "without progress"
         escalation can fire, and backoff grows as if there were no progress). ``elastic``: the
         job may shrink (min_nodes < current nodes); ``fixed_why`` says why not, when it may not.
-        ``replayed``: the attempt restored a
-        snapshot and failed again before completing a step beyond the furthest an earlier
-        attempt had completed (``replayed_only``): its steps redid known work, so the crash-loop
-        guard counts it as no progress. The other rules keep the real count, since it did run.
+        ``replayed``: the attempt restored a snapshot and failed again as the attempt before it
+        did, no further (``replayed_only``): its steps redid known work, so the crash-loop guard
+        counts it as no progress. The other rules keep the real count, since it did run.
         """
         progress = steps_completed_since_last_restart
         history = [r for r in history if r.action is not Action.NONE]  # INFO notes are not failures
@@ -256,7 +261,7 @@ class RestartPolicy:
             if restarts >= self.crash_loop_limit:
                 what = ("without completing a step" if not replayed and not any(r.replayed for r in loop)
                         else "without completing a step that an earlier attempt had not already completed "
-                             "(each restored attempt failed again before passing it)")
+                             "(restored attempts failed the same way again, no further)")
                 return stop(StopReason.CRASH_LOOP, f"crash loop: {restarts} restarts {what}; last cause: {cause}")
 
         action = classification.action
