@@ -164,17 +164,23 @@ def test_agent_with_wrong_secret_is_refused_clearly(workdir, launch) -> None:
     assert err_a.count("signed with another secret") == 1, err_a
 
 
+def _two_ready_workers(workdir, launch, name: str, grace: str, setup: str):
+    """A standalone 2-worker job of ``setup`` then an idle loop, with --grace-period ``grace``;
+    returns once both workers printed 'ready'."""
+    (workdir / name).write_text(setup + "print('ready', flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", grace, "--redirects", "1",
+                   "--log-dir", str(workdir / "logs"), str(workdir / name)], workdir)
+    _wait_for_output(workdir, "ready", 2)
+    return item
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_everything_and_leaves_no_orphans(workdir, launch, sig, code) -> None:
-    (workdir / "spawner.py").write_text(
+    # Both workers start a grandchild before they are ready.
+    item = _two_ready_workers(workdir, launch, "spawner.py", "3", (
         "import subprocess, sys, time, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[0]])\n"
-        "print('ready', flush=True)\n"
-        "while True:\n    time.sleep(0.1)\n")
-    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "3", "--redirects", "1",
-                   "--log-dir", str(workdir / "logs"), str(workdir / "spawner.py")], workdir)
-    _wait_for_output(workdir, "ready", 2)  # both workers have started their grandchildren
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[0]])\n"))
     item.proc.send_signal(sig)
     rc, _, err = item.wait(30)
     assert rc == code, err
@@ -194,16 +200,11 @@ def test_a_second_signal_cuts_the_grace_period_short(workdir, launch) -> None:
     signal to the launcher (Ctrl-C twice) kills them at once."""
     import psutil
 
-    (workdir / "stubborn.py").write_text(
+    item = _two_ready_workers(workdir, launch, "stubborn.py", "60", (
         "import signal, time, torch.distributed as dist\n"
         "signal.signal(signal.SIGTERM, lambda *_: print('ignoring SIGTERM', flush=True))\n"
         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "dist.init_process_group('gloo')\n"
-        "print('ready', flush=True)\n"
-        "while True:\n    time.sleep(0.1)\n")
-    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "60", "--redirects", "1",
-                   "--log-dir", str(workdir / "logs"), str(workdir / "stubborn.py")], workdir)
-    _wait_for_output(workdir, "ready", 2)
+        "dist.init_process_group('gloo')\n"))
     workers = [c for c in psutil.Process(item.proc.pid).children(recursive=True) if "stubborn.py" in " ".join(c.cmdline())]
     assert len(workers) == 2, workers
     item.proc.send_signal(signal.SIGTERM)
