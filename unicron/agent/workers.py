@@ -177,8 +177,9 @@ class WorkerGroup:
 
         A process that exits tears its threads down before the kernel lets the parent reap it,
         and its peers may see its sockets close (and fail) in between: it counts as dying from
-        the first moment of its exit (``proctree.is_exiting``), not only once it is a zombie. Waiting for those few
-        milliseconds keeps the real root cause (its exit code) from being lost to its victims.
+        the first moment of its exit (``proctree.is_exiting``), not only once it is a zombie.
+        Waiting for those few milliseconds keeps the real root cause (its exit code) from being
+        lost to its victims.
         A rank that announced a non-zero ``SystemExit`` is dying too, though its interpreter
         may take a second to tear down: if it is still alive at the deadline, its fault is
         reported with the code it announced (the stop that follows kills it).

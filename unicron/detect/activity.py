@@ -58,8 +58,8 @@ class BusyRule:
     catches a checkpoint being written or a dataset being read with little CPU, and a
     collective's traffic through a slow link: gloo sends with ``writev``, which the kernel
     counts (its receives are not counted, but activity is job-wide, and every transfer has a
-    sender). A rank in a hung collective moves no bytes at all; a logging thread writes far
-    less (a 200-character line 300 times a second).
+    sender). A rank in a hung collective moves no bytes at all, and a logging thread far less
+    (64 KiB/s would be over 300 lines of 200 characters a second).
     """
 
     cpu_cores: float = 0.2
