@@ -49,20 +49,28 @@ _HAVE_PROC = os.path.exists(f"/proc/{os.getpid()}/stat")
 PF_EXITING = 0x4  # include/linux/sched.h: set as the task starts to exit, before its files close
 
 
+def stat_fields(stat: bytes) -> list[bytes]:
+    """Fields 3 on of a ``/proc/PID/stat`` line (``[0]`` the state, ``[6]`` the flags). The
+    command name (field 2) may hold spaces and parentheses: fields count from its last ``)``."""
+    return stat[stat.rindex(b")") + 2:].split()
+
+
 def exiting_from_stat(stat: bytes) -> bool:
     """Whether a ``/proc/PID/stat`` line shows a process that has begun to exit: a zombie (or
-    dead) state, or ``PF_EXITING`` in its flags (field 9). The command name (field 2) may hold
-    spaces and parentheses, so fields are counted after its last ``)``."""
-    fields = stat[stat.rindex(b")") + 2:].split()
+    dead) state, or ``PF_EXITING`` in its flags (field 9)."""
+    fields = stat_fields(stat)
     return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
+
+
+def _read_stat(pid: int) -> bytes:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return fh.read()
 
 
 def process_state(pid: int) -> str:
     """The one-letter state of ``pid`` from /proc (R, S, D, T, Z...; "?" if unknown)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        return stat[stat.rindex(b")") + 2:].split()[0].decode()
+        return stat_fields(_read_stat(pid))[0].decode()
     except (OSError, ValueError, IndexError):
         return "?"
 
@@ -74,8 +82,7 @@ def is_exiting(pid: int) -> bool:
     if not _HAVE_PROC:
         return False
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
+        stat = _read_stat(pid)
     except FileNotFoundError:
         return True
     except OSError:

@@ -72,7 +72,7 @@ class DetectDecider:
             parsed = [replace(f, culprit_ranks=tuple(culprits)) if f.kind == "hang" else f for f in parsed]
         cause = root_cause(parsed)
         classification = classify(cause, [f for f in parsed if f.kind == "health"])
-        progress = _progress(faults)
+        progress = _highest(faults, "progress")
         reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
         replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress)
         decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
@@ -109,10 +109,6 @@ def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None) -> str:
     if (max_nodes is None or min_nodes < max_nodes) and active_nodes < min_nodes:
         return f"the job cannot shrink below --nnodes MIN ({min_nodes} nodes; {active_nodes} left)"
     return "the job is not elastic (min nodes = current nodes)"
-
-
-def _progress(faults: list[dict[str, Any]]) -> int | None:
-    return _highest(faults, "progress")
 
 
 def _highest(faults: list[dict[str, Any]], key: str) -> int | None:
