@@ -31,11 +31,11 @@ from unicron.agent.procs import (
     WorkerProcess,
     spawn,
     start_worker,
-    terminate_all,
     wait_any,
 )
 from unicron.agent.signals import LauncherSignals, set_child_subreaper
 from unicron.agent.tee import ConsoleTee
+from unicron.agent.terminate import terminate_all
 from unicron.errors import FatalUserError, UsageError, WorkerFailedError
 
 REPO = Path(__file__).resolve().parents[1]

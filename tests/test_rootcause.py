@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from unicron.agent.logs import LogSpec, RunLogDir, Std
-from unicron.agent.procs import WorkerProcess, spawn, start_worker, terminate_all, wait_any
+from unicron.agent.procs import WorkerProcess, spawn, start_worker, wait_any
 from unicron.agent.rootcause import (
     ErrorRecord,
     WorkerFailure,
@@ -31,6 +31,7 @@ from unicron.agent.rootcause import (
     signal_name,
     tail_lines,
 )
+from unicron.agent.terminate import terminate_all
 from unicron.detect.faults import stderr_summary
 
 PY = sys.executable

@@ -17,11 +17,12 @@ import pytest
 from helpers_worker import BOOT, Rendezvous, agent_socket, base_env, wait_until, write_script
 
 from unicron.agent.logs import RankLogs
-from unicron.agent.procs import WorkerProcess, start_worker, terminate_all
+from unicron.agent.procs import WorkerProcess, start_worker
 from unicron.agent.signals import set_child_subreaper
 from unicron.agent.tee import ConsoleTee
-from unicron.agent.warm import (
-    WarmPool,
+from unicron.agent.terminate import terminate_all
+from unicron.agent.warm import WarmPool
+from unicron.agent.warmspec import (
     boot_argv,
     import_env_mismatch,
     is_import_time,

@@ -39,7 +39,8 @@ from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
-from unicron.agent.warm import READY_WAIT_S, WarmPool, boot_argv, should_refill
+from unicron.agent.warm import READY_WAIT_S, WarmPool
+from unicron.agent.warmspec import boot_argv, should_refill
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
 from unicron.detect.stall import StallWatch

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from types import FrameType, TracebackType
 
-from unicron.agent.procs import TerminationReport, WorkerProcess, terminate_all
+from unicron.agent.procs import WorkerProcess
+from unicron.agent.terminate import TerminationReport, terminate_all
 from unicron.errors import Interrupted
 
 _PR_SET_CHILD_SUBREAPER = 36

@@ -14,7 +14,7 @@ None whenever a warm start cannot be exactly a cold one, and the caller starts t
 - the command is not ``[python, "-u", "-m", "unicron.worker.boot", ...]`` for the pool's python;
 - the zygote is not ready (still importing, or dead);
 - a variable read at import time differs between the zygote and the worker (see
-  ``import_env_mismatch``), the working directory is gone, or a log file cannot be created.
+  ``warmspec.import_env_mismatch``), the working directory is gone, or a log file cannot be created.
 
 The zygote notices end of input on its pipe and exits, and dies with the agent (PDEATHSIG).
 ``close`` kills and reaps it; the workers it forked are the agent's children and live on. A
@@ -40,88 +40,20 @@ from unicron.agent.logs import RankLogs
 from unicron.agent.procs import ERROR_FILE_ENV, WorkerProcess
 from unicron.agent.signals import is_child_subreaper
 from unicron.agent.tee import ConsoleTee
+from unicron.agent.warmspec import (
+    boot_argv,
+    import_env_mismatch,
+    shadowed_preloads,
+    spec_line,
+)
 
-BOOT_MODULE = "unicron.worker.boot"
 ZYGOTE_MODULE = "unicron.worker.zygote"
 SPEC_PIPE_BYTES = 1 << 20  # room for the largest environment, so writing a spec never blocks
 REAP_TIMEOUT_S = 5.0
 TITLE_ROOM = 4000  # bytes of argument area each forked worker can rewrite to show its own command line
 
-# Read while python starts or torch/numpy/OpenMP load: a zygote imported under its own values.
-_IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "TORCH", "PYTORCH_", "OMP_", "KMP_", "GOMP_",
-                         "MKL_", "OPENBLAS_", "NUMPY_", "LC_")
-_IMPORT_TIME_NAMES = frozenset({"LANG", "LANGUAGE", "HOME", "TMPDIR", "TEMP", "TMP"})
-# Read later (process group init, elastic error handling) or re-applied by the zygote.
-_RUNTIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTHON_EXEC")
-_REAPPLIED = frozenset({"OMP_NUM_THREADS"})  # torch.set_num_threads in the zygote
-
-
-def is_import_time(name: str) -> bool:
-    """Whether a variable may already have been read when a zygote finished importing."""
-    if name in _REAPPLIED or name.startswith(_RUNTIME_PREFIXES):
-        return False
-    return name in _IMPORT_TIME_NAMES or name.startswith(_IMPORT_TIME_PREFIXES)
-
-
-def import_env_mismatch(zygote_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
-    """Import-time variables whose value (or presence) differs: a warm start would not be cold's."""
-    names = {n for n in (*zygote_env, *worker_env) if is_import_time(n)}
-    return sorted(n for n in names if zygote_env.get(n) != worker_env.get(n))
-
-
-# Top-level packages the zygote imports before any worker exists (unicron.worker.zygote.PRELOAD).
-PRELOADED_ROOTS = ("numpy", "torch", "zmq")
-
-
-def shadowed_preloads(argv: Sequence[str], cwd: str) -> list[str]:
-    """Preloaded packages that a cold worker would import from the script's own directory instead.
-
-    A cold ``python -m unicron.worker.boot SCRIPT`` puts the script's directory (``-m``: the
-    working directory) first on ``sys.path``; a ``torch/`` or ``numpy.py`` there would win over
-    the installed one, which a fork of the zygote has already imported. Pure, except for the
-    file system lookups."""
-    if argv and argv[0] in ("--module", "-m"):
-        first = cwd
-    else:
-        script = argv[1] if argv and argv[0] == "--" and len(argv) > 1 else (argv[0] if argv else "")
-        path = os.path.realpath(os.path.join(cwd, script))
-        first = path if os.path.isdir(path) else os.path.dirname(path)  # python DIR: DIR is first
-    found = []
-    for root in PRELOADED_ROOTS:
-        base = os.path.join(first, root)
-        if os.path.isdir(base) or any(os.path.exists(base + ext) for ext in (".py", ".pyc", ".so")):
-            found.append(root)
-    return found
-
-
-def boot_argv(cmd: Sequence[str], python: str) -> list[str] | None:
-    """``[(--module) SCRIPT ARGS]`` of a boot command run by ``python``, else None."""
-    head = [python, "-u", "-m", BOOT_MODULE]
-    if len(cmd) <= len(head) or list(cmd[: len(head)]) != head:
-        return None
-    return list(cmd[len(head):])
-
-
-REFILL_DELAY_S = 30.0  # restart a zygote that died anyway this long after an attempt started
 READY_WAIT_S = 300.0  # an attempt waits this long for a zygote still importing, then starts cold
 FORK_REPLY_S = 10.0  # a ready zygote answers a spec within milliseconds; silence means it is stuck
-
-
-def should_refill(now: float, attempt_started_at: float, steps_completed: int, *,
-                  delay_s: float = REFILL_DELAY_S) -> bool:
-    """When to restart a zygote that died: once the attempt completed a step, or ``delay_s`` after it began.
-
-    Not at once: a new zygote importing torch would compete for CPU with the workers that are
-    starting. Calling ``refill`` while the zygote lives is cheap.
-    """
-    return steps_completed > 0 or now - attempt_started_at >= delay_s
-
-
-def spec_line(argv: Sequence[str], env: Mapping[str, str], cwd: str, logs: RankLogs) -> bytes:
-    """The one line a zygote reads to fork a worker."""
-    spec = {"argv": list(argv), "env": dict(env), "cwd": cwd, "stdout": logs.stdout_path,
-            "stderr": logs.stderr_path}
-    return json.dumps(spec, separators=(",", ":")).encode() + b"\n"
 
 
 class AdoptedChild:

@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from unicron.agent.logs import RunLogDir, capture_stderr
-from unicron.agent.procs import start_worker, terminate_all
+from unicron.agent.procs import start_worker
 from unicron.agent.proctree import is_exiting, process_state
 from unicron.agent.ranks import GroupSpec, RankState, median
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.stackdump import dump_stacks
 from unicron.agent.tee import ConsoleTee
+from unicron.agent.terminate import terminate_all
 from unicron.agent.usage import tree_usage
 from unicron.agent.warm import WarmPool
 from unicron.detect.activity import Activity, ActivityTracker

@@ -31,11 +31,11 @@ What a warm worker cannot redo, and how it is handled:
 
 - Variables read while importing (PYTHON*, LD_*, MALLOC_*, TORCH_*, OMP_*/MKL_*, locale, HOME,
   TMPDIR...): the pool refuses a worker whose values differ from the zygote's (cold start
-  instead), see ``unicron.agent.warm.import_env_mismatch``. ``OMP_NUM_THREADS`` is applied
+  instead), see ``unicron.agent.warmspec.import_env_mismatch``. ``OMP_NUM_THREADS`` is applied
   with ``torch.set_num_threads``.
 - A ``numpy.py``, ``torch/`` or ``zmq`` in the script's directory (``-m``: the working
   directory) would shadow the installed package in a cold worker, which puts that directory
-  first on ``sys.path``: such a worker starts cold (``unicron.agent.warm.shadowed_preloads``).
+  first on ``sys.path``: such a worker starts cold (``unicron.agent.warmspec.shadowed_preloads``).
 - Output printed while importing (e.g. a numpy/torch warning) is captured and written first into
   each worker's stdout/stderr, where a cold worker would have printed it.
 - Default seeds: ``random`` reseeds itself after a fork; numpy's and torch's global generators
