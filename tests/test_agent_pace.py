@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unicron.agent.pace import CHORES_EVERY_S, IDLE_WAKE_S, LoopPace
+from unicron.agent.pace import CHORES_EVERY_S, IDLE_WAKE_S, MESSAGES_EVERY_S, LoopPace
 
 
 def _pace() -> LoopPace:
@@ -45,3 +45,20 @@ def test_chores_come_once_per_period() -> None:
     due = [t / 10 for t in range(30) if pace.chores_due(t / 10)]
     assert due == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
     assert CHORES_EVERY_S == 0.5
+
+
+def test_worker_messages_wake_the_loop_at_most_once_a_batch() -> None:
+    pace = _pace()
+    pace.watched(100.0, 5.0, exits_wake=True)
+    pace.chores_due(100.0)
+    assert pace.messages_wake(100.0)
+    pace.messages_read(100.0, 0)  # a wake-up for something else, no messages: nothing changes
+    assert pace.messages_wake(100.0)
+    pace.messages_read(100.0, 3)
+    assert not pace.messages_wake(100.0 + MESSAGES_EVERY_S / 2)
+    # asleep without the channel: wakes when the batch is due, to read what came meanwhile
+    assert abs(pace.wait_s(100.0, last_heartbeat=100.0, imminent=False) - MESSAGES_EVERY_S) < 1e-9
+    assert pace.messages_wake(100.0 + MESSAGES_EVERY_S)
+    # once due, the channel is polled again and the loop sleeps until the next thing due
+    assert abs(pace.wait_s(100.0 + MESSAGES_EVERY_S, last_heartbeat=100.0, imminent=False)
+               - (0.5 - MESSAGES_EVERY_S)) < 1e-9

@@ -131,8 +131,9 @@ class Agent:
                     if notice is not None:
                         self.ui.warn(notice)
                 exit_fds = self.group.exit_fds() if self.group is not None else {}
-                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (pull, zmq.POLLIN),
-                                                (self.signals.fileno(), zmq.POLLIN)]
+                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (self.signals.fileno(), zmq.POLLIN)]
+                if self.pace.messages_wake(now_m):
+                    items.append((pull, zmq.POLLIN))
                 items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
                 imminent = not self.joining.welcomed or self.pending_assign is not None or exit_fds is None
                 wait_s = self.pace.wait_s(now_m, last_heartbeat=self.reporter.last_heartbeat, imminent=imminent)
@@ -146,8 +147,9 @@ class Agent:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
                         return result
-                if pull in fired:
-                    self._drain_workers(pull)
+                # Every wake-up reads the workers' messages, the channel's own (paced) or not:
+                # an exit's pidfd then finds the rank's last words already read.
+                self.pace.messages_read(time.monotonic(), self._drain_workers(pull))
                 self._start_pending()
                 now_m = time.monotonic()
                 group = self.group
@@ -341,13 +343,14 @@ class Agent:
                                "finished": finished})
 
     # ---- workers -------------------------------------------------------------------
-    def _drain_workers(self, pull: zmq.Socket) -> None:
+    def _drain_workers(self, pull: zmq.Socket) -> int:
+        """Apply the messages waiting on the workers' channel (at most 1000); returns how many."""
         group = self.group
-        for _ in range(1000):
+        for count in range(1000):
             try:
                 raw = pull.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return count
             try:
                 msg = json.loads(raw)
             except ValueError:
@@ -358,6 +361,7 @@ class Agent:
             fault = group.on_message(msg, time.time())
             if fault is not None:
                 self._report(fault)
+        return 1000
 
     def _watch_workers(self) -> None:
         group = self.group

@@ -6,6 +6,13 @@ a look at the workers (the hang clock, ``WorkerGroup.next_check_s``), or the cho
 the zygote, reaping orphans). It ticks at ``tick_s`` only while something is imminent: before it
 is a member, while an attempt waits for the zygote, or on a kernel without pidfds (where only a
 look sees an exit).
+
+Worker messages are the exception: each rank sends one per step, which at a few steps per
+second per rank on a full node would be most of the agent's wake-ups. Once some were read,
+the channel is left out of the poll for ``MESSAGES_EVERY_S`` and read in one batch after it
+(and on any other wake-up): nothing in them is urgent at that scale (a worker's exit wakes the
+loop through its pidfd; an exception arrives at most that much later; step times come from the
+messages' own stamps).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 TICK_S = 0.05  # the fastest pace (and the slowest --monitor-interval takes effect up to)
 IDLE_WAKE_S = 0.5  # the longest sleep between events
 CHORES_EVERY_S = 0.5
+MESSAGES_EVERY_S = 0.1  # worker messages wake the loop at most this often
 
 
 class LoopPace:
@@ -21,6 +29,7 @@ class LoopPace:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.next_watch = 0.0  # when the workers are next looked at without an event
         self.next_chores = 0.0
+        self.messages_quiet_until = 0.0  # worker messages do not wake the loop before this
 
     def watch_due(self, now: float) -> bool:
         return now >= self.next_watch
@@ -47,9 +56,20 @@ class LoopPace:
         self.next_chores = now + CHORES_EVERY_S
         return True
 
+    def messages_wake(self, now: float) -> bool:
+        """Whether worker messages may wake the loop now (see the module docstring)."""
+        return now >= self.messages_quiet_until
+
+    def messages_read(self, now: float, count: int) -> None:
+        """``count`` worker messages were read at ``now``: the next ones wait for a batch."""
+        if count:
+            self.messages_quiet_until = now + MESSAGES_EVERY_S
+
     def wait_s(self, now: float, *, last_heartbeat: float, imminent: bool) -> float:
         """How long the loop may sleep when nothing arrives."""
         if imminent:
             return self.tick_s
         due = min(self.next_watch, self.next_chores, last_heartbeat + self.heartbeat_interval_s)
+        if not self.messages_wake(now):  # then read the messages that came meanwhile
+            due = min(due, self.messages_quiet_until)
         return min(max(due - now, 0.0), IDLE_WAKE_S)

@@ -112,8 +112,10 @@ class WorkerGroup:
         sent = msg.get("ts")
         if isinstance(sent, (int, float)) and sent < self.started_at:
             return None  # a late word from the previous attempt's worker of the same rank
-        # When it happened, by the worker's clock (same host): the agent may read it late.
+        # When it happened, by the worker's clock (same host): the agent reads messages in
+        # batches (agent/pace.py), so step times come from here, not from when they were read.
         at = min(float(sent), now) if isinstance(sent, (int, float)) else now
+        at_m = time.monotonic() - (now - at)  # the same moment on the monotonic clock
         t = msg.get("t")
         if t == "hello":
             self.saw_hello = True
@@ -131,15 +133,15 @@ class WorkerGroup:
                 r.ready_at = r.ready_at or at
         elif t == "step" and isinstance(msg.get("step"), int):
             if r.last_step_at is not None and msg["step"] > r.step:
-                r.iter_times.append(max(0.0, now - r.last_step_at) / (msg["step"] - r.step))
+                r.iter_times.append(max(0.0, at - r.last_step_at) / (msg["step"] - r.step))
             if msg["step"] != r.step:
                 r.steps_in_attempt += 1
             r.step = msg["step"]
-            r.last_step_at = now
+            r.last_step_at = at
             if isinstance(msg.get("snap"), int):
                 r.snapshot_step = msg["snap"]
-            self.stepped_at = time.monotonic()
-            self.hang.observe(r.rank, r.step, self.stepped_at)
+            self.stepped_at = max(at_m, self.stepped_at or at_m)
+            self.hang.observe(r.rank, r.step, at_m)
         elif t == "exc":
             r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
             if msg.get("ready") is True:
@@ -152,7 +154,7 @@ class WorkerGroup:
                 return self._fault(r, "exception", now, at=at, message=str(msg.get("msg") or ""),
                                    error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
         elif t == "moved":
-            self.activity.moved(r.rank, time.monotonic())
+            self.activity.moved(r.rank, at_m)
         return None
 
     def poll(self, now: float) -> tuple[list[dict[str, Any]], bool]:

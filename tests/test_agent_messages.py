@@ -1,0 +1,51 @@
+"""Worker messages read late, in one batch, keep the times they were sent (real processes)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unicron.agent.logs import LogSpec, RunLogDir
+from unicron.agent.ranks import GroupSpec
+from unicron.agent.tee import ConsoleTee
+from unicron.agent.workers import WorkerGroup
+from unicron.detect.hang import HangDetector
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = GroupSpec(attempt=0, restart_count=0, rank_offset=0, world_size=1, node_rank=0, nnodes=1,
+                 local_world_sizes=(1,), master_addr="127.0.0.1", master_port=1, restore_step=None, inject="")
+
+
+def test_steps_read_in_one_batch_are_timed_by_their_stamps(tmp_path: Path) -> None:
+    # The agent reads worker messages at most every MESSAGES_EVERY_S (agent/pace.py): step
+    # times measured from when they were read would be ~0 for all but the first of a batch.
+    tee = ConsoleTee()
+    group = WorkerGroup(SPEC, cmd=[sys.executable, "-c", "import time; time.sleep(60)"], env_for=lambda *_: {},
+                        run_logs=RunLogDir(LogSpec(log_dir=str(tmp_path)), "j"), tee=tee, host="h",
+                        hang=HangDetector(), role="default", stack_dir=str(tmp_path))
+    group.start(time.time() - 5.0)  # started 5 s ago, by both clocks: the stamps below are of this attempt
+    group.hang.start(time.monotonic() - 5.0, list(group.ranks))
+    try:
+        now = time.time()
+        sent = [now - 2.0 + 0.25 * i for i in range(8)]  # a step every 0.25 s, the last 0.25 s ago
+        for step, ts in enumerate(sent, start=1):
+            group.on_message({"t": "step", "rank": 0, "step": step, "ts": ts}, now)
+        rank = group.ranks[0]
+        assert rank.step == 8 and rank.last_step_at == sent[-1]
+        assert all(abs(t - 0.25) < 1e-6 for t in rank.iter_times), list(rank.iter_times)
+        median = group.hang.stats.median(0)
+        assert median is not None and abs(median - 0.25) < 1e-3
+        stepped = group.last_step_at()
+        assert stepped is not None and abs((time.monotonic() - stepped) - (time.time() - sent[-1])) < 0.05
+        # A stamp from the future (another clock) counts as read now, never later.
+        group.on_message({"t": "step", "rank": 0, "step": 9, "ts": time.time() + 30}, time.time())
+        assert rank.last_step_at is not None and rank.last_step_at <= time.time()
+    finally:
+        group.stop(2.0)
+        tee.close()
+    group.poll(time.time())
+    assert all(r.exitcode is not None for r in group.ranks.values())
