@@ -1,7 +1,8 @@
 """The node agent: joins the job, runs each attempt's workers, reports, obeys.
 
 One thread, one poll loop over the coordinator DEALER, the workers' PULL, each worker's pidfd
-and the launcher's signal pipe: an exit, a message or a signal wakes it at once. Between events
+and the launcher's signal pipe: an exit, a coordinator message or a signal wakes it at once,
+workers' messages at most every 0.1 s (read in batches: ``pace``). Between events
 it sleeps until something falls due (a heartbeat, the hang clock), not on a fixed tick, since
 every wake-up takes CPU from the ranks; without pidfds it ticks every ``monitor_interval_s``
 (at most 50 ms). Decisions are the coordinator's; the agent only observes and carries out.
