@@ -62,3 +62,11 @@ def test_worker_messages_wake_the_loop_at_most_once_a_batch() -> None:
     # once due, the channel is polled again and the loop sleeps until the next thing due
     assert abs(pace.wait_s(100.0 + MESSAGES_EVERY_S, last_heartbeat=100.0, imminent=False)
                - (0.5 - MESSAGES_EVERY_S)) < 1e-9
+
+
+def test_a_ring_ends_the_quiet_period_at_once() -> None:
+    pace = _pace()
+    pace.messages_read(100.0, 5)
+    assert not pace.messages_wake(100.01)
+    pace.messages_now()
+    assert pace.messages_wake(100.01)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import zmq
 from helpers_worker import agent_socket
 
-from unicron.worker.channel import Channel
+from unicron.worker.channel import Channel, bell_address
 
 
 def test_agent_absent_messages_dropped_and_counted(tmp_path) -> None:
@@ -35,3 +36,20 @@ def test_no_address_is_a_noop() -> None:
     ch = Channel(None, rank=0)
     assert not ch.active and ch.emit("step", step=1) is False and ch.sent == ch.dropped == 0
     ch.close()
+
+
+def test_urgent_messages_ring_the_doorbell_and_still_come_in_order() -> None:
+    with agent_socket() as agent:
+        bell = agent.ctx.socket(zmq.PULL)
+        bell.bind(bell_address(agent.addr))
+        try:
+            ch = Channel(agent.addr, rank=1)
+            assert ch.emit("step", step=1) and ch.emit("step", step=2)
+            assert not bell.poll(200)  # steps wait for the agent's next batch: no ring
+            assert ch.emit("exc", type="RuntimeError", msg="boom", tb="", fatal=True)
+            assert bell.poll(10_000) and bell.recv() == b""  # a ring carries nothing
+            ch.close()
+            agent.wait_for(lambda m: m["t"] == "exc")
+        finally:
+            bell.close(linger=0)
+    assert [m["t"] for m in agent.messages] == ["step", "step", "exc"]

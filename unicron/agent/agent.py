@@ -56,6 +56,7 @@ from unicron.errors import (
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
+from unicron.worker.channel import bell_address
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ class Agent:
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         pull.bind(self.agent_addr)
+        bell = self.ctx.socket(zmq.PULL)  # rung by a worker with an urgent message (channel.URGENT)
+        bell.setsockopt(zmq.LINGER, 0)
+        bell.setsockopt(zmq.MAXMSGSIZE, 64)
+        bell.bind(bell_address(self.agent_addr))
         self.reporter.dealer = dealer
         self.pull = pull
         self.stalls = StallWatch(time.monotonic())
@@ -132,7 +137,8 @@ class Agent:
                     if notice is not None:
                         self.ui.warn(notice)
                 exit_fds = self.group.exit_fds() if self.group is not None else {}
-                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (self.signals.fileno(), zmq.POLLIN)]
+                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (bell, zmq.POLLIN),
+                                                (self.signals.fileno(), zmq.POLLIN)]
                 if self.pace.messages_wake(now_m):
                     items.append((pull, zmq.POLLIN))
                 items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
@@ -148,8 +154,11 @@ class Agent:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
                         return result
+                if bell in fired and _drain_bell(bell):
+                    self.pace.messages_now()
                 # Every wake-up reads the workers' messages, the channel's own (paced) or not:
-                # an exit's pidfd then finds the rank's last words already read.
+                # an exit's pidfd then finds the rank's last words already read. A ring may
+                # overtake its message: the channel is then polled until the message comes.
                 self.pace.messages_read(time.monotonic(), self._drain_workers(pull))
                 self._start_pending()
                 now_m = time.monotonic()
@@ -192,6 +201,7 @@ class Agent:
             self.tee.close()
             dealer.close(linger=500)
             pull.close(0)
+            bell.close(0)
             shutil.rmtree(self.work_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir, ignore_errors=True)
             self.janitor.close()
@@ -423,3 +433,13 @@ class Agent:
 
     def _send(self, kind: str, body: dict[str, Any]) -> None:
         self.reporter.send(kind, body)
+
+
+def _drain_bell(bell: zmq.Socket) -> int:
+    """Empty the doorbell (rings carry nothing); returns how many there were."""
+    for count in range(1000):
+        try:
+            bell.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return count
+    return 1000

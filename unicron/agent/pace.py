@@ -10,9 +10,9 @@ look sees an exit).
 Worker messages are the exception: each rank sends one per step, which at a few steps per
 second per rank on a full node would be most of the agent's wake-ups. Once some were read,
 the channel is left out of the poll for ``MESSAGES_EVERY_S`` and read in one batch after it
-(and on any other wake-up): nothing in them is urgent at that scale (a worker's exit wakes the
-loop through its pidfd; an exception arrives at most that much later; step times come from the
-messages' own stamps).
+(and on any other wake-up). Step times come from the messages' own stamps; a worker's exit
+wakes the loop through its pidfd; a message that cannot wait (an exception) rings a doorbell
+(``unicron.worker.channel``), which ends the quiet period at once (``messages_now``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ class LoopPace:
     def messages_wake(self, now: float) -> bool:
         """Whether worker messages may wake the loop now (see the module docstring)."""
         return now >= self.messages_quiet_until
+
+    def messages_now(self) -> None:
+        """A worker rang the doorbell (an urgent message): read the channel as soon as it arrives."""
+        self.messages_quiet_until = 0.0
 
     def messages_read(self, now: float, count: int) -> None:
         """``count`` worker messages were read at ``now``: the next ones wait for a batch."""

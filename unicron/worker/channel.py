@@ -6,6 +6,13 @@ Messages (``t`` is the type; see docs/architecture.md, "Worker <-> agent"):
 ``exiting{rank,code,ready,ts}``,
 ``bye{rank,ts}``.
 
+The agent reads this channel in batches (at most every 0.1 s: a step message per step would
+otherwise wake it dozens of times a second). A message that cannot wait for the batch
+(``URGENT``: an exception, an announced exit) also rings the agent's doorbell, an empty
+message on a second socket at ``bell_address(addr)`` that the agent always listens to; the
+message itself still goes through this channel, so the agent reads everything in the order it
+was sent.
+
 Training must never wait for the agent: every send is non-blocking, and a message that does
 not fit under the high-water mark (agent slow or gone) is dropped and counted. The socket is
 closed at exit with a short linger, so an ``exc`` sent just before the process dies still
@@ -26,6 +33,12 @@ from unicron.worker import env
 
 SEND_HWM = 10_000  # messages queued for a slow agent before we start dropping
 LINGER_MS = 500  # how long exit waits to flush queued messages to a live agent
+URGENT = frozenset({"exc", "exiting"})  # message types that ring the agent's doorbell
+
+
+def bell_address(addr: str) -> str:
+    """The agent's doorbell endpoint, next to its channel's (an ``ipc://`` path)."""
+    return addr + ".bell"
 
 
 class Channel:
@@ -42,6 +55,7 @@ class Channel:
         self._lock = threading.Lock()
         self._ctx: Any = None
         self._sock: Any = None
+        self._bell: Any = None
         if addr:
             import zmq  # only workers that have an agent pay for the import
 
@@ -52,6 +66,11 @@ class Channel:
             sock.setsockopt(zmq.LINGER, linger_ms)
             sock.connect(addr)
             self._sock = sock
+            bell = self._ctx.socket(zmq.PUSH)
+            bell.setsockopt(zmq.SNDHWM, 1)  # one ring waiting is as good as many
+            bell.setsockopt(zmq.LINGER, linger_ms)
+            bell.connect(bell_address(addr))
+            self._bell = bell
 
     @property
     def active(self) -> bool:
@@ -74,16 +93,23 @@ class Channel:
                 self.dropped += 1
                 return False
             self.sent += 1
+            if t in URGENT:
+                try:
+                    self._bell.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:  # a ring already waiting, or no agent: the batch reads it
+                    pass
             return True
 
     def close(self, linger_ms: int | None = None) -> None:
         """Flush (up to the linger) and close. Safe to call twice and in forked children."""
         with self._lock:
-            sock, ctx = self._sock, self._ctx
-            self._sock = self._ctx = None
+            sock, bell, ctx = self._sock, self._bell, self._ctx
+            self._sock = self._bell = self._ctx = None
         if sock is None or os.getpid() != self._pid:
             return  # a forked child must not touch the parent's zmq state
-        sock.close(linger=self.linger_ms if linger_ms is None else linger_ms)
+        linger = self.linger_ms if linger_ms is None else linger_ms
+        sock.close(linger=linger)
+        bell.close(linger=linger)
         ctx.term()
 
 
