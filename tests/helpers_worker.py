@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import zmq
 
+from unicron.worker.channel import bell_address
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 BOOT = [PYTHON, "-u", "-m", "unicron.worker.boot"]
@@ -53,6 +55,10 @@ class AgentSocket:
         # Tests often read only after the worker exited: buffer everything meanwhile.
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.bind(self.addr)
+        # The doorbell urgent messages ring, bound as the agent binds it: with no one there the
+        # worker's zmq would keep reconnecting, and its fds would come and go.
+        self.bell = self.ctx.socket(zmq.PULL)
+        self.bell.bind(bell_address(self.addr))
         self.messages: list[dict[str, Any]] = []
 
     def drain(self, timeout_s: float = 0.0) -> list[dict[str, Any]]:
@@ -82,6 +88,7 @@ class AgentSocket:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        self.bell.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)
 

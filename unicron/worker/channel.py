@@ -64,13 +64,16 @@ class Channel:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, hwm)
             sock.setsockopt(zmq.LINGER, linger_ms)
-            sock.connect(addr)
-            self._sock = sock
             bell = self._ctx.socket(zmq.PUSH)
             bell.setsockopt(zmq.SNDHWM, 1)  # one ring waiting is as good as many
-            bell.setsockopt(zmq.LINGER, linger_ms)
+            # A ring still queued at close is dropped: the process is exiting, and its exit
+            # wakes the agent anyway. Lingering on it would hold the exit up where no agent listens.
+            bell.setsockopt(zmq.LINGER, 0)
+            # Both sockets exist before either connects: the I/O thread opens a connection's fd
+            # when it gets to it, so the sockets' own fds always take the same numbers.
+            sock.connect(addr)
             bell.connect(bell_address(addr))
-            self._bell = bell
+            self._sock, self._bell = sock, bell
 
     @property
     def active(self) -> bool:
@@ -109,7 +112,7 @@ class Channel:
             return  # a forked child must not touch the parent's zmq state
         linger = self.linger_ms if linger_ms is None else linger_ms
         sock.close(linger=linger)
-        bell.close(linger=linger)
+        bell.close(linger=0)
         ctx.term()
 
 
