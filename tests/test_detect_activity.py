@@ -69,3 +69,15 @@ def test_tracker_needs_evidence_and_judges_the_last_window() -> None:
     # A moved report alone is evidence.
     tracker.moved(2, 50.0)
     assert tracker.level(50.2) is Activity.WORKING
+
+
+def test_waiting_for_a_data_loader_is_busy_while_it_is_reported() -> None:
+    tracker = ActivityTracker(BusyRule(window_s=1.0, period_s=0.25))
+    tracker.waits_for_data(1, 10.0)
+    assert tracker.levels(10.5) == {1: Activity.BUSY}  # not a peer's hang: the longer threshold
+    assert tracker.levels(11.5) == {}  # no report for a window: no evidence
+    tracker.waits_for_data(1, 11.4)
+    tracker.moved(1, 11.4)
+    assert tracker.levels(11.5) == {1: Activity.WORKING}  # Python moving counts more
+    tracker.reset()
+    assert tracker.levels(11.5) == {}

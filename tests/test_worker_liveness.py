@@ -240,3 +240,50 @@ def test_two_calls_at_the_same_instruction_are_two_samples() -> None:
     judge = MotionJudge(window=4, min_changes=2)
     assert not judge.add(first) and not judge.add(second)
     assert judge.add(probe()), "a third call is the second change"
+
+
+def _reports_while(body) -> tuple[int, int]:
+    """(``moved``, ``data``) a real FrameWatch sends in 1.5 s of sampling while the main thread
+    (this test) runs ``body(stop)``."""
+    from unicron.worker.liveness import SAMPLE_S
+
+    moved: list[float] = []
+    data: list[float] = []
+    watch = FrameWatch(lambda: moved.append(time.monotonic()), emit_data=lambda: data.append(time.monotonic()))
+    watch._last_boundary = time.monotonic() - 10  # long overdue (no step thread started here)
+    stop = threading.Event()
+
+    def sampler() -> None:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            time.sleep(SAMPLE_S)
+            watch.sample(time.monotonic())
+        stop.set()
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    body(stop)
+    thread.join()
+    return len(moved), len(data)
+
+
+def _slow_read(stop: threading.Event) -> None:  # a data loader whose read blocks (a slow network file)
+    from torch.utils.data import DataLoader, Dataset
+
+    class Slow(Dataset[int]):
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int) -> int:
+            stop.wait()
+            return i
+
+    for _ in DataLoader(Slow(), batch_size=None):
+        pass
+
+
+def test_a_main_thread_waiting_for_its_data_loader_is_reported() -> None:
+    moved, data = _reports_while(_slow_read)
+    assert moved == 0 and data >= 2, (moved, data)  # every SEND_EVERY_S while it waits
+    moved, data = _reports_while(lambda stop: stop.wait())  # a wait of its own (a sleep, a lock)
+    assert moved == 0 and data == 0, (moved, data)

@@ -155,6 +155,8 @@ class WorkerGroup:
                                    error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
         elif t == "moved":
             self.activity.moved(r.rank, at_m)
+        elif t == "data":
+            self.activity.waits_for_data(r.rank, at_m)
         return None
 
     def poll(self, now: float) -> tuple[list[dict[str, Any]], bool]:

@@ -6,7 +6,9 @@ Three levels, job-wide (the highest level of any rank counts):
   every rank waits. A hang once it lasts ``max(k x median, floor)``.
 - ``BUSY``: CPU time in the worker process itself but Python still and no I/O: one long native
   call, or a spin-wait (a CUDA synchronisation spins by default, so a hung NCCL collective looks
-  like this). A hang only after the longer ``max(busy_k x median, busy_floor)``.
+  like this). Also a rank whose main thread waits inside a data loader (``data`` reports,
+  ``unicron.worker.liveness``): a slow read is not a peer holding up a collective, and may use
+  no CPU at all. A hang only after the longer ``max(busy_k x median, busy_floor)``.
 - ``WORKING``: some rank's Python keeps moving (``unicron.worker.liveness``: an evaluation, a
   compilation), its process tree reads or writes (a checkpoint), or its helper processes
   compute (data loader workers, a ``multiprocessing.Pool``, compile workers) while the worker
@@ -101,12 +103,14 @@ class ActivityTracker:
         self.rule = rule or BusyRule()
         self._samples: dict[int, deque[Usage]] = {}
         self._moved: dict[int, float] = {}
+        self._data: dict[int, float] = {}
         self._last_ts: float | None = None
 
     def reset(self) -> None:
         """Forget all evidence (a step completed, or a new attempt began)."""
         self._samples.clear()
         self._moved.clear()
+        self._data.clear()
         self._last_ts = None
 
     def due(self, now: float) -> bool:
@@ -115,6 +119,10 @@ class ActivityTracker:
     def moved(self, rank: int, ts: float) -> None:
         """The rank's worker saw its Python moving at ``ts``."""
         self._moved[rank] = max(ts, self._moved.get(rank, ts))
+
+    def waits_for_data(self, rank: int, ts: float) -> None:
+        """The rank's main thread waited inside a data loader at ``ts``."""
+        self._data[rank] = max(ts, self._data.get(rank, ts))
 
     def add(self, now: float, usage: Mapping[int, Usage | None]) -> None:
         """One sample of each rank (None: the rank's process is gone; its samples are dropped)."""
@@ -135,6 +143,9 @@ class ActivityTracker:
         for rank, samples in self._samples.items():
             if len(samples) >= 2 and samples[-1].ts - samples[0].ts >= self.rule.period_s * 0.9:
                 out[rank] = level_between(samples[0], samples[-1], self.rule)
+        for rank, ts in self._data.items():
+            if now - ts <= self.rule.window_s:
+                out[rank] = max(out.get(rank, Activity.IDLE), Activity.BUSY)
         for rank, ts in self._moved.items():
             if now - ts <= self.rule.window_s:
                 out[rank] = Activity.WORKING

@@ -149,7 +149,8 @@ OPTIONS: tuple[Option, ...] = (
        "median step time.", float_above(1.0), "3.0", metavar="K"),
     _u("hang-floor", "... but never before this many seconds.", float_above(0.0), "1.5", metavar="SEC"),
     _u("hang-busy-factor", "While some rank burns CPU with its Python still (a long native call, a "
-       "spin-wait), K times the median (never below the idle threshold).", float_above(1.0), "5.0", metavar="K"),
+       "spin-wait) or waits for its data loader, K times the median (never below the idle threshold).",
+       float_above(1.0), "5.0", metavar="K"),
     _u("hang-busy-floor", "... but never before this many seconds.", float_above(0.0), "10.0", metavar="SEC"),
     _u("hang-warmup-steps", "Steps before the median is trusted.", int_at_least(0), "3", metavar="N"),
     _u("first-step-timeout", "Seconds allowed before and during the first steps.", float_above(0.0),

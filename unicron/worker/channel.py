@@ -2,7 +2,7 @@
 
 Messages (``t`` is the type; see docs/architecture.md, "Worker <-> agent"):
 ``hello{rank,local_rank,pid,ts}``, ``step{rank,step,ts}``, ``exc{rank,type,msg,tb,fatal,ready,ts}``,
-``snap{rank,step,bytes,ts}``, ``moved{rank,ts}``, ``ready{rank,ts}``, ``optim{rank,ts}``,
+``snap{rank,step,bytes,ts}``, ``moved{rank,ts}``, ``data{rank,ts}``, ``ready{rank,ts}``, ``optim{rank,ts}``,
 ``exiting{rank,code,ready,ts}``,
 ``bye{rank,ts}``.
 

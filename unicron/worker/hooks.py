@@ -101,7 +101,7 @@ class _Runtime:
         self.pid = os.getpid()
         # Tells the agent while this worker's Python keeps moving between steps (evaluation,
         # compilation), so a long phase between steps is not taken for a hang.
-        self.frames = FrameWatch(lambda: channel.get().emit("moved"))
+        self.frames = FrameWatch(lambda: channel.get().emit("moved"), emit_data=lambda: channel.get().emit("data"))
 
 
 _rt = _Runtime()

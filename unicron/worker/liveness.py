@@ -31,6 +31,13 @@ frames and its own CPU clock (``/proc/self/task/TID/schedstat``), with a higher 
 barely computes, and must not keep a hung rank looking busy with work. unicron's own threads
 (named ``unicron-...``) never count.
 
+A rank whose main thread waits inside a ``torch.utils.data`` loader (for its workers' next
+batch: a slow network or NFS read, a ``worker_init_fn`` opening a remote dataset; or a
+``num_workers=0`` dataset read) is not stuck on a peer, and a data loader has its own
+``timeout``. While overdue such a wait is reported (``data``, at most every ``SEND_EVERY_S``) and
+the agent holds the job to its longer busy threshold (``unicron.detect.activity``): a hang then
+needs the whole job still for ``max(busy k x median, busy floor)``, not the idle floor.
+
 Costs nothing while steps flow: sampling starts only at 1.5 x the median recent step interval
 (at least ``OVERDUE_S``); before that the thread only compares two clock readings every
 ``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``.
@@ -54,6 +61,8 @@ MIN_CHANGES = 2
 MIN_CPU = 0.02  # cores used by the main thread over the window, for motion to count
 SEND_EVERY_S = 0.5
 MIN_CPU_THREAD = 0.2  # cores a thread other than the main one must use for its motion to count
+DATA_FRAMES = "torch/utils/data/"  # a frame of a data loader (iterating, fetching, waiting for workers)
+DATA_DEPTH = 24  # frames looked at from the innermost one outwards for a data loader
 
 
 class FrameSample:
@@ -102,6 +111,19 @@ def main_thread_signature() -> FrameSample | None:
     if frame is None:
         return None
     return FrameSample(frame, frame.f_lasti)
+
+
+def waits_for_data(sample: FrameSample | None, depth: int = DATA_DEPTH) -> bool:
+    """Whether a data loader's frame is among the ``depth`` innermost frames of the sample (the
+    wait itself is deeper: a queue, a pipe, a selector, the dataset's own read)."""
+    frame = sample.frame if sample is not None else None
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if DATA_FRAMES in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main_thread_cpu() -> float | None:
@@ -164,12 +186,16 @@ class OtherThreads:
 
 
 class FrameWatch:
-    """The sampling thread. ``boundary()`` at every step; ``emit()`` sends ``moved``."""
+    """The sampling thread. ``boundary()`` at every step; ``emit()`` sends ``moved``,
+    ``emit_data()`` says the main thread waits for a data loader."""
 
-    def __init__(self, emit: Callable[[], object], *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, emit: Callable[[], object], *, emit_data: Callable[[], object] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  cpu: Callable[[], float | None] = main_thread_cpu,
                  others: OtherThreads | None = None) -> None:
         self._emit = emit
+        self._emit_data = emit_data
+        self._last_data_sent = 0.0
         self._others = others if others is not None else OtherThreads()
         self._clock = clock
         self._cpu = cpu
@@ -209,15 +235,23 @@ class FrameWatch:
             self._judge.reset()  # drops the frame it holds
             self._others.reset()
             self._cpu_samples.clear()
+            self._last_data_sent = 0.0  # a new wait is reported at once
             return False
-        moving = self._judge.add(main_thread_signature())
+        signature = main_thread_signature()
+        moving = self._judge.add(signature)
         cpu = self._cpu()
         if cpu is not None:
             self._cpu_samples.append((now, cpu))
         # Without the thread's CPU clock the frames alone decide.
         computing = cpu is None or self._computing()
         others = self._others.moving(now)
-        if not (moving and computing or others) or now - self._last_sent < SEND_EVERY_S:
+        if not (moving and computing or others):
+            if self._emit_data is not None and now - self._last_data_sent >= SEND_EVERY_S \
+                    and waits_for_data(signature):
+                self._last_data_sent = now
+                self._emit_data()
+            return False
+        if now - self._last_sent < SEND_EVERY_S:
             return False
         self._last_sent = now
         self._emit()

@@ -1,0 +1,76 @@
+"""End to end: a rank waiting for its data loader is not a hang of its peers' collective.
+
+A streaming dataset's read can stall for seconds (a new shard opened over the network, NFS)
+while the other ranks, already done with their batch, wait for it in the gradient all-reduce.
+torchrun waits; unicron must too, up to its busy threshold, and still call a loader stuck for
+good a hang, naming the rank that waits for it."""
+
+from __future__ import annotations
+
+import pytest
+from e2e import read_events, run_unicron
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+# Rank 0's read of item STALL_AT blocks for STALL_S (forever if negative) in a loader worker:
+# idle, no CPU, no I/O, as a network read does. Steps are torch.optim steps (counted).
+SCRIPT = """
+import sys, time
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+STALL_AT, STALL_S = int(sys.argv[1]), float(sys.argv[2])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+class Stream(Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if rank == 0 and i == STALL_AT:
+            time.sleep(STALL_S if STALL_S >= 0 else 3600)
+        time.sleep(0.02)
+        return torch.full((8,), float(i))
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for x in DataLoader(Stream(), batch_size=None, num_workers=2):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+print(f"rank {rank} done w={model.weight.sum().item():.6f}", flush=True)
+dist.destroy_process_group()
+"""
+
+COMMON = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--grace-period", "2",
+          "--hang-floor", "1", "--hang-warmup-steps", "3"]
+
+
+def _run(workdir, stall_s: float, *flags: str) -> tuple[int, str, list[dict]]:
+    (workdir / "stream.py").write_text(SCRIPT)
+    code, out, err = run_unicron(["run", *COMMON, "--log-dir", str(workdir / "logs"), *flags,
+                                  str(workdir / "stream.py"), "20", str(stall_s)], workdir, timeout=120)
+    return code, out + err, read_events(workdir / "logs")
+
+
+def test_a_read_that_stalls_past_the_idle_floor_is_waited_for(tmp_path) -> None:
+    # 3 s, three times the idle floor: under the busy threshold (10 s), as the rank waits for data.
+    code, text, events = _run(tmp_path, 3.0)
+    assert code == 0, text[-3000:]
+    assert not [e for e in events if e["kind"] == "fault"], text[-3000:]
+    assert text.count(" done w=") == 2
+
+
+def test_a_loader_stuck_for_good_is_still_a_hang(tmp_path) -> None:
+    code, text, events = _run(tmp_path, -1, "--hang-busy-floor", "4")
+    assert code != 0
+    hangs = [e for e in events if e["kind"] == "fault" and e.get("fault_kind") == "hang"]
+    assert hangs, text[-3000:]
+    assert "busy" in hangs[0]["message"], hangs[0]  # held to the busy threshold, not the idle one
+    decisions = [e for e in events if e["kind"] == "decision"]
+    assert decisions and "culprit rank(s) 0" in decisions[0]["reason"], decisions
