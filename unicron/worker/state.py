@@ -76,8 +76,11 @@ path of the offending value: anything the JSON codec (``snapcodec``) cannot give
 exact type (numpy scalars, arbitrary objects, sparse or quantized tensors). Restored tensors are
 CPU tensors (``load_state_dict`` moves them), contiguous unless they were a dense permutation;
 two entries that shared storage come back as two tensors. Not captured: where a data
-loader is inside its epoch (its seed comes from the restored torch RNG when the iterator is
-created); scripts that resume mid-epoch keep their batch index in ``extra``.
+loader is inside its epoch; scripts that resume mid-epoch keep their batch index in ``extra``. The global RNG draws
+a ``DataLoader`` iterator makes when it is created (its workers' seed, a ``RandomSampler``'s
+shuffle) are replayed for the iterator a restored worker creates (``unicron.worker.loaders``), so
+a mid-epoch resume stays bit-exact (with ``persistent_workers``, for a sampler that draws nothing
+from the global RNG: ``DistributedSampler``, or any loader given ``generator=``).
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ from typing import Any
 
 import torch
 
-from unicron.worker import ddplayout, env, hooks, snapcodec, snapshot, snapslots, snapwriter
+from unicron.worker import ddplayout, env, hooks, loaders, snapcodec, snapshot, snapslots, snapwriter
 from unicron.worker.errors import StateError
 
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
@@ -173,6 +176,7 @@ class State:
         self._wrote = False  # has restored or committed into its rank directory
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
+        loaders.install()  # a restored data loader draws what the interrupted one drew
 
     @property
     def step(self) -> int:
@@ -218,6 +222,7 @@ class State:
         self._extra.clear()
         self._extra.update(saved["extra"])
         restore_rng(saved["rng"])
+        loaders.arm(saved.get("loaders"))
         self._step = step
         hooks.set_completed_steps(step)
 
@@ -238,6 +243,8 @@ class State:
             "objects": {n: encoder.encode(o.state_dict(), n) for n, o in self._objects.items()},
             "extra": encoder.encode(self._extra, "extra"),
             "rng": encoder.encode(capture_rng(), "rng"),
+            # Where each data loader's epoch began: its iterator, re-created after a restore, draws the same.
+            "loaders": encoder.encode(loaders.mid_epoch(), "loaders"),
             # Each DDP's gradient-bucket layout: a restored DDP starts with it (bit-exact sums).
             "ddp": ddplayout.current_layouts(),
         }

@@ -1,0 +1,68 @@
+"""A data loader iterator made after a restore draws what the interrupted one drew."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from unicron.worker import loaders
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> None:
+    loaders.install()
+    loaders._armed.clear()
+    loaders._latest.clear()
+    loaders._first.clear()
+
+
+def _epoch(persistent: bool = False, workers: int = 0) -> DataLoader[torch.Tensor]:
+    return DataLoader(torch.arange(32.0), batch_size=4, shuffle=True, num_workers=workers,
+                      persistent_workers=persistent)
+
+
+def test_a_mid_epoch_record_replays_the_shuffle_and_leaves_the_stream_alone() -> None:
+    torch.manual_seed(0)
+    loader = _epoch()
+    it = iter(loader)
+    first = [next(it) for _ in range(2)]
+    records = loaders.mid_epoch()
+    assert len(records) == 1 and records[0]["fingerprint"][0] == "Tensor"
+    after = torch.rand(3)  # the training draws on (dropout)
+    resumed_at = torch.get_rng_state()
+
+    loaders.arm(records)  # a restored worker: the stream is where the snapshot left it
+    again = iter(_epoch())  # a new loader object, as a restarted script makes
+    assert all(torch.equal(a, b) for a, b in zip(first, [next(again) for _ in range(2)], strict=True))
+    assert torch.equal(torch.get_rng_state(), resumed_at)  # the replay drew nothing from it
+    fresh = iter(_epoch())  # the next epoch: no record left, a draw of its own
+    assert not torch.equal(torch.get_rng_state(), resumed_at)
+    assert after.shape == (3,) and next(fresh).shape == (4,)
+
+
+def test_exhausted_or_unstarted_iterators_are_not_recorded() -> None:
+    loader = _epoch()
+    assert loaders.mid_epoch() == []
+    list(loader)  # a whole epoch: the next one starts from the restored stream
+    assert loaders.mid_epoch() == []
+    it = iter(loader)
+    assert loaders.mid_epoch() == []  # made, nothing yielded yet
+    next(it)
+    assert len(loaders.mid_epoch()) == 1
+
+
+def test_a_record_only_replays_for_a_loader_of_the_same_fingerprint() -> None:
+    torch.manual_seed(1)
+    it = iter(_epoch())
+    next(it)
+    loaders.arm(loaders.mid_epoch())
+    other = DataLoader(torch.arange(8.0), batch_size=2, shuffle=True)
+    before = torch.get_rng_state()
+    iter(other)
+    assert not torch.equal(torch.get_rng_state(), before)  # not replayed: its own draw
+    assert len(loaders._armed) == 1
+    loaders.arm("garbage")  # a malformed snapshot field arms nothing
+    assert loaders._armed == []

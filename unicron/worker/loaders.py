@@ -1,0 +1,144 @@
+"""A restored worker's data loader draws what the interrupted one drew (torch's global RNG).
+
+Creating a ``torch.utils.data.DataLoader`` iterator draws from torch's global RNG: the seed of
+its workers (``_base_seed``, every iterator) and, for a ``RandomSampler`` without a generator,
+the epoch's shuffle. In a run without faults those draws happened when the epoch began, before
+the steps whose RNG states (dropout, ...) a ``unicron.State`` snapshot holds. A restored worker
+that resumes mid-epoch creates its iterator *after* ``restore()``: the same draws would then
+come out of the restored stream, shifting every later random number (dropout differs, the run
+is no longer bit-exact) and giving the epoch another seed.
+
+So, with ``unicron.State`` in use, every ``DataLoader.__iter__`` notes the global RNG state just
+before it; a commit saves that state for each loader whose latest iterator is mid-epoch (it
+has yielded and is not exhausted), with a fingerprint of the loader (dataset type, length,
+batch size, workers, sampler type); ``restore()`` arms them, and the first ``__iter__`` of a
+loader with the same fingerprint runs under the saved state, after which the restored state
+is put back. The new iterator draws exactly what the interrupted one drew, and training
+continues from the restored stream.
+
+A loader with ``persistent_workers`` makes its iterator once and resets it each epoch (no new
+worker seed): its replay is of the state before its *first* iterator, which gives the same
+worker seed and, with a sampler that draws nothing from the global RNG (``DistributedSampler``,
+``SequentialSampler``, a seeded generator), the same epoch. A ``RandomSampler`` that shuffles
+from the global RNG under ``persistent_workers`` gets another order after a restore; give the
+loader ``generator=``. Where the batches of the epoch come from is the script's business (it
+skips what it consumed, e.g. with a batch index in ``State(extra=...)``); a ``num_workers=0``
+loader whose dataset draws random numbers in the training process draws them again as the
+script skips, and is not bit-exact after a restore.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+_latest: dict[int, tuple[weakref.ref[Any], torch.Tensor, list[Any]]] = {}  # loader -> its iterator
+_first: dict[int, torch.Tensor] = {}  # loader -> the RNG state before its first iterator
+_armed: list[tuple[torch.Tensor, list[Any]]] = []  # restored: (RNG state, fingerprint)
+_count = 0
+_installed = False
+
+
+def fingerprint(loader: Any) -> list[Any]:
+    try:
+        length: int | None = len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        length = None
+    return [type(loader.dataset).__qualname__, length, loader.batch_size, loader.num_workers,
+            type(loader.sampler).__qualname__, bool(loader.persistent_workers and loader.num_workers > 0)]
+
+
+def install() -> None:
+    """Wrap ``DataLoader.__iter__`` (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from torch.utils.data import DataLoader
+
+    original = DataLoader.__iter__
+
+    def __iter__(self: Any) -> Any:
+        key = self.__dict__.get("_unicron_loader")
+        if key is None:
+            key = self.__dict__["_unicron_loader"] = _next_key()
+        mark = fingerprint(self)
+        before = torch.get_rng_state()
+        _first.setdefault(key, before)
+        replay = _take(mark)
+        if replay is None:
+            it = original(self)
+        else:
+            torch.set_rng_state(replay)
+            try:
+                it = original(self)
+                _start_sampler(it)
+            finally:
+                torch.set_rng_state(before)  # training goes on from the restored stream
+            _first[key] = replay
+        persistent = mark[-1]
+        _latest[key] = (weakref.ref(it), _first[key] if persistent else (replay if replay is not None else before), mark)
+        return it
+
+    __iter__.__wrapped__ = original  # type: ignore[attr-defined]
+    DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+    _installed = True
+
+
+def _start_sampler(it: Any) -> None:
+    """A single-process iterator's sampler draws its shuffle at the first batch, not when the
+    iterator is made (workers prefetch at once): take its first indices now, under the replayed
+    state, as the first ``next`` of the interrupted run did right after ``iter``."""
+    sampler_iter = getattr(it, "_sampler_iter", None)
+    if getattr(it, "_num_workers", None) != 0 or sampler_iter is None:
+        return
+    try:
+        first = next(sampler_iter)
+    except StopIteration:
+        return
+    it._sampler_iter = itertools.chain([first], sampler_iter)
+
+
+def _next_key() -> int:
+    global _count
+    _count += 1
+    return _count
+
+
+def _take(mark: list[Any]) -> torch.Tensor | None:
+    for i, (state, armed_mark) in enumerate(_armed):
+        if armed_mark == mark:
+            del _armed[i]
+            return state
+    return None
+
+
+def mid_epoch() -> list[dict[str, Any]]:
+    """For a snapshot: the loaders whose latest iterator has yielded and is not exhausted."""
+    out = []
+    for key in sorted(_latest):
+        ref, state, mark = _latest[key]
+        it = ref()
+        if it is None:
+            continue
+        yielded = getattr(it, "_num_yielded", 0)
+        try:
+            total: int | None = len(it)
+        except TypeError:
+            total = None
+        if yielded > 0 and (total is None or yielded < total):
+            out.append({"rng": state, "fingerprint": mark})
+    return out
+
+
+def arm(records: Any) -> None:
+    """After a restore: the first iterator of each matching loader replays its record."""
+    _armed.clear()
+    if not isinstance(records, list):
+        return
+    for record in records:
+        if isinstance(record, dict) and isinstance(record.get("rng"), torch.Tensor) \
+                and isinstance(record.get("fingerprint"), list):
+            _armed.append((record["rng"], record["fingerprint"]))
