@@ -45,7 +45,7 @@ _installed = False
 def fingerprint(loader: Any) -> list[Any]:
     try:
         length: int | None = len(loader)
-    except TypeError:  # an IterableDataset without __len__
+    except Exception:  # noqa: BLE001 - an IterableDataset without __len__, a dataset's own error
         length = None
     return [type(loader.dataset).__qualname__, length, loader.batch_size, loader.num_workers,
             type(loader.sampler).__qualname__, bool(loader.persistent_workers and loader.num_workers > 0)]
@@ -61,11 +61,14 @@ def install() -> None:
     original = DataLoader.__iter__
 
     def __iter__(self: Any) -> Any:
-        key = self.__dict__.get("_unicron_loader")
-        if key is None:
-            key = self.__dict__["_unicron_loader"] = _next_key()
-        mark = fingerprint(self)
-        before = torch.get_rng_state()
+        try:
+            key = self.__dict__.get("_unicron_loader")
+            if key is None:
+                key = self.__dict__["_unicron_loader"] = _next_key()
+            mark = fingerprint(self)
+            before = torch.get_rng_state()
+        except Exception:  # noqa: BLE001 - bookkeeping must never stop a training loop
+            return original(self)
         _first.setdefault(key, before)
         replay = _take(mark)
         if replay is None:
@@ -126,7 +129,7 @@ def mid_epoch() -> list[dict[str, Any]]:
         yielded = getattr(it, "_num_yielded", 0)
         try:
             total: int | None = len(it)
-        except TypeError:
+        except Exception:  # noqa: BLE001 - as in fingerprint
             total = None
         if yielded > 0 and (total is None or yielded < total):
             out.append({"rng": state, "fingerprint": mark})

@@ -176,7 +176,8 @@ class State:
         self._wrote = False  # has restored or committed into its rank directory
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
-        loaders.install()  # a restored data loader draws what the interrupted one drew
+        if self._root is not None:
+            loaders.install()  # a restored data loader draws what the interrupted one drew
 
     @property
     def step(self) -> int:
