@@ -9,22 +9,24 @@ come out of the restored stream, shifting every later random number (dropout dif
 is no longer bit-exact) and giving the epoch another seed.
 
 So, with ``unicron.State`` in use, every ``DataLoader.__iter__`` notes the global RNG state just
-before it; a commit saves that state for each loader whose latest iterator is mid-epoch (it
-has yielded and is not exhausted), with a fingerprint of the loader (dataset type, length,
-batch size, workers, sampler type); ``restore()`` arms them, and the first ``__iter__`` of a
-loader with the same fingerprint runs under the saved state, after which the restored state
-is put back. The new iterator draws exactly what the interrupted one drew, and training
-continues from the restored stream.
+before it; a commit saves that state for each loader whose latest iterator is mid-epoch (it has
+yielded and is not exhausted: at an epoch's end the next epoch's iterator draws from the
+restored stream, as it did without the fault; a script that, restored at the very end of an
+epoch, makes that epoch's iterator again only to skip all of it draws once too often), with a
+fingerprint of the loader (dataset type, length, batch size, workers, sampler type);
+``restore()`` arms them, and the first ``__iter__`` of a loader with the same fingerprint runs
+under the saved state, after which the restored state is put back. The new iterator draws
+exactly what the interrupted one drew, and training continues from the restored stream.
 
 A loader with ``persistent_workers`` makes its iterator once and resets it each epoch (no new
-worker seed): its replay is of the state before its *first* iterator, which gives the same
-worker seed and, with a sampler that draws nothing from the global RNG (``DistributedSampler``,
-``SequentialSampler``, a seeded generator), the same epoch. A ``RandomSampler`` that shuffles
-from the global RNG under ``persistent_workers`` gets another order after a restore; give the
-loader ``generator=``. Where the batches of the epoch come from is the script's business (it
-skips what it consumed, e.g. with a batch index in ``State(extra=...)``); a ``num_workers=0``
-loader whose dataset draws random numbers in the training process draws them again as the
-script skips, and is not bit-exact after a restore.
+worker seed): it is always saved, and its replay is of the state before its *first* iterator,
+which gives the same worker seed and, with a sampler that draws nothing from the global RNG
+(``DistributedSampler``, ``SequentialSampler``, a seeded generator), the same epoch. A
+``RandomSampler`` that shuffles from the global RNG under ``persistent_workers`` gets another
+order after a restore; give the loader ``generator=``. Where the batches of the epoch come from
+is the script's business (it skips what it consumed, e.g. with a batch index in
+``State(extra=...)``); a ``num_workers=0`` loader whose dataset draws random numbers in the
+training process draws them again as the script skips, and is not bit-exact after a restore.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ def _take(mark: list[Any]) -> torch.Tensor | None:
 
 
 def mid_epoch() -> list[dict[str, Any]]:
-    """For a snapshot: the loaders whose latest iterator has yielded and is not exhausted."""
+    """For a snapshot: the loaders whose latest iterator has yielded and is not exhausted, and
+    every persistent loader's."""
     out = []
     for key in sorted(_latest):
         ref, state, mark = _latest[key]
@@ -131,7 +134,9 @@ def mid_epoch() -> list[dict[str, Any]]:
             total: int | None = len(it)
         except Exception:  # noqa: BLE001 - as in fingerprint
             total = None
-        if yielded > 0 and (total is None or yielded < total):
+        # A persistent loader's iterator is made once in a run without faults: any iterator a
+        # restored worker makes is one more, whatever the epoch.
+        if mark[-1] or (yielded > 0 and (total is None or yielded < total)):
             out.append({"rng": state, "fingerprint": mark})
     return out
 
