@@ -90,4 +90,9 @@ def fault_line(fault: dict[str, Any], node_id: str) -> str:
     step = fault.get("steps_completed")
     # unknown (None) for scripts that report no steps, or a rank that died before its hooks were in
     at = "" if not isinstance(step, int) else " before its first step" if step == 0 else f" at step {step}"
+    attempt = fault.get("attempt")
+    if isinstance(step, int) and step > 0 and isinstance(attempt, int) and attempt > 0 and not fault.get("restored_from"):
+        # Without a restored snapshot the count starts again in every attempt; the script's
+        # own step (resumed from its checkpoint) is its business.
+        at += f" of attempt {attempt}"
     return f"{fault.get('kind')} on {who}{at}: {what or fault.get('kind')}"
