@@ -66,3 +66,28 @@ def test_a_record_only_replays_for_a_loader_of_the_same_fingerprint() -> None:
     assert len(loaders._armed) == 1
     loaders.arm("garbage")  # a malformed snapshot field arms nothing
     assert loaders._armed == []
+
+
+def test_an_iterable_dataset_is_never_asked_its_length_and_odd_iterators_still_iterate() -> None:
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset[int]):
+        asked = 0
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(5))
+
+        def __len__(self) -> int:
+            Stream.asked += 1
+            return 2  # an estimate: asking it would make torch warn as more items come
+
+    got = []
+    for item in DataLoader(Stream(), batch_size=None):  # not list(): that asks for a length hint
+        got.append(int(item))
+    assert got == [0, 1, 2, 3, 4] and Stream.asked == 0
+
+    class Listed(DataLoader[int]):  # a subclass whose iterator takes no weak reference
+        def _get_iterator(self):  # type: ignore[no-untyped-def]
+            return iter([1, 2])
+
+    assert list(Listed(range(2))) == [1, 2]

@@ -154,12 +154,15 @@ class Agent:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
                         return result
-                if bell in fired and _drain_bell(bell):
-                    self.pace.messages_now()
+                rang = bell in fired and _drain_bell(bell) > 0
                 # Every wake-up reads the workers' messages, the channel's own (paced) or not:
                 # an exit's pidfd then finds the rank's last words already read. A ring may
                 # overtake its message: the channel is then polled until the message comes.
-                self.pace.messages_read(time.monotonic(), self._drain_workers(pull))
+                read = self._drain_workers(pull)
+                if rang:  # its message may not be in yet: the channel stays in the poll
+                    self.pace.messages_now()
+                else:
+                    self.pace.messages_read(time.monotonic(), read)
                 self._start_pending()
                 now_m = time.monotonic()
                 group = self.group
@@ -357,6 +360,18 @@ class Agent:
     def _drain_workers(self, pull: zmq.Socket) -> int:
         """Apply the messages waiting on the workers' channel (at most 1000); returns how many."""
         group = self.group
+        faults: list[dict[str, Any]] = []
+        try:
+            return self._read_workers(pull, group, faults)
+        finally:
+            # After the whole batch: another rank's step read after this exception (the socket
+            # takes connections in turn) still counts in the progress the fault reports.
+            for fault in faults:
+                if group is not None:
+                    fault.update(progress=group.progress(time.time()), **group.reach())
+                self._report(fault)
+
+    def _read_workers(self, pull: zmq.Socket, group: WorkerGroup | None, faults: list[dict[str, Any]]) -> int:
         for count in range(1000):
             try:
                 raw = pull.recv(zmq.NOBLOCK)
@@ -371,7 +386,7 @@ class Agent:
                 continue
             fault = group.on_message(msg, time.time())
             if fault is not None:
-                self._report(fault)
+                faults.append(fault)
         return 1000
 
     def _watch_workers(self) -> None:

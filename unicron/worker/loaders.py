@@ -45,10 +45,13 @@ _installed = False
 
 
 def fingerprint(loader: Any) -> list[Any]:
-    try:
-        length: int | None = len(loader)
-    except Exception:  # noqa: BLE001 - an IterableDataset without __len__, a dataset's own error
-        length = None
+    length: int | None = None
+    dataset = loader.dataset
+    if not isinstance(dataset, torch.utils.data.IterableDataset):  # len() of one makes torch warn later
+        try:
+            length = len(dataset)
+        except Exception:  # noqa: BLE001 - a dataset's own error
+            length = None
     return [type(loader.dataset).__qualname__, length, loader.batch_size, loader.num_workers,
             type(loader.sampler).__qualname__, bool(loader.persistent_workers and loader.num_workers > 0)]
 
@@ -79,12 +82,19 @@ def install() -> None:
             torch.set_rng_state(replay)
             try:
                 it = original(self)
-                _start_sampler(it)
+                try:
+                    _start_sampler(it)
+                except Exception:  # noqa: BLE001 - the sampler's own error comes at the first next()
+                    pass
             finally:
                 torch.set_rng_state(before)  # training goes on from the restored stream
             _first[key] = replay
-        persistent = mark[-1]
-        _latest[key] = (weakref.ref(it), _first[key] if persistent else (replay if replay is not None else before), mark)
+        try:
+            persistent = mark[-1]
+            _latest[key] = (weakref.ref(it), _first[key] if persistent else (replay if replay is not None else before),
+                            mark)
+        except TypeError:  # an iterator without weak references (a subclass's own): not recorded
+            pass
         return it
 
     __iter__.__wrapped__ = original  # type: ignore[attr-defined]
