@@ -23,7 +23,7 @@ worker seed): it is always saved, and its replay is of the state before its *fir
 which gives the same worker seed and, with a sampler that draws nothing from the global RNG
 (``DistributedSampler``, ``SequentialSampler``, a seeded generator), the same epoch. A
 ``RandomSampler`` that shuffles from the global RNG under ``persistent_workers`` gets another
-order after a restore; give the loader ``generator=``. Where the batches of the epoch come from
+order after a restore; give the loader ``generator=`` and keep its state in ``State(extra=...)``. Where the batches of the epoch come from
 is the script's business (it skips what it consumed, e.g. with a batch index in
 ``State(extra=...)``); a ``num_workers=0`` loader whose dataset draws random numbers in the
 training process draws them again as the script skips, and is not bit-exact after a restore.

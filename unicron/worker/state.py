@@ -80,7 +80,7 @@ loader is inside its epoch; scripts that resume mid-epoch keep their batch index
 a ``DataLoader`` iterator makes when it is created (its workers' seed, a ``RandomSampler``'s
 shuffle) are replayed for the iterator a restored worker creates (``unicron.worker.loaders``), so
 a mid-epoch resume stays bit-exact (with ``persistent_workers``, for a sampler that draws nothing
-from the global RNG: ``DistributedSampler``, or any loader given ``generator=``).
+from the global RNG: ``DistributedSampler``, or a loader given ``generator=`` whose state ``extra`` holds).
 """
 
 from __future__ import annotations
