@@ -121,25 +121,7 @@ def test_frame_watch_reports_motion_only_when_overdue(monkeypatch) -> None:
 def _moved_while(body) -> int:
     """How many ``moved`` a real FrameWatch (real clock, the main thread's real CPU clock) sends
     in 1.5 s of sampling while the main thread (this test) runs ``body(stop)``."""
-    from unicron.worker.liveness import SAMPLE_S
-
-    sent: list[float] = []
-    watch = FrameWatch(lambda: sent.append(time.monotonic()))
-    watch._last_boundary = time.monotonic() - 10  # long overdue (no step thread started here)
-    stop = threading.Event()
-
-    def sampler() -> None:
-        end = time.monotonic() + 1.5
-        while time.monotonic() < end:
-            time.sleep(SAMPLE_S)
-            watch.sample(time.monotonic())
-        stop.set()
-
-    thread = threading.Thread(target=sampler)
-    thread.start()
-    body(stop)
-    thread.join()
-    return len(sent)
+    return _reports_while(body)[0]
 
 
 def _evaluate(stop: threading.Event) -> None:  # an evaluation loop: new calls, a core of CPU
