@@ -74,8 +74,8 @@ def install() -> None:
             before = torch.get_rng_state()
         except Exception:  # noqa: BLE001 - bookkeeping must never stop a training loop
             return original(self)
-        _first.setdefault(key, before)
         replay = _take(mark)
+        made_under = before if replay is None else replay  # what this iterator draws from
         if replay is None:
             it = original(self)
         else:
@@ -88,11 +88,10 @@ def install() -> None:
                     pass
             finally:
                 torch.set_rng_state(before)  # training goes on from the restored stream
-            _first[key] = replay
+        # A replay stands for the interrupted run's first iterator too (its base of record).
+        first = _first[key] = made_under if replay is not None else _first.get(key, made_under)
         try:
-            persistent = mark[-1]
-            _latest[key] = (weakref.ref(it), _first[key] if persistent else (replay if replay is not None else before),
-                            mark)
+            _latest[key] = (weakref.ref(it), first if mark[-1] else made_under, mark)  # mark[-1]: persistent
         except TypeError:  # an iterator without weak references (a subclass's own): not recorded
             pass
         return it
