@@ -10,7 +10,6 @@ every wake-up takes CPU from the ranks; without pidfds it ticks every ``monitor_
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ from unicron.agent.attempt import (
     stop_answer,
     worker_env_factory,
 )
+from unicron.agent.inbox import WorkerInbox
 from unicron.agent.janitor import Janitor
 from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
 from unicron.agent.link import CoordinatorLink
@@ -56,7 +56,6 @@ from unicron.errors import (
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
-from unicron.worker.channel import bell_address
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class Agent:
         os.makedirs(self.stack_dir, exist_ok=True)
         self.tee = ConsoleTee()
         self.group: WorkerGroup | None = None
-        self.pull: zmq.Socket | None = None  # the workers' channel, once bound
+        self.inbox: WorkerInbox | None = None  # the workers' channel, once bound
         self.epoch = 0
         self.link = CoordinatorLink(time.monotonic(), heartbeat_interval_s=s.heartbeat_interval_s,
                                     heartbeat_timeout_s=s.heartbeat_timeout_s)
@@ -92,7 +91,6 @@ class Agent:
         self.reporter = Reporter(self.codec, node_id=self.node_id, host=self.host,
                                  heartbeat_interval_s=s.heartbeat_interval_s, events=events, ui=ui)
         self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
-        self.dropped_local = 0
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
         # A zygote with torch imported forks every worker, so no start (first or restart) pays
         # for interpreter start and imports. It imports while the job forms; attempts assigned
@@ -115,16 +113,8 @@ class Agent:
         dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
         dealer.setsockopt(zmq.LINGER, 1000)
         dealer.connect(self.endpoint)
-        pull = self.ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        pull.bind(self.agent_addr)
-        bell = self.ctx.socket(zmq.PULL)  # rung by a worker with an urgent message (channel.URGENT)
-        bell.setsockopt(zmq.LINGER, 0)
-        bell.setsockopt(zmq.MAXMSGSIZE, 64)
-        bell.bind(bell_address(self.agent_addr))
+        inbox = self.inbox = WorkerInbox(self.ctx, self.agent_addr)
         self.reporter.dealer = dealer
-        self.pull = pull
         self.stalls = StallWatch(time.monotonic())
         try:
             while True:
@@ -137,10 +127,10 @@ class Agent:
                     if notice is not None:
                         self.ui.warn(notice)
                 exit_fds = self.group.exit_fds() if self.group is not None else {}
-                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (bell, zmq.POLLIN),
+                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (inbox.bell, zmq.POLLIN),
                                                 (self.signals.fileno(), zmq.POLLIN)]
                 if self.pace.messages_wake(now_m):
-                    items.append((pull, zmq.POLLIN))
+                    items.append((inbox.pull, zmq.POLLIN))
                 items += [(fd, zmq.POLLIN) for fd in exit_fds or ()]
                 imminent = not self.joining.welcomed or self.pending_assign is not None or exit_fds is None
                 wait_s = self.pace.wait_s(now_m, last_heartbeat=self.reporter.last_heartbeat, imminent=imminent)
@@ -154,11 +144,11 @@ class Agent:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
                         return result
-                rang = bell in fired and _drain_bell(bell) > 0
+                rang = inbox.bell in fired and inbox.drain_bell() > 0
                 # Every wake-up reads the workers' messages, the channel's own (paced) or not:
                 # an exit's pidfd then finds the rank's last words already read. A ring may
                 # overtake its message: the channel is then polled until the message comes.
-                read = self._drain_workers(pull)
+                read = self._drain_workers()
                 if rang:  # its message may not be in yet: the channel stays in the poll
                     self.pace.messages_now()
                 else:
@@ -203,8 +193,7 @@ class Agent:
                 self.pool.close()
             self.tee.close()
             dealer.close(linger=500)
-            pull.close(0)
-            bell.close(0)
+            inbox.close()
             shutil.rmtree(self.work_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir, ignore_errors=True)
             self.janitor.close()
@@ -343,8 +332,7 @@ class Agent:
         finished: list[dict[str, Any]] = []
         if group is not None and group.spec.attempt == body["attempt"]:
             # What the workers said before the stop came (an `exiting` may be queued behind it).
-            if self.pull is not None:
-                self._drain_workers(self.pull)
+            self._drain_workers()
             faults, finished, stacks = stop_answer(group, body["want_stacks"])
             for fault in faults:
                 self._report(fault)
@@ -357,37 +345,19 @@ class Agent:
                                "finished": finished})
 
     # ---- workers -------------------------------------------------------------------
-    def _drain_workers(self, pull: zmq.Socket) -> int:
-        """Apply the messages waiting on the workers' channel (at most 1000); returns how many."""
+    def _drain_workers(self) -> int:
+        """Apply the messages waiting on the workers' channel; returns how many were read."""
+        if self.inbox is None:
+            return 0
         group = self.group
-        faults: list[dict[str, Any]] = []
-        try:
-            return self._read_workers(pull, group, faults)
-        finally:
-            # After the whole batch: another rank's step read after this exception (the socket
-            # takes connections in turn) still counts in the progress the fault reports.
-            for fault in faults:
-                if group is not None:
-                    fault.update(progress=group.progress(time.time()), **group.reach())
-                self._report(fault)
-
-    def _read_workers(self, pull: zmq.Socket, group: WorkerGroup | None, faults: list[dict[str, Any]]) -> int:
-        for count in range(1000):
-            try:
-                raw = pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return count
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                msg = None
-            if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or group is None:
-                self.dropped_local += 1
-                continue
-            fault = group.on_message(msg, time.time())
-            if fault is not None:
-                faults.append(fault)
-        return 1000
+        read, faults = self.inbox.read(group)
+        # After the whole batch: another rank's step read after this exception (the socket
+        # takes connections in turn) still counts in the progress the fault reports.
+        for fault in faults:
+            if group is not None:
+                fault.update(progress=group.progress(time.time()), **group.reach())
+            self._report(fault)
+        return read
 
     def _watch_workers(self) -> None:
         group = self.group
@@ -449,12 +419,3 @@ class Agent:
     def _send(self, kind: str, body: dict[str, Any]) -> None:
         self.reporter.send(kind, body)
 
-
-def _drain_bell(bell: zmq.Socket) -> int:
-    """Empty the doorbell (rings carry nothing); returns how many there were."""
-    for count in range(1000):
-        try:
-            bell.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return count
-    return 1000
