@@ -91,3 +91,20 @@ def test_an_iterable_dataset_is_never_asked_its_length_and_odd_iterators_still_i
             return iter([1, 2])
 
     assert list(Listed(range(2))) == [1, 2]
+
+
+def test_a_restored_record_not_replayed_yet_goes_into_the_next_snapshot_once() -> None:
+    torch.manual_seed(2)
+    it = iter(_epoch())
+    next(it)
+    records = loaders.mid_epoch()
+    del it
+    loaders._latest.clear()  # a restored worker: nothing iterated yet
+
+    loaders.arm(records)
+    assert loaders.mid_epoch() == records  # a commit before the loader's first iterator
+    loaders.arm(loaders.mid_epoch())  # restored again from that snapshot
+    again = iter(_epoch())
+    next(again)
+    after = loaders.mid_epoch()
+    assert len(after) == 1 and torch.equal(after[0]["rng"], records[0]["rng"])  # replayed, not doubled

@@ -130,8 +130,8 @@ def _take(mark: list[Any]) -> torch.Tensor | None:
 
 
 def mid_epoch() -> list[dict[str, Any]]:
-    """For a snapshot: the loaders whose latest iterator has yielded and is not exhausted, and
-    every persistent loader's."""
+    """For a snapshot: the loaders whose latest iterator has yielded and is not exhausted,
+    every persistent loader's, and the restored records not replayed yet."""
     out = []
     for key in sorted(_latest):
         ref, state, mark = _latest[key]
@@ -147,6 +147,9 @@ def mid_epoch() -> list[dict[str, Any]]:
         # restored worker makes is one more, whatever the epoch.
         if mark[-1] or (yielded > 0 and (total is None or yielded < total)):
             out.append({"rng": state, "fingerprint": mark})
+    # Restored records whose loader has not made its iterator yet (a commit came first): the
+    # next restore still owes it that draw.
+    out.extend({"rng": state, "fingerprint": mark} for state, mark in _armed)
     return out
 
 
