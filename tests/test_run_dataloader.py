@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-STALL_AT, STALL_S = int(sys.argv[1]), float(sys.argv[2])
+STALL_AT, STALL_S, PREFETCH = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "thread"
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
@@ -34,10 +34,21 @@ class Stream(Dataset):
         time.sleep(0.02)
         return torch.full((8,), float(i))
 
+def batches():
+    loader = DataLoader(Stream(), batch_size=None, num_workers=2)
+    if not PREFETCH:
+        yield from loader
+        return
+    import queue, threading  # a prefetching thread iterates the loader; the main thread waits on it
+    ready = queue.Queue(maxsize=2)
+    threading.Thread(target=lambda: ([ready.put(b) for b in loader], ready.put(None)), daemon=True).start()
+    while (batch := ready.get()) is not None:
+        yield batch
+
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-for x in DataLoader(Stream(), batch_size=None, num_workers=2):
+for x in batches():
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     for p in model.parameters():
@@ -51,16 +62,18 @@ COMMON = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--gra
           "--hang-floor", "1", "--hang-warmup-steps", "3"]
 
 
-def _run(workdir, stall_s: float, *flags: str) -> tuple[int, str, list[dict]]:
+def _run(workdir, stall_s: float, *flags: str, iterate: str = "main") -> tuple[int, str, list[dict]]:
     (workdir / "stream.py").write_text(SCRIPT)
     code, out, err = run_unicron(["run", *COMMON, "--log-dir", str(workdir / "logs"), *flags,
-                                  str(workdir / "stream.py"), "20", str(stall_s)], workdir, timeout=120)
+                                  str(workdir / "stream.py"), "20", str(stall_s), iterate], workdir, timeout=120)
     return code, out + err, read_events(workdir / "logs")
 
 
-def test_a_read_that_stalls_past_the_idle_floor_is_waited_for(tmp_path) -> None:
-    # 3 s, three times the idle floor: under the busy threshold (10 s), as the rank waits for data.
-    code, text, events = _run(tmp_path, 3.0)
+@pytest.mark.parametrize("iterate", ["main", "thread"])
+def test_a_read_that_stalls_past_the_idle_floor_is_waited_for(tmp_path, iterate: str) -> None:
+    # 3 s, three times the idle floor: under the busy threshold (10 s), as the rank waits for
+    # data, whether the main thread iterates the loader or a prefetching thread does.
+    code, text, events = _run(tmp_path, 3.0, iterate=iterate)
     assert code == 0, text[-3000:]
     assert not [e for e in events if e["kind"] == "fault"], text[-3000:]
     assert text.count(" done w=") == 2

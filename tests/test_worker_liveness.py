@@ -269,3 +269,23 @@ def test_a_main_thread_waiting_for_its_data_loader_is_reported() -> None:
     assert moved == 0 and data >= 2, (moved, data)  # every SEND_EVERY_S while it waits
     moved, data = _reports_while(lambda stop: stop.wait())  # a wait of its own (a sleep, a lock)
     assert moved == 0 and data == 0, (moved, data)
+
+
+def _waits_on_a_thread(work):
+    """The main thread waits on a queue while a thread of its own runs ``work(stop)``."""
+    import queue
+
+    def body(stop: threading.Event) -> None:
+        done: queue.Queue[bool] = queue.Queue()
+        thread = threading.Thread(target=lambda: (work(stop), done.put(True)), name="prefetch")
+        thread.start()
+        done.get()
+        thread.join()
+    return body
+
+
+def test_a_main_thread_waiting_on_a_thread_that_reads_its_data_loader_is_reported() -> None:
+    moved, data = _reports_while(_waits_on_a_thread(_slow_read))  # a prefetching thread
+    assert moved == 0 and data >= 2, (moved, data)
+    moved, data = _reports_while(_waits_on_a_thread(lambda stop: stop.wait()))  # a thread of other business
+    assert moved == 0 and data == 0, (moved, data)

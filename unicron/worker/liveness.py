@@ -33,7 +33,8 @@ barely computes, and must not keep a hung rank looking busy with work. unicron's
 
 A rank whose main thread waits inside a ``torch.utils.data`` loader (for its workers' next
 batch: a slow network or NFS read, a ``worker_init_fn`` opening a remote dataset; or a
-``num_workers=0`` dataset read) is not stuck on a peer, and a data loader has its own
+``num_workers=0`` dataset read), or waits outside ``torch.distributed`` while a thread of its
+own is inside one (a prefetching thread), is not stuck on a peer, and a data loader has its own
 ``timeout``. While overdue such a wait is reported (``data``, at most every ``SEND_EVERY_S``) and
 the agent holds the job to its longer busy threshold (``unicron.detect.activity``): a hang then
 needs the whole job still for ``max(busy k x median, busy floor)``, not the idle floor.
@@ -63,6 +64,8 @@ SEND_EVERY_S = 0.5
 MIN_CPU_THREAD = 0.2  # cores a thread other than the main one must use for its motion to count
 DATA_FRAMES = "torch/utils/data/"  # a frame of a data loader (iterating, fetching, waiting for workers)
 DATA_DEPTH = 24  # frames looked at from the innermost one outwards for a data loader
+PIN_MEMORY_FRAMES = "torch/utils/data/_utils/pin_memory.py"
+COLLECTIVE_FRAMES = "torch/distributed/"
 
 
 class FrameSample:
@@ -114,13 +117,38 @@ def main_thread_signature() -> FrameSample | None:
 
 
 def waits_for_data(sample: FrameSample | None, depth: int = DATA_DEPTH) -> bool:
-    """Whether a data loader's frame is among the ``depth`` innermost frames of the sample (the
-    wait itself is deeper: a queue, a pipe, a selector, the dataset's own read)."""
+    """Whether the main thread waits for a data loader: a loader's frame is among the ``depth``
+    innermost frames of the sample (the wait itself is deeper: a queue, a pipe, a selector, the
+    dataset's own read), or the main thread waits outside any collective while another thread
+    is inside a loader (a prefetching thread that iterates it)."""
     frame = sample.frame if sample is not None else None
+    if frame is None:
+        return False
+    if _within(frame, DATA_FRAMES, depth):
+        return True
+    if COLLECTIVE_FRAMES in _filename(frame):  # waiting for its peers, not for its data
+        return False
+    main, me = threading.main_thread().ident, threading.get_ident()
+    ours = {t.ident for t in threading.enumerate() if t.name.startswith("unicron-")}
+    for ident, other in sys._current_frames().items():
+        if ident in (main, me) or ident in ours:
+            continue
+        # A pin-memory thread sits inside its loader whatever the main thread does.
+        if _within(other, DATA_FRAMES, depth) and not _within(other, PIN_MEMORY_FRAMES, depth):
+            return True
+    return False
+
+
+def _filename(frame: FrameType) -> str:
+    return frame.f_code.co_filename.replace("\\", "/")
+
+
+def _within(frame: FrameType | None, part: str, depth: int) -> bool:
+    """Whether a frame of a file whose path contains ``part`` is among the ``depth`` innermost."""
     for _ in range(depth):
         if frame is None:
             return False
-        if DATA_FRAMES in frame.f_code.co_filename.replace("\\", "/"):
+        if part in _filename(frame):
             return True
         frame = frame.f_back
     return False
