@@ -166,3 +166,32 @@ print(f"rank {rank} finished", flush=True)
     assert code == 0, err
     assert "rank 0 finished" in out and "rank 1 finished" in out
     assert not [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]
+
+
+def test_an_idle_tail_after_a_peer_finished_is_not_a_hang(workdir) -> None:
+    # After the last step rank 1 exits 0 while rank 0 waits idle for 4 s (an upload,
+    # wandb.finish()): past the idle hang threshold (1.5 s), but the job is past its last step.
+    (workdir / "tail.py").write_text("""
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(30):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+if rank == 0:
+    time.sleep(4)
+print(f"rank {rank} finished", flush=True)
+""")
+    code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "tail.py")], workdir, timeout=100)
+    assert code == 0, err
+    assert "rank 0 finished" in out and "rank 1 finished" in out
+    assert not [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]

@@ -233,8 +233,12 @@ class WorkerGroup:
 
     def _hang_possible(self) -> bool:
         """No verdict once some rank failed, nor for ranks that report no steps (none expected,
-        none seen: they cannot be overdue)."""
+        none seen: they cannot be overdue), nor once some rank finished cleanly: the job is past
+        its last step (no collective can join every rank again), and what the others do in
+        their tail (an upload, ``wandb.finish()``, a sleep) is not a hang."""
         if self.failure_reported():
+            return False
+        if any(r.bye_at is not None or r.exitcode == 0 for r in self.ranks.values()):
             return False
         return self.expect_steps or any(r.steps_in_attempt for r in self.ranks.values())
 
