@@ -146,22 +146,27 @@ def test_elastic_late_joiner_is_admitted_and_lost_node_is_survived(workdir, laun
     a.kill()
 
 
-def test_agent_with_wrong_secret_is_refused_clearly(workdir, launch) -> None:
+@pytest.mark.parametrize("wrong", ["secret", "rdzv-id"])
+def test_agent_with_wrong_secret_or_job_id_is_refused_clearly(workdir, launch, wrong: str) -> None:
     port = free_port()
     a = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="join_timeout=8"), workdir,
                clean_env(UNICRON_SECRET=SECRET))
     # a must be the one hosting the coordinator (whichever agent binds the port first hosts it).
     wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start" and e["coordinator"]],
              60, "agent a to host the coordinator")
-    b = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="join_timeout=8"), workdir,
-               clean_env(UNICRON_SECRET="not-the-secret"))
+    args_b = agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="join_timeout=8")
+    if wrong == "rdzv-id":
+        args_b[args_b.index("meshjob")] = "otherjob"
+    b = launch(args_b, workdir, clean_env(UNICRON_SECRET="not-the-secret" if wrong == "secret" else SECRET))
     code_b, _, err_b = b.wait(60)
     code_a, _, err_a = a.wait(60)
     assert code_b != 0 and "no coordinator answered" in err_b and "UNICRON_SECRET" in err_b
     assert "no answer yet from the coordinator" in err_b, err_b  # said before the join timeout ran out
     assert code_a != 0 and "rendezvous timed out" in err_a
     # The coordinator's node says why at once, not only when its join timeout runs out.
-    assert err_a.count("signed with another secret") == 1, err_a
+    said = "signed with another secret" if wrong == "secret" else "for job 'otherjob'"
+    assert err_a.count(said) == 1, err_a
+    assert wrong != "rdzv-id" or "is --rdzv-id the same on every node?" in err_a, err_a
 
 
 def _two_ready_workers(workdir, launch, name: str, grace: str, setup: str):

@@ -220,11 +220,12 @@ class CoordinatorServer:
             self.codec.dropped.add("handler-error")
 
     def _warn_misconfigured(self, identity: bytes, error: str) -> None:
-        """A node whose secret or unicron version differs gets no answer (it cannot be trusted
+        """A node whose secret, unicron version or job id (``--rdzv-id``) differs gets no answer (it cannot be trusted
         with one) and would wait out its join timeout in silence: say so here, once per peer
         (and for a few peers at most: garbage from anyone must not flood the console)."""
         reason = error.split(":")[0]
-        if self.warn is None or reason not in ("unauthenticated", "version") or identity in self._warned_peers \
+        if self.warn is None or reason not in ("unauthenticated", "version", "wrong job") \
+                or identity in self._warned_peers \
                 or len(self._warned_peers) >= MAX_PEERS_WARNED:
             return
         self._warned_peers.add(identity)
@@ -234,6 +235,10 @@ class CoordinatorServer:
         if reason == "unauthenticated":
             self.warn(f"dropped messages from {peer}: signed with another secret; is UNICRON_SECRET "
                       "(or --secret-file) the same on every node?")
+        elif reason == "wrong job":
+            served = ", ".join(repr(j) for j in sorted(self.jobs_allowed or ()))
+            self.warn(f"dropped messages from {peer}: for job {error.split(': ', 1)[-1]}, but this coordinator "
+                      f"serves {served}; is --rdzv-id the same on every node?")
         else:
             self.warn(f"dropped messages from {peer}: {error.split(': ', 1)[-1]}; run the same unicron "
                       "version on every node")
