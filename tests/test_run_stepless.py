@@ -161,11 +161,7 @@ if rank == 0:
         time.sleep(0.05)
 print(f"rank {rank} finished", flush=True)
 """)
-    code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
-                                  str(workdir / "uneven.py")], workdir, timeout=100)
-    assert code == 0, err
-    assert "rank 0 finished" in out and "rank 1 finished" in out
-    assert not [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]
+    _ends_cleanly_without_a_fault(workdir, "uneven.py")
 
 
 def test_an_idle_tail_after_a_peer_finished_is_not_a_hang(workdir) -> None:
@@ -190,8 +186,12 @@ if rank == 0:
     time.sleep(4)
 print(f"rank {rank} finished", flush=True)
 """)
+    _ends_cleanly_without_a_fault(workdir, "tail.py")
+
+
+def _ends_cleanly_without_a_fault(workdir, script: str) -> None:
     code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
-                                  str(workdir / "tail.py")], workdir, timeout=100)
+                                  str(workdir / script)], workdir, timeout=100)
     assert code == 0, err
     assert "rank 0 finished" in out and "rank 1 finished" in out
     assert not [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]

@@ -26,19 +26,20 @@ TRAIN = """
 """
 
 
-def _dump_until(pid: int, path: Path, needle: str, timeout_s: float) -> str:
-    """Signal until a dump shows ``needle`` (the rank may not be inside the call yet)."""
+def _dump_until(pid: int, path: Path, needles: tuple[str, ...], timeout_s: float) -> str:
+    """Signal until a dump shows every one of ``needles`` (the rank may not be inside the call
+    yet, and a dump read while faulthandler writes it has its innermost frames only)."""
     deadline = time.monotonic() + timeout_s
     while True:
         os.kill(pid, signal.SIGUSR1)
         poll_until = time.monotonic() + 0.5
         while time.monotonic() < poll_until:
             text = path.read_text() if path.exists() else ""
-            if needle in text:
+            if all(needle in text for needle in needles):
                 return text
             time.sleep(0.02)
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {needle!r} in {path} after {timeout_s}s:\n{text[-3000:]}")
+            raise AssertionError(f"not all of {needles!r} in {path} after {timeout_s}s:\n{text[-3000:]}")
 
 
 def test_dump_while_blocked_in_gloo_all_reduce(tmp_path: Path) -> None:
@@ -53,8 +54,10 @@ def test_dump_while_blocked_in_gloo_all_reduce(tmp_path: Path) -> None:
         ]
         for r in (0, 1):
             agent.wait_for(lambda m, r=r: m["t"] == "step" and m["rank"] == r and m["step"] == 1, 90)
-        text0 = _dump_until(procs[0].pid, stacks / "rank0.txt", "in all_reduce", 30)
-        text1 = _dump_until(procs[1].pid, stacks / "rank1.txt", "in hang_forever", 30)
+        text0 = _dump_until(procs[0].pid, stacks / "rank0.txt",
+                            ("in all_reduce", "torch/distributed/distributed_c10d.py", "train.py"), 30)
+        text1 = _dump_until(procs[1].pid, stacks / "rank1.txt",
+                            ("in hang_forever", "unicron/worker/inject.py", "train.py"), 30)
         assert all(p.poll() is None for p in procs)  # both survived their dumps
         agent.drain(0.1)
         assert max(m["step"] for m in agent.of("step")) == 1
