@@ -27,7 +27,6 @@ class MessageSink(Protocol):
 
 class WorkerInbox:
     def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self.address = address
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)

@@ -128,15 +128,21 @@ def waits_for_data(sample: FrameSample | None, depth: int = DATA_DEPTH) -> bool:
         return True
     if COLLECTIVE_FRAMES in _filename(frame):  # waiting for its peers, not for its data
         return False
-    main, me = threading.main_thread().ident, threading.get_ident()
-    ours = {t.ident for t in threading.enumerate() if t.name.startswith("unicron-")}
-    for ident, other in sys._current_frames().items():
-        if ident in (main, me) or ident in ours:
-            continue
+    frames = sys._current_frames()
+    for thread in user_threads():
+        other = frames.get(thread.ident or -1)
         # A pin-memory thread sits inside its loader whatever the main thread does.
         if _within(other, DATA_FRAMES, depth) and not _within(other, PIN_MEMORY_FRAMES, depth):
             return True
     return False
+
+
+def user_threads() -> list[threading.Thread]:
+    """The script's Python threads other than the main one and the caller's (unicron's own,
+    named ``unicron-...``, never count)."""
+    skip = {threading.main_thread().ident, threading.get_ident()}
+    return [t for t in threading.enumerate()
+            if t.ident is not None and t.ident not in skip and not t.name.startswith("unicron-")]
 
 
 def _filename(frame: FrameType) -> str:
@@ -194,9 +200,7 @@ class OtherThreads:
     def moving(self, now: float) -> bool:
         """One sample of every such thread; whether any of them is moving and computing."""
         frames = sys._current_frames()
-        skip = {threading.main_thread().ident, threading.get_ident()}
-        threads = {t.ident: t.native_id for t in threading.enumerate() if t.ident is not None
-                   and t.ident not in skip and t.native_id is not None and not t.name.startswith("unicron-")}
+        threads = {t.ident: t.native_id for t in user_threads() if t.ident is not None and t.native_id is not None}
         for ident in [i for i in self._seen if i not in threads]:
             del self._seen[ident]
         moving = False
