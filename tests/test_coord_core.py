@@ -228,6 +228,8 @@ def test_late_joiner_grows_the_job_without_spending_budget() -> None:
     assert any(isinstance(o, OpenStore) for o in outs)
     assigns = sends(core.start_attempt("", 1, 7.5), "assign")
     assert set(assigns) == {"a", "b"} and core.restarts_used == 0
+    # torchrun's TORCHELASTIC_RESTART_COUNT counts failures only: a node joining is none.
+    assert {a["attempt"] for a in assigns.values()} == {1} and {a["restart_count"] for a in assigns.values()} == {0}
 
 
 @pytest.mark.parametrize("fault, action", [

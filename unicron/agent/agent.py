@@ -31,11 +31,12 @@ from unicron.agent.attempt import (
 )
 from unicron.agent.inbox import WorkerInbox
 from unicron.agent.janitor import Janitor
-from unicron.agent.joining import JoinState, Refusal, Rejoin, join_body
+from unicron.agent.joining import JoinState, Refusal, join_body, resume_fields
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import Helpers
 from unicron.agent.pace import LoopPace
+from unicron.agent.rejoin import Rejoiner
 from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
@@ -49,7 +50,6 @@ from unicron.errors import (
     FatalUserError,
     Interrupted,
     ProtocolError,
-    RendezvousError,
     UnicronError,
     WorkerFailedError,
 )
@@ -104,7 +104,10 @@ class Agent:
         self.helpers = Helpers(self.pool, self.janitor)
         self.pending_assign: dict[str, Any] | None = None
         self.joining = JoinState(endpoint, s.join_timeout_s, time.monotonic())
+        self.rejoiner = Rejoiner(self.joining, self.link, endpoint=endpoint, shm_dir=self.shm_dir, ui=ui, events=events)
         self.last_attempt: int | None = None  # the attempt of the last workers, once any started
+        self.assignment: dict[str, Any] | None = None  # the last ``assign``: what a resume takes back
+        self.attempt_faults: list[dict[str, Any]] = []  # reported during it (a restarted coordinator lost them)
 
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -173,7 +176,7 @@ class Agent:
                 self._heartbeat()
                 stepped = self.group.last_step_at() if self.group is not None else None
                 if self.joining.welcomed and self.link.lost(time.monotonic(), stepped):
-                    return self._coordinator_lost()
+                    return self.rejoiner.lost(self.group is not None and self.group.finished_reported)
         except (Interrupted, UnicronError) as err:
             # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
             self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
@@ -209,18 +212,6 @@ class Agent:
         if stalled:  # news; a long stop is not
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 
-    def _coordinator_lost(self) -> int:
-        """The coordinator is gone. If this node's workers had all finished cleanly, the node
-        did its part: exit 0, as torchrun's agent does when its exit barrier fails."""
-        group = self.group
-        if group is not None and group.finished_reported:
-            self.ui.warn(f"the coordinator at {self.endpoint} did not confirm the job's end (no answer for "
-                         f"{self.link.lost_after_s:g} s); this node's workers all exited 0")
-            self.events.emit("coordinator_lost", finished=True)
-            return 0
-        raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
-                              f"{self.link.lost_after_s:g} s")
-
     # ---- coordinator messages ------------------------------------------------------
     def _drain_coordinator(self, dealer: zmq.Socket) -> int | None:
         while True:
@@ -237,10 +228,7 @@ class Agent:
             body = msg.body
             if msg.kind == "welcome":
                 self.epoch = body["epoch"]
-                ended = self.joining.on_welcome()
-                if ended is not None:
-                    self.events.emit("rejoined", epoch=self.epoch, attempt=ended.attempt)
-                    self.ui.info("joined the job again; it re-forms with this node")
+                self.rejoiner.welcomed(self.epoch, self.last_attempt)
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
                 self.link.heard(time.monotonic(), Activity.parse(body.get("activity")))
@@ -259,6 +247,8 @@ class Agent:
                 refusal = self.joining.on_reject(body)
                 if refusal is Refusal.FENCED:
                     self._fenced(body["reason"])
+                elif refusal is Refusal.UNKNOWN:
+                    self.rejoiner.resume(body["reason"], self.last_attempt, self._resume_fields)
                 elif refusal is Refusal.WAIT and (notice := self.joining.waiting_notice(body["reason"])):
                     self.ui.warn(notice)
 
@@ -271,13 +261,24 @@ class Agent:
             attempt = self.pending_assign["attempt"]
         self.ui.warn(f"fenced by the coordinator ({reason}); stopping this node's workers and joining again")
         self._stop_group(reason="fenced: " + reason)
-        snapshots, sizes = scan_snapshots(self.shm_dir)
-        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(), self.link.lost_after_s)
-        self.events.emit("fenced", reason=reason, attempt=attempt)
+        self.rejoiner.fenced(reason, attempt)
+
+    def _resume_fields(self) -> dict[str, Any]:
+        """What a coordinator that lost the job needs to take it back (``unicron.coord.resume``)."""
+        group, assign = self.group, self.pending_assign or self.assignment
+        state = "stopped"  # a restart's stop came, its next assign did not
+        if self.pending_assign is not None:
+            state = "running"  # its workers start as soon as the zygote is ready
+        elif group is not None and assign is not None and group.spec.attempt == assign["attempt"]:
+            state = "finished" if group.finished_reported else "running"
+        snapshots, sizes = scan_snapshots(self.shm_dir) if state == "stopped" else ({}, {})
+        return resume_fields(assign, epoch=self.epoch, state=state, faults=self.attempt_faults,
+                             snapshots=snapshots, snapshot_bytes=sizes)
 
     def _start_attempt(self, body: dict[str, Any]) -> None:
         self._stop_group(reason="new attempt")
         self.epoch = body["epoch"]
+        self.assignment, self.attempt_faults = body, []
         pool = self.pool
         if pool is not None and not pool.settled():
             self.pending_assign = body  # the zygote is importing: its workers come sooner than cold ones
@@ -410,6 +411,7 @@ class Agent:
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _report(self, fault: dict[str, Any]) -> None:
+        self.attempt_faults.append(fault)
         self.reporter.report(fault, self.group)
 
     def _heartbeat(self, *, at_once: bool = False) -> None:

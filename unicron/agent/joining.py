@@ -5,12 +5,15 @@ An agent joins by sending ``join`` every ``JOIN_RETRY_S`` until the coordinator 
 timeout (a stall, a VM pause, a partition), the job went on without it, and its heartbeats are
 refused with ``fenced``. It then joins again as torchrun's rendezvous re-admits a node back from
 a stall, telling the coordinator the attempt it was lost from and the snapshots it kept, so the
-job can re-form with it and restore every rank from memory.
+job can re-form with it and restore every rank from memory. Or its coordinator restarted and
+lost the job (``unknown_job``): it joins again with a ``Resume`` of the attempt its workers run,
+which train on (``unicron.coord.resume``).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,7 @@ class Refusal(enum.Enum):
     FENCED = "fenced"  # a member no more: stop the workers and join again
     STALE = "stale"  # the answer to a heartbeat sent before the re-join: the join's answer decides
     WAIT = "wait"  # no place yet (the job is full): keep asking until the join timeout
+    UNKNOWN = "unknown"  # the coordinator does not know the job (it restarted): resume it
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,33 @@ class Rejoin:
         return out
 
 
+@dataclass(frozen=True)
+class Resume:
+    """What a member tells a coordinator that lost the job (``unicron.coord.resume``): made
+    again for every join sent, since the workers train on meanwhile."""
+
+    body: Callable[[], dict[str, Any]]
+
+    def fields(self) -> dict[str, Any]:
+        return self.body()
+
+
+MAX_RESUME_FAULTS = 16  # as unicron.coord.resume reads them
+
+
+def resume_fields(assign: dict[str, Any] | None, *, epoch: int, state: str, faults: list[dict[str, Any]],
+                  snapshots: dict[str, list[int]], snapshot_bytes: dict[str, int]) -> dict[str, Any]:
+    """The ``join`` fields that resume the attempt ``assign`` gave this node, with its workers
+    ``state`` (running, finished, stopped) and the ``faults`` it reported; none before any
+    assign (the node joins as at the start)."""
+    if assign is None:
+        return {}
+    return {"resume": {"attempt": assign["attempt"], "nodes": assign["nodes"],
+                       "local_world_sizes": assign["local_world_sizes"], "restarts_used": assign["restarts_used"],
+                       "epoch": epoch, "state": state, "faults": faults[-MAX_RESUME_FAULTS:],
+                       "snapshots": snapshots, "snapshot_bytes": snapshot_bytes}}
+
+
 class JoinState:
     def __init__(self, endpoint: str, join_timeout_s: float, now: float) -> None:
         self.endpoint = endpoint
@@ -50,7 +81,7 @@ class JoinState:
         self.welcomed = False
         self.started = now
         self.last_sent: float | None = None
-        self.rejoin: Rejoin | None = None
+        self.rejoin: Rejoin | Resume | None = None
         self.noticed = False
         self.refused: str | None = None  # why the last join was turned away, while it waits for a place
 
@@ -81,7 +112,7 @@ class JoinState:
         self.last_sent = now
         return True
 
-    def on_welcome(self) -> Rejoin | None:
+    def on_welcome(self) -> Rejoin | Resume | None:
         """Now a member; returns the re-join this ends, if it was one."""
         ended, self.welcomed, self.rejoin, self.refused = self.rejoin, True, None, None
         return ended
@@ -90,11 +121,12 @@ class JoinState:
         """A refusal of a join that can pass (the job is full now: a member may be lost soon, as
         when a crashed node's replacement starts before the crash is noticed) is waited out;
         any other (the job is over, or of another shape) ends the agent."""
-        if body.get("fenced") is True:
-            if self.welcomed:
-                return Refusal.FENCED
-            if self.rejoin is not None:
-                return Refusal.STALE
+        for flag, refusal in (("fenced", Refusal.FENCED), ("unknown_job", Refusal.UNKNOWN)):
+            if body.get(flag) is True:
+                if self.welcomed:
+                    return refusal
+                if self.rejoin is not None:
+                    return Refusal.STALE
         if body.get("wait") is True and not self.welcomed:
             return Refusal.WAIT
         raise RendezvousError(f"the coordinator refused this node: {body['reason']}")
@@ -107,10 +139,11 @@ class JoinState:
         return (f"the coordinator has no place for this node yet ({reason}); asking again every "
                 f"{JOIN_RETRY_S:g} s until a member is lost, for up to {self.join_timeout_s:g} s")
 
-    def fenced(self, rejoin: Rejoin, now: float, timeout_s: float) -> None:
-        """Join again at once, carrying ``rejoin``, for at most ``timeout_s``: the coordinator
-        that just answered answers a join at once, so a long silence now means it is gone (it
-        is not the start of a job, when nodes may come minutes apart)."""
+    def fenced(self, rejoin: Rejoin | Resume, now: float, timeout_s: float) -> None:
+        """Join again at once, carrying ``rejoin`` (fenced) or a ``Resume`` (the coordinator lost
+        the job), for at most ``timeout_s``: the coordinator that just answered answers a join
+        at once, so a long silence now means it is gone (it is not the start of a job, when
+        nodes may come minutes apart)."""
         self.welcomed, self.rejoin = False, rejoin
         self.started, self.last_sent = now, None
         self.join_timeout_s = min(self.join_timeout_s, timeout_s)

@@ -14,7 +14,10 @@ from rich.console import Console
 
 
 class AgentUI:
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: str = "auto", *, name: str = "unicron", label: str = "") -> None:
+        # ``name`` and ``label`` (e.g. "job 'x': ") say who speaks: a standalone coordinator
+        # tells several jobs' decisions on one console.
+        self.name, self.label = name, label
         self.console = Console(file=sys.stderr, highlight=False, soft_wrap=True)
         self.live = mode == "always" or (mode == "auto" and self.console.is_terminal)
         self.quiet_status = mode == "never"
@@ -28,10 +31,10 @@ class AgentUI:
                 self._line = None
 
     def info(self, text: str) -> None:
-        self._print(f"[bold cyan]unicron[/]: {text}", text)
+        self._print(f"[bold cyan]{self.name}[/]: {self.label}{text}", self.label + text)
 
     def warn(self, text: str) -> None:
-        self._print(f"[bold yellow]unicron[/]: {text}", text)
+        self._print(f"[bold yellow]{self.name}[/]: {self.label}{text}", self.label + text)
 
     def _print(self, styled: str, plain: str) -> None:
         if self._line is not None:
@@ -43,7 +46,7 @@ class AgentUI:
         if self.console.is_terminal:
             self.console.print(styled)
         else:
-            sys.stderr.write(f"unicron: {time.strftime('%H:%M:%S')} {plain}\n")
+            sys.stderr.write(f"{self.name}: {time.strftime('%H:%M:%S')} {plain}\n")
             sys.stderr.flush()
 
     def on_event(self, event: dict[str, Any]) -> None:
@@ -59,6 +62,9 @@ class AgentUI:
             say(f"node {event.get('host')} refused: {event.get('reason')}")
         elif kind == "node_lost":
             self.warn(f"node {event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
+        elif kind == "job_resumed":  # a standalone coordinator's own console, after it restarted
+            self.info(f"took back attempt {event.get('attempt')} ({event.get('nnodes')} node(s), "
+                      f"{event.get('restarts_used')} restart(s) spent) from its agents")
         elif kind == "waiting_for_nodes":
             missing = int(event.get("need", 0)) - int(event.get("have", 0))
             self.info(f"waiting for {missing} node(s) to join again (--nnodes needs {event.get('need')}), "

@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
                                          "(0: any free port; default: off)."),
     ) -> int:
         """Serve the jobs whose agents join with `unicron run --coordinator HOST:PORT`."""
+        from unicron.agent.ui import AgentUI
         from unicron.coord.decide import DetectDecider
         from unicron.coord.server import CoordinatorServer
         from unicron.events import EVENTS_FILE, EventLog
@@ -45,6 +46,8 @@ def register(app: typer.Typer) -> None:
             if job not in logs:
                 safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
                 logs[job] = EventLog(base / safe / EVENTS_FILE, job=job, node=socket.gethostname())
+                # Its decisions on this console (no agent's console shows them: none hosts it).
+                logs[job].listeners.append(AgentUI("never", name="unicron coordinator", label=f"job {job!r}: ").on_event)
                 sfile = secret_file or _write_secret(base, secret)
                 register_run(RunInfo(job=job, endpoint=f"{_shown(host)}:{server.port}", pid=os.getpid(),
                                      secret_file=sfile, log_dir=str(base / safe), started_at=time.time()))

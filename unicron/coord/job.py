@@ -18,6 +18,7 @@ from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.coord.restore import Holdings, finished_ranks
+from unicron.coord.resume import take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
 
@@ -51,19 +52,22 @@ class JobCore:
         self._down_since: float | None = None
         self._told_silent: frozenset[str] = frozenset()  # silent nodes the others were told of
         self._refused: dict[str, str] = {}  # node -> why its last join was refused (logged once)
+        self.awaiting_resume: set[str] = set()  # nodes of an attempt taken back, not heard resuming yet
 
     # ---- messages from agents ------------------------------------------------------
     def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         if self.phase in (Phase.DONE, Phase.FAILED):
-            return self._refuse(node_id, body["host"], f"job {self.spec.job_id} is over")
+            return self.refuse(node_id, body["host"], f"job {self.spec.job_id} is over")
         if body["min_nodes"] != self.spec.min_nodes or body["max_nodes"] != self.spec.max_nodes:
-            return self._refuse(node_id, body["host"], (
+            return self.refuse(node_id, body["host"], (
                 f"--nnodes mismatch: this node says {body['min_nodes']}:{body['max_nodes']}, "
                 f"the job is {self.spec.min_nodes}:{self.spec.max_nodes}"))
+        if "resume" in body:
+            return take_back(self, node_id, body, now)  # its coordinator restarted
         known = self.members.is_active(node_id)
         result = self.members.join(node_id, body["host"], body["nproc"], body.get("node_rank"), now)
         if not result.accepted:
-            return self._refuse(node_id, body["host"], result.reason, waits=result.transient)
+            return self.refuse(node_id, body["host"], result.reason, waits=result.transient)
         self._refused.pop(node_id, None)
         out: list[Out] = [Send(node_id, "welcome", {"node_id": node_id, "epoch": self.members.epoch})]
         if known:
@@ -75,11 +79,11 @@ class JobCore:
         if self.phase is Phase.RUNNING and self.attempt is not None:
             # A late joiner below MAX: re-form the job with it (torchrun re-rendezvouses too).
             self.attempt.scale_up = True
-            out += self._stop_attempt(f"node {body['host']} joined: growing to "
+            out += self.stop_attempt(f"node {body['host']} joined: growing to "
                                       f"{len(self.members.active())} nodes", now, want_stacks=False)
         return out
 
-    def _refuse(self, node_id: str, host: str, reason: str, *, waits: bool = False) -> list[Out]:
+    def refuse(self, node_id: str, host: str, reason: str, *, waits: bool = False) -> list[Out]:
         """Refuse a join; logged (and shown on the coordinator's console) once per node and reason,
         since a waiting agent asks every second."""
         out: list[Out] = [Send(node_id, "reject", {"reason": reason, **({"wait": True} if waits else {})})]
@@ -106,6 +110,9 @@ class JobCore:
         return []
 
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        if node_id in self.awaiting_resume and self.members.heartbeat(node_id, now):
+            # What it did while no coordinator listened (a fault, a finish) comes with its resume.
+            return [Send(node_id, "reject", {"reason": "the coordinator restarted", "unknown_job": True})]
         before = self.job_activity(now)
         self._told_silent -= {node_id}
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
@@ -161,7 +168,7 @@ class JobCore:
             self.detections.append(float(fault["latency_s"]))
         out: list[Out] = [Emit("fault", fault_fields(fault))]
         if self.phase is Phase.RUNNING:
-            out += self._stop_attempt(describe_fault(fault), now, want_stacks=fault.get("kind") == "hang")
+            out += self.stop_attempt(describe_fault(fault), now, want_stacks=fault.get("kind") == "hang")
         return out
 
     def on_finished(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -293,12 +300,16 @@ class JobCore:
         offset = 0
         for node in nodes:
             out.append(Send(node.node_id, "assign", {
-                "epoch": self.members.epoch, "attempt": number, "restart_count": number,
+                "epoch": self.members.epoch, "attempt": number,
+                # TORCHELASTIC_RESTART_COUNT, as torchrun counts it: the failures restarted
+                # (job-wide), not re-formations that admitted a node
+                "restart_count": self.restarts_used,
                 "node_rank": node.node_rank, "nnodes": len(nodes), "rank_offset": offset,
                 "world_size": world, "local_world_sizes": sizes, "master_addr": master_addr,
                 "master_port": master_port, "restore_step": self.restore_step,
                 **({"restore_note": self.restore_note} if self.restore_note else {}),
-                "inject": number == 0}))
+                "inject": number == 0, "restarts_used": self.restarts_used,
+                "nodes": [[n.node_id, n.host] for n in nodes]}))
             offset += node.nproc
         return out
 
@@ -318,7 +329,7 @@ class JobCore:
         if self.phase is Phase.RUNNING:
             attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                    "ts": now, "reported_at": now, "attempt": attempt.number})
-            return self._stop_attempt(f"node {host} {how}: {why}", now, want_stacks=False)
+            return self.stop_attempt(f"node {host} {how}: {why}", now, want_stacks=False)
         if self.phase is Phase.STOPPING:
             attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                    "ts": now, "reported_at": now, "attempt": attempt.number})
@@ -326,7 +337,7 @@ class JobCore:
                 return self._after_stop(now)
         return []
 
-    def _stop_attempt(self, reason: str, now: float, *, want_stacks: bool) -> list[Out]:
+    def stop_attempt(self, reason: str, now: float, *, want_stacks: bool) -> list[Out]:
         attempt = self.attempt
         assert attempt is not None
         self.phase = Phase.STOPPING
@@ -359,7 +370,8 @@ class JobCore:
             out.append(Emit("stacks", {"attempt": attempt.number, "ranks": sorted(r for r, s in stacks.items() if s)}))
         active = len(self.members.active())
         if not attempt.faults:  # a planned re-formation (late joiner): no fault, no budget spent
-            decision = Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up", 0)
+            decision = Decision("restart", 0.0, attempt.stop_reason, "INFO",
+                                "scale-up" if attempt.scale_up else "re-form", 0)
         else:
             decision = self.decider.decide(attempt.faults, stacks, now, max_restarts=self.spec.max_restarts,
                                            max_nodes=self.spec.max_nodes,

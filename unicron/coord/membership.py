@@ -105,6 +105,16 @@ class Membership:
             self._min_reached_at = now
         return JoinResult(True)
 
+    def adopt(self, nodes: list[tuple[str, str, int]], epoch: int, now: float) -> None:
+        """Take back the nodes of a running attempt, each in its node rank (a restarted
+        coordinator: ``unicron.coord.resume``); the epoch goes on from the one they knew."""
+        for rank, (node_id, host, nproc) in enumerate(nodes):
+            if not self.is_active(node_id):
+                self.nodes[node_id] = NodeRecord(node_id, host, nproc, None, now, now, node_rank=rank)
+        self.epoch = max(self.epoch + 1, epoch)
+        if self._min_reached_at is None and len(self.active()) >= self.min_nodes:
+            self._min_reached_at = now
+
     def heartbeat(self, node_id: str, now: float, workers: list[dict] | None = None,
                   health: dict | None = None) -> bool:
         node = self.nodes.get(node_id)

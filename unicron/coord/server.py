@@ -263,7 +263,10 @@ class CoordinatorServer:
             return
         if slot is None:
             if msg.kind != "join":
-                self._send_raw(identity, msg.job, "reject", {"reason": f"no job {msg.job!r} here"})
+                # A member of a job this coordinator lost (it restarted): it joins again with
+                # what it runs, and the job goes on (unicron.coord.resume).
+                self._send_raw(identity, msg.job, "reject", {"reason": f"no job {msg.job!r} here",
+                                                             "unknown_job": True})
                 return
             slot = self._create_job(msg, now)
         slot.identities[node_id] = identity
@@ -297,9 +300,10 @@ class CoordinatorServer:
         while queue:
             out = queue.pop(0)
             if isinstance(out, Send):
-                identity = slot.identities.get(out.node_id)
-                if identity is not None:
-                    self._send_raw(identity, job_id, out.kind, out.body)
+                # An agent's socket is named after its node id: one not heard from yet (a node
+                # of an attempt taken back after a restart) is reached by that name.
+                identity = slot.identities.get(out.node_id, out.node_id.encode())
+                self._send_raw(identity, job_id, out.kind, out.body)
             elif isinstance(out, Emit):
                 slot.events.emit(out.kind, **out.fields)
             elif isinstance(out, OpenStore):
@@ -313,10 +317,8 @@ class CoordinatorServer:
                 for node in slot.core.members.nodes.values():
                     if node.state is NodeState.LEFT:
                         continue
-                    identity = slot.identities.get(node.node_id)
-                    if identity is not None:
-                        self._send_raw(identity, job_id, "shutdown",
-                                       {"exit_code": out.exit_code, "reason": out.reason})
+                    self._send_raw(slot.identities.get(node.node_id, node.node_id.encode()), job_id, "shutdown",
+                                   {"exit_code": out.exit_code, "reason": out.reason})
                 slot.finished_at = self.clock()
                 slot.stores.clear()
 

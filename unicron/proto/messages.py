@@ -1,7 +1,7 @@
 """Envelope encoding, HMAC signing and replay protection.
 
 Wire format: one UTF-8 JSON object
-``{"v": 2, "kind": str, "job": str, "sender": str, "seq": int, "ts": float, "body": {...}, "mac": hex}``
+``{"v": 3, "kind": str, "job": str, "sender": str, "seq": int, "ts": float, "body": {...}, "mac": hex}``
 where ``mac`` is HMAC-SHA256 under the job secret over the canonical JSON (sorted keys, no
 spaces) of every other field. JSON only: nothing on the wire is ever unpickled.
 """
@@ -20,8 +20,10 @@ from unicron.errors import ProtocolError
 from unicron.proto.schema import schema_errors
 
 # 2: join carries heartbeat_interval_s and a fenced node's attempt and snapshots; reject says
-# fenced. Peers of another version do not talk: their messages are dropped and counted.
-PROTOCOL_VERSION = 2
+# fenced. 3: assign names the attempt's nodes and the restarts spent; join may resume an attempt
+# with a restarted coordinator, which says unknown_job. Peers of another version do not talk:
+# their messages are dropped and counted.
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 

@@ -20,7 +20,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
              "last_call_s": NUM, "heartbeat_timeout_s": NUM, "join_timeout_s": NUM,
              "stop_timeout_s": NUM, "heartbeat_interval_s?": NUM,
              # a fenced node re-joining: the attempt it was lost from and the snapshots it kept
-             "attempt?": int, "snapshots?": dict, "snapshot_bytes?": dict},
+             "attempt?": int, "snapshots?": dict, "snapshot_bytes?": dict,
+             # a member whose coordinator restarted: the attempt it runs (unicron.coord.resume)
+             "resume?": dict},
     "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict, "activity?": str},
     "fault": {"node_id": str, "attempt": int, "fault": dict},
     "stopped": {"node_id": str, "attempt": int, "snapshots": dict, "stacks": dict, "snapshot_bytes?": dict,
@@ -35,11 +37,15 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "rank_offset": int, "world_size": int, "local_world_sizes": list,
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
                "restore_note?": str,  # why nothing is restored though snapshots were kept
-               "inject": bool},
+               "inject": bool,
+               # every node of the attempt in node-rank order ([node id, host]) and the restarts
+               # spent: what a restarted coordinator needs to take the attempt back
+               "nodes": list, "restarts_used": int},
     "stop": {"attempt": int, "reason": str, "want_stacks": bool},
     "shutdown": {"exit_code": int, "reason": str},
-    # fenced: no longer a member (re-join); wait: no place yet, ask again (a member may be lost soon)
-    "reject": {"reason": str, "fenced?": bool, "wait?": bool},
+    # fenced: no longer a member (re-join); wait: no place yet, ask again (a member may be lost soon);
+    # unknown_job: a coordinator that does not know the job (it restarted): register it again
+    "reject": {"reason": str, "fenced?": bool, "wait?": bool, "unknown_job?": bool},
     "status": {"snapshot": dict},
 }
 

@@ -1,0 +1,199 @@
+"""A restarted coordinator takes back the attempt its nodes run: the pure core
+(``unicron.coord.resume``) and the agent's side of the message (``resume_fields``), driven by
+hand with a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_coord_core import RESTART, ScriptedDecider, join, sends, spec, started
+
+from unicron.agent.joining import JoinState, Refusal, Resume, resume_fields
+from unicron.coord.decide import Decision
+from unicron.coord.job import JobCore
+from unicron.coord.outbox import Emit, Finish
+from unicron.coord.records import Phase
+from unicron.coord.resume import parse_resume
+from unicron.proto.schema import schema_errors
+
+HB: dict[str, Any] = {"workers": [], "health": {}, "attempt": 3}
+FAULT = {"kind": "exit", "rank": 2, "ts": 50.0, "message": "rank 2 exited with code 1", "exitcode": 1}
+
+
+def first_assigns() -> dict[str, dict[str, Any]]:
+    """The assigns a first coordinator gave a fixed 2-node job (a: ranks 0-1, b: ranks 2-3)."""
+    old = JobCore(spec(), ScriptedDecider(), now=0)
+    old.on_join("a", join("a"), 0)
+    old.on_join("b", join("b"), 0)
+    return started(old, 1)
+
+
+def resumed_join(node: str, assign: dict[str, Any], state: str = "running", attempt: int = 3,
+                 restarts: int = 2, faults: list[dict[str, Any]] | None = None,
+                 snapshots: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """The join of ``node`` resuming ``assign`` (made the agent's way), as if it were attempt
+    ``attempt`` with ``restarts`` restarts spent."""
+    assign = dict(assign, attempt=attempt, restarts_used=restarts)
+    body = dict(join(node), **resume_fields(assign, epoch=7, state=state, faults=faults or [],
+                                            snapshots=snapshots or {}, snapshot_bytes={}))
+    assert schema_errors("join", body) is None
+    return body
+
+
+def next_assigns(core: JobCore, now: float) -> dict[str, dict[str, Any]]:
+    """The assigns of the attempt after a stop (its store asked for as the stop ended)."""
+    assert core.phase is Phase.WAITING and core.store_pending
+    return sends(core.start_attempt("", 1234, now), "assign")
+
+
+def taken_back(*decisions: Decision) -> tuple[JobCore, dict[str, dict[str, Any]]]:
+    """A new coordinator's core that node a resumed attempt 3 with (restarts 2 spent)."""
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(*decisions), now=100)
+    outs = core.on_join("a", resumed_join("a", assigns["a"]), 100)
+    assert "a" in sends(outs, "welcome")
+    return core, assigns
+
+
+def test_the_assign_names_the_attempts_nodes_and_the_budget_spent() -> None:
+    assigns = first_assigns()
+    assert assigns["a"]["nodes"] == [["a", "h-a"], ["b", "h-b"]] and assigns["b"]["restarts_used"] == 0
+    assert all(schema_errors("assign", body) is None for body in assigns.values())
+
+
+def test_the_first_resume_takes_the_attempt_back_as_it_was() -> None:
+    core, assigns = taken_back()
+    assert core.phase is Phase.RUNNING and core.attempt is not None
+    assert core.attempt.number == 3 and core.attempt.nodes == ["a", "b"] and core.attempt.world_size == 4
+    assert core.next_attempt == 4 and core.restarts_used == 2 and core.members.epoch >= 7
+    assert [n.node_rank for n in core.members.active()] == [0, 1]
+    # b has not said what it did meanwhile: its heartbeat asks it to.
+    refused = sends(core.on_heartbeat("b", HB, 100.5), "reject")["b"]
+    assert refused["unknown_job"] is True and schema_errors("reject", refused) is None
+    outs = core.on_join("b", resumed_join("b", assigns["b"]), 101)
+    assert "b" in sends(outs, "welcome") and not [o for o in outs if isinstance(o, Emit) and o.kind == "stop"]
+    assert "b" in sends(core.on_heartbeat("b", HB, 101.5), "ack")
+    assert core.phase is Phase.RUNNING and core.members.nodes["b"].host == "h-b"
+
+
+def test_after_a_take_back_a_fault_restarts_the_next_attempt_on_the_budget_left() -> None:
+    core, assigns = taken_back(RESTART)
+    core.on_join("b", resumed_join("b", assigns["b"]), 101)
+    outs = core.on_fault("b", {"attempt": 3, "fault": FAULT}, 102)
+    assert set(sends(outs, "stop")) == {"a", "b"}
+    core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 103)
+    core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 103)
+    new = next_assigns(core, 103.1)
+    assert {a["attempt"] for a in new.values()} == {4} and {a["restart_count"] for a in new.values()} == {3}
+    assert {a["restarts_used"] for a in new.values()} == {3}
+    assert new["a"]["node_rank"] == 0 and new["b"]["node_rank"] == 1
+
+
+def test_a_node_that_never_resumes_is_lost_at_the_heartbeat_timeout() -> None:
+    core, _ = taken_back()
+    core.on_heartbeat("a", HB, 102)
+    lost = [o for o in core.tick(103.1) if isinstance(o, Emit) and o.kind == "node_lost"]
+    assert [o.fields["node_id"] for o in lost] == ["b"]
+    assert core.phase is not Phase.RUNNING
+
+
+def test_a_fault_reported_while_no_coordinator_listened_comes_with_the_resume_once() -> None:
+    decider = ScriptedDecider(RESTART)
+    core, assigns = taken_back()
+    core.decider = decider
+    # The fault was queued for the old coordinator and reaches the new one too: counted once.
+    core.on_fault("b", {"attempt": 3, "fault": FAULT}, 100.2)
+    outs = core.on_join("b", resumed_join("b", assigns["b"], faults=[FAULT]), 100.5)
+    assert [o for o in outs if isinstance(o, Emit) and o.kind == "fault"] == []
+    assert core.phase is Phase.STOPPING
+    core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 101)
+    core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 101)
+    assert [[f["message"] for f in faults] for faults in decider.seen] == [[FAULT["message"]]]
+
+
+def test_a_fault_carried_only_by_the_resume_stops_the_attempt() -> None:
+    core, assigns = taken_back(RESTART)
+    outs = core.on_join("b", resumed_join("b", assigns["b"], faults=[FAULT]), 101)
+    assert [o.fields["rank"] for o in outs if isinstance(o, Emit) and o.kind == "fault"] == [2]
+    assert set(sends(outs, "stop")) == {"a", "b"} and "rank 2" in core.attempt.stop_reason
+
+
+def test_every_node_finished_while_the_coordinator_was_away_ends_the_job() -> None:
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(), now=100)
+    core.on_join("a", resumed_join("a", assigns["a"], state="finished"), 100)
+    assert core.phase is Phase.RUNNING
+    outs = core.on_join("b", resumed_join("b", assigns["b"], state="finished"), 100.2)
+    ends = [o for o in outs if isinstance(o, Finish)]
+    assert core.phase is Phase.DONE and [o.exit_code for o in ends] == [0]
+
+
+def test_a_stop_the_old_coordinator_began_is_finished_and_restores_from_memory() -> None:
+    """The coordinator died between a restart's stop and the next assign: both nodes stopped
+    their workers, keeping snapshots; the restart goes on, restoring the step both hold."""
+    assigns = first_assigns()
+    decider = ScriptedDecider(RESTART)
+    core = JobCore(spec(), decider, now=100)
+    core.on_join("a", resumed_join("a", assigns["a"], state="stopped", faults=[dict(FAULT, rank=0)],
+                                   snapshots={"0": [8, 9], "1": [8, 9]}), 100)
+    assert core.phase is Phase.STOPPING and "rank 0" in core.attempt.stop_reason
+    core.on_join("b", resumed_join("b", assigns["b"], state="stopped", snapshots={"2": [8, 9], "3": [9]}), 100.3)
+    assert core.phase is Phase.WAITING and len(decider.seen) == 1
+    new = next_assigns(core, 100.4)
+    assert {a["restore_step"] for a in new.values()} == {9} and {a["attempt"] for a in new.values()} == {4}
+
+
+def test_a_node_on_another_attempt_makes_the_job_re_form_without_spending_budget() -> None:
+    core, assigns = taken_back()
+    outs = core.on_join("b", resumed_join("b", assigns["b"], attempt=4), 101)
+    assert "b" in sends(outs, "welcome") and core.phase is Phase.STOPPING
+    core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
+    core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
+    assert core.history == [] and core.restarts_used == 2
+    assert {a["attempt"] for a in next_assigns(core, 102.1).values()} == {4}
+
+
+def test_a_resume_from_a_node_outside_the_attempt_joins_it_as_a_late_joiner() -> None:
+    core, assigns = taken_back()
+    core.on_join("b", resumed_join("b", assigns["b"]), 101)
+    elastic = JobCore(spec(1, 3), ScriptedDecider(), now=100)
+    body = dict(resumed_join("a", assigns["a"]), min_nodes=1, max_nodes=3)
+    elastic.on_join("a", body, 100)
+    other = dict(resumed_join("c", dict(assigns["a"], nodes=[["c", "h-c"]], local_world_sizes=[2])),
+                 min_nodes=1, max_nodes=3)
+    outs = elastic.on_join("c", other, 100.5)
+    assert "c" in sends(outs, "welcome") and elastic.phase is Phase.STOPPING and elastic.attempt.scale_up
+
+
+@pytest.mark.parametrize("garbage, why", [
+    ("x", "not an object"),
+    ({"attempt": -1}, "attempt"),
+    ({"nodes": [["b", "h-b"], ["c", "h-c"]]}, "leave out the node"),
+    ({"nodes": [["a", "h-a"], ["a", "h-a"]], "local_world_sizes": [2, 2]}, "repeat"),
+    ({"local_world_sizes": [2]}, "local_world_sizes"),
+    ({"state": "sleeping"}, "state"),
+    ({"faults": ["boom"]}, "faults"),
+    ({"restarts_used": True}, "restarts_used"),
+    ({"surprise": 1}, "unexpected"),
+])
+def test_a_resume_that_does_not_add_up_is_refused_with_the_reason(garbage: Any, why: str) -> None:
+    good = resumed_join("a", first_assigns()["a"])["resume"]
+    raw = dict(good, **garbage) if isinstance(garbage, dict) else garbage
+    problem = parse_resume(raw, "a")
+    assert isinstance(problem, str) and why in problem
+    core = JobCore(spec(), ScriptedDecider(), now=0)
+    outs = core.on_join("a", dict(join("a"), resume=raw), 0)
+    assert "cannot take the job back" in sends(outs, "reject")["a"]["reason"] and core.attempt is None
+
+
+def test_the_agent_resumes_only_as_a_member_and_before_any_assign_joins_plainly() -> None:
+    state = JoinState("tcp://c:1", 60, 0)
+    state.on_welcome()
+    assert state.on_reject({"reason": "no job 'j' here", "unknown_job": True}) is Refusal.UNKNOWN
+    made = []
+    state.fenced(Resume(lambda: made.append(1) or {"resume": {}}), 1, 15)
+    assert not state.welcomed and state.join_fields() == {"resume": {}} and state.join_fields() and len(made) == 2
+    # More refusals of messages sent before the resume went out: the join's answer decides.
+    assert state.on_reject({"reason": "no job 'j' here", "unknown_job": True}) is Refusal.STALE
+    assert resume_fields(None, epoch=1, state="running", faults=[], snapshots={}, snapshot_bytes={}) == {}

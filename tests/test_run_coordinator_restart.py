@@ -1,0 +1,83 @@
+"""A standalone coordinator SIGKILLed under a running 2-node job and started again on its port:
+the job trains on meanwhile, and the new coordinator takes it back from what the agents tell it
+(``unicron.coord.resume``): with nothing lost, or restarting on a fault that happened while no
+coordinator listened, from memory."""
+
+from __future__ import annotations
+
+import signal
+
+import psutil
+import pytest
+from e2e import clean_env, read_events, run_unicron, wait_for
+from test_run_mesh import SECRET, _snapshot_steps_of, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _coordinator(launch, workdir, port: int, name: str, env: dict[str, str]):
+    item = launch(["coordinator", "--port", str(port), "--host", "127.0.0.1", "--log-dir", str(workdir / name)],
+                  workdir, env)
+    wait_for(lambda: psutil.Process(item.proc.pid).net_connections("tcp") if item.proc.poll() is None else True,
+             30, f"coordinator {name} to listen")
+    assert item.proc.poll() is None, item.wait(5)
+    return item
+
+
+def _workers_of(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "train_state.py" in " ".join(p.cmdline()) and "zygote" not in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("fault_while_down", [False, True], ids=["untouched", "fault-while-down"])
+def test_a_restarted_coordinator_takes_its_job_back(workdir, launch, fault_while_down: bool) -> None:
+    steps = ["--steps", "60"]
+    code, _, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "ref"),
+                                str(workdir / "train_state.py"), *steps, "--out", str(workdir / "ref.txt")], workdir)
+    assert code == 0, err
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    first = _coordinator(launch, workdir, port, "coord1", env)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
+            "--rdzv-id", "meshjob", "--max-restarts", "3", "--grace-period", "2", "--log-dir",
+            str(workdir / "logs"), str(workdir / "train_state.py"), *steps, "--sleep", "0.1",
+            "--out", str(workdir / "out.txt")]
+    a, b = launch(args, workdir, env), launch(args, workdir, env)
+    wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 5], 90, "node b to snapshot step 5")
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    step = max(_snapshot_steps_of(b.proc.pid))
+    if fault_while_down:
+        # A worker dies with nobody to decide: both agents report it to a coordinator that is gone.
+        for proc in _workers_of(b.proc.pid):
+            proc.send_signal(signal.SIGKILL)
+        wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "fault"], 30, "the fault")
+    else:
+        wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= step + 5], 60,
+                 "five more steps with no coordinator")
+    second = _coordinator(launch, workdir, port, "coord2", env)
+    results = [item.wait(120) for item in (a, b)]
+    for code, out, err in results:
+        assert code == 0, out + err
+        assert "does not know this job" in err and "took the job back" in err, err
+    assert (workdir / "out.txt").read_text() == (workdir / "ref.txt").read_text()
+    events = read_events(workdir / "coord2")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("job_resumed") == 1 and kinds.count("node_resumed") == 2, kinds
+    assert [e["exit_code"] for e in events if e["kind"] == "job_end"] == [0]
+    started = [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"]
+    if fault_while_down:
+        decisions = [e for e in events if e["kind"] == "decision"]
+        assert [d["action"] for d in decisions] == ["restart"], decisions
+        restarts = [e for e in events if e["kind"] == "attempt_start"]
+        assert len(restarts) == 1 and restarts[0]["restore_step"] is not None, restarts
+        assert len(started) == 4
+    else:
+        assert "decision" not in kinds and "attempt_start" not in kinds, kinds
+        assert len(started) == 2  # one attempt: nothing restarted
+    second.proc.send_signal(signal.SIGTERM)
+    code, _, err = second.wait(20)
+    assert code == 0, err
+    # Its console tells what it did (no agent's console shows the coordinator's decisions).
+    assert "job 'meshjob': took back attempt 0 (2 node(s), 0 restart(s) spent)" in err, err
+    assert ("SEV2 restart" in err) is fault_while_down, err

@@ -1,0 +1,61 @@
+"""How an agent goes back into its job (the shell around ``unicron.agent.joining``): fenced by
+the coordinator (its workers stopped, their snapshots kept), or resuming the attempt its workers
+run with a coordinator that restarted (``unicron.coord.resume``); and how it ends when the
+coordinator is gone for good."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from unicron.agent.joining import JoinState, Rejoin, Resume
+from unicron.agent.link import CoordinatorLink
+from unicron.agent.shm import scan_snapshots
+from unicron.errors import RendezvousError
+from unicron.events import EventLog
+
+
+class Rejoiner:
+    def __init__(self, joining: JoinState, link: CoordinatorLink, *, endpoint: str, shm_dir: str, ui: Any,
+                 events: EventLog) -> None:
+        self.joining, self.link = joining, link
+        self.endpoint, self.shm_dir = endpoint, shm_dir
+        self.ui, self.events = ui, events
+
+    def welcomed(self, epoch: int, attempt: int | None) -> None:
+        """A ``welcome``: a member again, if this was a re-join (``attempt``: the last workers')."""
+        ended = self.joining.on_welcome()
+        if isinstance(ended, Resume):
+            self.events.emit("resumed", epoch=epoch, attempt=attempt)
+            self.ui.info("the coordinator took the job back; the workers trained on")
+        elif ended is not None:
+            self.events.emit("rejoined", epoch=epoch, attempt=ended.attempt)
+            self.ui.info("joined the job again; it re-forms with this node")
+
+    def fenced(self, reason: str, attempt: int | None) -> None:
+        """The coordinator no longer counts this node, and its workers (of ``attempt``) were
+        stopped: their peers went on without them. Join again, telling what they left in memory."""
+        snapshots, sizes = scan_snapshots(self.shm_dir)
+        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(), self.link.lost_after_s)
+        self.events.emit("fenced", reason=reason, attempt=attempt)
+
+    def resume(self, reason: str, attempt: int | None, fields: Callable[[], dict[str, Any]]) -> None:
+        """The coordinator answers but does not know the job: it restarted, and lost it. The
+        workers train on; join again with ``fields()``: the attempt they run, and what they did
+        meanwhile, so that the coordinator takes the job back."""
+        self.ui.warn(f"the coordinator at {self.endpoint} does not know this job ({reason}: it restarted?); "
+                     "joining it again with the running attempt, the workers train on")
+        self.joining.fenced(Resume(fields), time.monotonic(), self.link.lost_after_s)
+        self.events.emit("resuming", reason=reason, attempt=attempt)
+
+    def lost(self, finished: bool) -> int:
+        """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node
+        did its part: exit 0, as torchrun's agent does when its exit barrier fails."""
+        if finished:
+            self.ui.warn(f"the coordinator at {self.endpoint} did not confirm the job's end (no answer for "
+                         f"{self.link.lost_after_s:g} s); this node's workers all exited 0")
+            self.events.emit("coordinator_lost", finished=True)
+            return 0
+        raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
+                              f"{self.link.lost_after_s:g} s")

@@ -1,0 +1,163 @@
+"""A restarted coordinator takes back the attempt its nodes run (pure).
+
+A coordinator keeps its jobs in memory only. When a standalone ``unicron coordinator`` restarts
+(a crash, an upgrade, a move to a new process on the same port), training goes on: collectives
+do not pass through the coordinator. The next message an agent sends finds a coordinator that
+does not know the job; it is told ``unknown_job`` and joins again with ``resume``: the attempt
+it runs (its number, every node of it in node-rank order, the restarts spent so far), how far
+its workers got (``running``, ``finished``, or ``stopped`` by a restart that the old coordinator
+began), and the faults it reported during the attempt, which may have died with the old
+coordinator.
+
+The first such join rebuilds the job: the attempt as it was, every node of it a member, the
+restart budget as spent. The other nodes are asked to resume the same way (their heartbeats are
+answered ``unknown_job`` until they do); one that does not is lost at the heartbeat timeout, as
+any silent node. Nothing restarts unless a resume says something happened: a fault (handled as
+if just reported) or workers already stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from unicron.coord.outbox import Emit, Out, Send
+from unicron.coord.records import Attempt, Phase
+from unicron.coord.view import describe_fault, fault_fields
+
+if TYPE_CHECKING:
+    from unicron.coord.job import JobCore
+
+STATES = ("running", "finished", "stopped")
+MAX_FAULTS = 16  # the newest of an attempt's faults a resume carries
+
+
+@dataclass(frozen=True)
+class ResumedAttempt:
+    """What one node says of the attempt it runs, checked (see ``parse_resume``)."""
+
+    attempt: int
+    nodes: tuple[tuple[str, str, int], ...]  # (node id, host, nproc) in node-rank order
+    restarts_used: int
+    epoch: int
+    state: str  # one of STATES
+    faults: tuple[dict[str, Any], ...]
+    snapshots: dict[str, Any]  # with ``stopped``: what the node holds (as in its ``stopped`` report)
+    snapshot_bytes: dict[str, Any]
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [node_id for node_id, _, _ in self.nodes]
+
+    @property
+    def world_size(self) -> int:
+        return sum(nproc for _, _, nproc in self.nodes)
+
+    def stopped_body(self) -> dict[str, Any]:
+        return {"snapshots": self.snapshots, "snapshot_bytes": self.snapshot_bytes}
+
+
+def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
+    """The resume of node ``node_id``, or why it is refused (a peer's message: anything may come)."""
+    if not isinstance(raw, dict):
+        return "not an object"
+    attempt: Any = raw.get("attempt")
+    nodes, sizes = raw.get("nodes"), raw.get("local_world_sizes")
+    if not _count(attempt):
+        return "attempt is not a count"
+    if not isinstance(nodes, list) or not nodes or not all(
+            isinstance(n, list) and len(n) == 2 and all(isinstance(x, str) for x in n) for n in nodes):
+        return "nodes is not a list of [node id, host]"
+    if not isinstance(sizes, list) or len(sizes) != len(nodes) or not all(_count(n) and n > 0 for n in sizes):
+        return "local_world_sizes does not give every node's process count"
+    ids = [n[0] for n in nodes]
+    if len(set(ids)) != len(ids) or node_id not in ids:
+        return "nodes repeat, or leave out the node that resumes"
+    restarts: Any = raw.get("restarts_used")
+    epoch: Any = raw.get("epoch")
+    state: Any = raw.get("state")
+    if not _count(restarts) or not _count(epoch):
+        return "restarts_used or epoch is not a count"
+    if state not in STATES:
+        return f"state is not one of {', '.join(STATES)}"
+    faults = raw.get("faults", [])
+    if not isinstance(faults, list) or not all(isinstance(f, dict) for f in faults):
+        return "faults is not a list of objects"
+    snapshots, nbytes = raw.get("snapshots", {}), raw.get("snapshot_bytes", {})
+    if not isinstance(snapshots, dict) or not isinstance(nbytes, dict):
+        return "snapshots is not an object"
+    extra = set(raw) - {"attempt", "nodes", "local_world_sizes", "restarts_used", "epoch", "state", "faults",
+                        "snapshots", "snapshot_bytes"}
+    if extra:
+        return f"unexpected field(s) {sorted(extra)}"
+    return ResumedAttempt(attempt, tuple((n[0], n[1], int(s)) for n, s in zip(nodes, sizes, strict=True)), restarts, epoch,
+                          state, tuple(faults[-MAX_FAULTS:]), snapshots, nbytes)
+
+
+def fault_key(fault: dict[str, Any]) -> tuple[Any, ...]:
+    """Identifies a fault sent twice: once as a ``fault`` message, again in a resume."""
+    return (fault.get("kind"), fault.get("rank"), fault.get("ts"), str(fault.get("message", ""))[:200])
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+    """A ``join`` with ``resume`` from ``node_id``: the job's first takes the attempt back, each
+    then counts what its node did while no coordinator listened."""
+    resumed = parse_resume(body["resume"], node_id)
+    if isinstance(resumed, str):
+        return core.refuse(node_id, body["host"], f"cannot take the job back: {resumed}")
+    out: list[Out] = []
+    if core.attempt is None and core.next_attempt == 0:  # no attempt started here: take theirs back
+        out += _adopt(core, resumed, now)
+    attempt = core.attempt
+    if attempt is None or node_id not in attempt.nodes:  # not a node of it: joins as any other
+        return out + core.on_join(node_id, {k: v for k, v in body.items() if k != "resume"}, now)
+    node = core.members.nodes[node_id]
+    node.host, node.requested_rank, node.last_heartbeat = body["host"], body.get("node_rank"), now
+    out.insert(0, Send(node_id, "welcome", {"node_id": node_id, "epoch": core.members.epoch}))
+    if node_id not in core.awaiting_resume:  # a re-sent resume
+        return out
+    core.awaiting_resume.discard(node_id)
+    out.append(Emit("node_resumed", {"node_id": node_id, "host": node.host, "attempt": resumed.attempt,
+                                     "state": resumed.state}))
+    running = core.phase is Phase.RUNNING
+    if resumed.attempt != attempt.number:  # it missed an assign, or the others did: re-form all
+        return out + (core.stop_attempt(f"node {node.host} runs attempt {resumed.attempt}, not {attempt.number}, "
+                                        "after the coordinator restarted", now, want_stacks=False) if running else [])
+    seen = {fault_key(f) for f in attempt.faults}
+    new = [dict(f, node_id=node_id, reported_at=now) for f in resumed.faults if fault_key(f) not in seen]
+    attempt.faults += new
+    out += [Emit("fault", fault_fields(f)) for f in new]
+    if resumed.state == "finished":
+        out += core.on_finished(node_id, {"attempt": attempt.number}, now)
+    elif resumed.state == "stopped" and core.phase is Phase.STOPPING:
+        out += core.on_stopped(node_id, {**resumed.stopped_body(), "attempt": attempt.number}, now)
+    elif resumed.state == "stopped" and running:
+        attempt.stopped[node_id] = resumed.stopped_body()
+        out += core.stop_attempt(describe_fault(new[0]) if new else (
+            f"node {node.host} had stopped its workers of attempt {attempt.number} when the coordinator restarted"),
+            now, want_stacks=False)
+    if new and core.phase is Phase.RUNNING:
+        out += core.stop_attempt(describe_fault(new[0]), now, want_stacks=False)
+    return out
+
+
+def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
+    """Rebuild the job around the attempt its nodes run: no restart, no budget spent."""
+    core.members.adopt(list(resumed.nodes), resumed.epoch, now)
+    attempt = core.attempt = Attempt(resumed.attempt, now, resumed.node_ids, resumed.world_size)
+    core.next_attempt, core.restarts_used = resumed.attempt + 1, resumed.restarts_used
+    core.phase = Phase.RUNNING
+    core.awaiting_resume = set(resumed.node_ids)
+    out: list[Out] = [Emit("job_resumed", {"attempt": attempt.number, "nnodes": len(attempt.nodes),
+                                           "world_size": attempt.world_size, "restarts_used": core.restarts_used,
+                                           "epoch": core.members.epoch})]
+    extra = [n for n in core.members.active() if n.node_id not in attempt.nodes]
+    if extra:  # joined while this coordinator knew of no attempt: the job grows with them
+        attempt.scale_up = True
+        out += core.stop_attempt(f"node {extra[0].host} joined: growing to {len(core.members.active())} nodes",
+                                 now, want_stacks=False)
+    return out
