@@ -49,3 +49,25 @@ def test_steps_read_in_one_batch_are_timed_by_their_stamps(tmp_path: Path) -> No
         tee.close()
     group.poll(time.time())
     assert all(r.exitcode is not None for r in group.ranks.values())
+
+
+def test_a_destroyed_process_group_stops_hang_calls_until_a_new_step(tmp_path: Path) -> None:
+    # ``closed``: the rank destroyed its default process group; no collective can join every
+    # rank again, so the idle tail after it is not a hang. A later step (a new group) takes it back.
+    tee = ConsoleTee()
+    group = WorkerGroup(SPEC, cmd=[sys.executable, "-c", "import time; time.sleep(60)"], env_for=lambda *_: {},
+                        run_logs=RunLogDir(LogSpec(log_dir=str(tmp_path)), "j"), tee=tee, host="h",
+                        hang=HangDetector(), role="default", stack_dir=str(tmp_path))
+    group.start(time.time() - 5.0)
+    try:
+        now = time.time()
+        group.on_message({"t": "step", "rank": 0, "step": 1, "ts": now - 1}, now)
+        assert group.next_check_s(time.monotonic()) != float("inf")
+        group.on_message({"t": "closed", "rank": 0, "ts": now}, now)
+        assert group.next_check_s(time.monotonic()) == float("inf")
+        group.on_message({"t": "step", "rank": 0, "step": 2, "ts": now + 0.01}, now + 0.01)
+        assert group.next_check_s(time.monotonic()) != float("inf")
+    finally:
+        group.stop(2.0)
+        tee.close()
+    group.poll(time.time())

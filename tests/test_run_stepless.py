@@ -189,6 +189,34 @@ print(f"rank {rank} finished", flush=True)
     _ends_cleanly_without_a_fault(workdir, "tail.py")
 
 
+@pytest.mark.parametrize("destroy", ["dist.destroy_process_group()",
+                                     "from torch.distributed import destroy_process_group as d\nd()"],
+                         ids=["attribute", "imported"])
+def test_an_idle_tail_after_destroy_process_group_is_not_a_hang(workdir, destroy: str) -> None:
+    # After the last step every rank destroys the process group, then waits idle for 4 s (an
+    # upload on each rank): no rank finished yet, but no collective can come any more.
+    (workdir / "tail.py").write_text(f"""
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(30):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+{destroy}
+time.sleep(4)
+print(f"rank {{rank}} finished", flush=True)
+""")
+    _ends_cleanly_without_a_fault(workdir, "tail.py")
+
+
 def _ends_cleanly_without_a_fault(workdir, script: str) -> None:
     code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
                                   str(workdir / script)], workdir, timeout=100)

@@ -32,6 +32,7 @@ class RankState:
     exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
     exiting_at: float | None = None
     bye_at: float | None = None  # (monotonic) its script ended cleanly; the interpreter may still tear down
+    closed: bool = False  # destroyed its default process group (since its last step): past its collectives
     lingering_named: bool = False  # said to have outlived its script (WorkerGroup.lingering_notices)
 
 

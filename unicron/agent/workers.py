@@ -124,6 +124,8 @@ class WorkerGroup:
             r.ready_at = r.ready_at or at
         elif t == "optim":
             r.steps_expected = True
+        elif t == "closed":
+            r.closed = True
         elif t == "bye":
             r.bye_at = time.monotonic()
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for
@@ -138,6 +140,7 @@ class WorkerGroup:
                 r.steps_in_attempt += 1
             r.step = msg["step"]
             r.last_step_at = at
+            r.closed = False  # a new process group after all
             if isinstance(msg.get("snap"), int):
                 r.snapshot_step = msg["snap"]
             self.stepped_at = max(at_m, self.stepped_at or at_m)
@@ -233,12 +236,13 @@ class WorkerGroup:
 
     def _hang_possible(self) -> bool:
         """No verdict once some rank failed, nor for ranks that report no steps (none expected,
-        none seen: they cannot be overdue), nor once some rank finished cleanly: the job is past
-        its last step (no collective can join every rank again), and what the others do in
-        their tail (an upload, ``wandb.finish()``, a sleep) is not a hang."""
+        none seen: they cannot be overdue), nor once some rank finished cleanly or destroyed its
+        default process group: the job is past its last step (no collective can join every rank
+        again), and what the ranks do in their tail (an upload, ``wandb.finish()``, a sleep) is
+        not a hang."""
         if self.failure_reported():
             return False
-        if any(r.bye_at is not None or r.exitcode == 0 for r in self.ranks.values()):
+        if any(r.bye_at is not None or r.exitcode == 0 or r.closed for r in self.ranks.values()):
             return False
         return self.expect_steps or any(r.steps_in_attempt for r in self.ranks.values())
 

@@ -22,6 +22,10 @@
   may already see its sockets close) carry the same flag. ``optim`` says the rank built a
   ``torch.optim`` optimizer (``Optimizer.__init__`` is wrapped): it will report steps, so it
   stays "before the first step" until it does.
+- **Past the collectives.** ``destroy_process_group()`` of the default group is wrapped to send
+  ``closed`` once it returns: no collective of the job can join every rank again, so what the
+  ranks do after it (a save, an upload, ``wandb.finish()``) is not a hang. A step reported after
+  it (the script initialised a new group) takes that back.
 - **Hard exits.** ``os._exit`` (common after ``destroy_process_group``) skips atexit, so it is
   wrapped to finish pending snapshot writes, say ``bye`` on code 0 and flush the channel first.
 """
@@ -50,6 +54,7 @@ from unicron.worker.liveness import FrameWatch
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 READY_POLL_S = 0.2
 DDP_MODULE = "torch.nn.parallel.distributed"
+C10D_MODULE = "torch.distributed.distributed_c10d"
 
 
 class StepCounter:
@@ -187,10 +192,35 @@ def _install_ddp_layouts(ddp_module: ModuleType) -> None:
     ddplayout.install(ddp_module)
 
 
+def _announce_destroy(c10d_module: ModuleType) -> None:
+    """Wrap ``destroy_process_group`` (once) to send ``closed`` after the default group is gone.
+    Hooked as soon as ``distributed_c10d`` is executed, before ``torch.distributed`` re-exports
+    it; where that already happened (torch imported before the hooks), the re-export too."""
+    original = getattr(c10d_module, "destroy_process_group", None)
+    if original is None or getattr(original, "_unicron", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        members = getattr(c10d_module, "GroupMember", None)
+        default = group is None or (members is not None and group is getattr(members, "WORLD", None))
+        result = original(group, *args, **kwargs)
+        if default:
+            channel.get().emit("closed")
+        return result
+
+    destroy_process_group._unicron = True  # type: ignore[attr-defined]
+    c10d_module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+    package = sys.modules.get("torch.distributed")
+    if package is not None and getattr(package, "destroy_process_group", None) is original:
+        package.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+
+
 # Modules to hook right after they are executed, and how.
 _AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
     OPTIMIZER_MODULE: _register_optimizer_hook,
     DDP_MODULE: _install_ddp_layouts,
+    C10D_MODULE: _announce_destroy,
 }
 
 
