@@ -392,6 +392,26 @@ def test_a_lost_nodes_workers_are_not_shown_running() -> None:
     assert [w["state"] for w in nodes["a"]["workers"]] == ["running"]
 
 
+@pytest.mark.parametrize("outcome, shown", [("finished", "exited"), ("failed", "stopped")])
+def test_no_rank_is_shown_running_once_the_job_is_over(outcome: str, shown: str) -> None:
+    # A standalone coordinator keeps showing a job that ended: its ranks' last heartbeat said
+    # running, but their nodes stopped everything with the job.
+    core = two_nodes_running(ScriptedDecider(Decision("stop", 0.0, "budget spent", "SEV2", "test", 1)))
+    for node, rank in (("a", 0), ("b", 1)):
+        core.on_heartbeat(node, {"workers": [{"rank": rank, "state": "running"},
+                                             {"rank": rank + 2, "state": "failed"}], "health": {}}, 1.5)
+    if outcome == "finished":
+        core.on_finished("a", {"attempt": 0}, 2)
+        core.on_finished("b", {"attempt": 0}, 2)
+    else:
+        core.on_fault("a", {"attempt": 0, "fault": {"kind": "exit", "rank": 2, "ts": 2.0}}, 2)
+        core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 2.1)
+        core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 2.1)
+    view = core.snapshot(3)
+    assert view["job"]["state"] == ("done" if outcome == "finished" else "failed")
+    assert [[w["state"] for w in n["workers"]] for n in view["nodes"]] == [[shown, "failed"]] * 2
+
+
 def test_a_coordinator_that_was_itself_stopped_does_not_count_the_silence() -> None:
     core = two_nodes_running(ScriptedDecider(RESTART))
     core.on_heartbeat("a", {"workers": [], "health": {}}, 2.0)

@@ -15,15 +15,20 @@ if TYPE_CHECKING:
 
 def job_view(core: JobCore) -> dict[str, Any]:
     attempt = core.attempt
+    # Once the job is over its nodes stopped what ran (a standalone coordinator keeps showing
+    # the job): no rank is still running, whatever its node last said.
+    over = {Phase.DONE: "exited", Phase.FAILED: "stopped"}.get(core.phase)
     nodes = []
     for node in sorted(core.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):
+        workers = [dict(w, state=over) if over and isinstance(w, dict) and w.get("state") in ("running", "hung")
+                   else w for w in node.workers]
         nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
                       "state": node.state.value, "last_heartbeat": node.last_heartbeat,
                       "activity": node.activity.name.lower(),
                       "health": node.health,
                       # a node that is gone has no running workers, whatever it last said
-                      "workers": node.workers if node.state is NodeState.ACTIVE else
-                      [dict(w, state=node.state.value) for w in node.workers if isinstance(w, dict)]})
+                      "workers": workers if node.state is NodeState.ACTIVE else
+                      [dict(w, state=node.state.value) for w in workers if isinstance(w, dict)]})
     return {
         "job": {"id": core.spec.job_id, "state": core.phase.value,
                 "attempt": attempt.number if attempt else 0, "restarts": core.restarts_used,
