@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from unicron.agent.attempt import attempt_line, inject_warnings
+from unicron.agent.attempt import attempt_line, inject_warnings, unfired_injects
 from unicron.agent.ranks import GroupSpec
 
 SPEC = GroupSpec(attempt=2, restart_count=2, rank_offset=2, world_size=4, node_rank=1, nnodes=2,
@@ -28,3 +28,19 @@ def test_faults_aimed_past_the_world_are_named_once_by_node_0() -> None:
     ]
     assert inject_warnings(replace(spec, node_rank=1)) == []  # the other nodes stay quiet
     assert inject_warnings(replace(spec, inject="")) == []
+
+
+def test_faults_of_the_first_attempt_that_never_fired_are_named() -> None:
+    spec = replace(SPEC, attempt=0, inject="kill@2:5;hang@3:10;exit=3@*:40;freeze@2:0")
+    # Rank 2 was killed at step 5 (its own fault): the restart ended rank 3 at step 5.
+    said = unfired_injects(spec, {2: 5, 3: 5}, {2})
+    assert said == [
+        "--inject hang@3:10 did not fire: rank 3 stopped at step 5 of the first attempt "
+        "(faults are injected into the first attempt only)",
+        "--inject exit=3@*:40 did not fire: rank 2 stopped at step 5 of the first attempt "
+        "(faults are injected into the first attempt only)",
+    ]
+    # A frozen rank's last step report may be lost with it: one step of slack, for it only.
+    assert unfired_injects(replace(spec, inject="freeze@2:6"), {2: 5, 3: 5}, {None}) == []
+    assert len(unfired_injects(replace(spec, inject="freeze@2:6"), {2: 5, 3: 5}, set())) == 1
+    assert unfired_injects(replace(spec, attempt=1), {2: 5, 3: 5}, set()) == []

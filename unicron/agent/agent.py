@@ -27,6 +27,7 @@ from unicron.agent.attempt import (
     hang_detector,
     inject_warnings,
     stop_answer,
+    unfired_injects,
     worker_env_factory,
 )
 from unicron.agent.inbox import WorkerInbox
@@ -408,6 +409,10 @@ class Agent:
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
                             abort=lambda: len(self.signals.received) > 1)
+        if self.signals.signum is None:  # not worth a word when the user stopped the job
+            steps, faulted = {r.rank: r.step for r in group.ranks.values()}, {f.get("rank") for f in self.attempt_faults}
+            for notice in unfired_injects(group.spec, steps, faulted):
+                self.ui.warn(notice)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _report(self, fault: dict[str, Any]) -> None:
