@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from unicron.agent.link import CoordinatorLink
 from unicron.detect.activity import Activity
 
@@ -45,3 +47,48 @@ def test_the_jobs_level_goes_stale_after_two_missed_answers() -> None:
     assert c.job_level(3.1) is Activity.WORKING and c.job_level(9.0) is Activity.WORKING
     c.heard(9.5)  # a message without a level does not refresh it
     assert c.job_level(9.6) is Activity.WORKING
+
+
+def test_a_coordinator_silent_over_an_open_connection_gets_longer() -> None:
+    """Its process lives (stopped, or its node frozen whole): 4 x the silence of a closed one,
+    except for a node whose workers all finished, which only waits for the job's end."""
+    c = link()
+    c.heard(10.0)
+    c.connection(True)
+    assert c.limit_s() == 60.0 and not c.lost(69.0) and c.lost(70.1)
+    assert c.limit_s(done=True) == 15.0 and c.lost(25.1, done=True)
+    c.connection(False)  # its host's kernel closed the connection: the process died
+    assert c.lost(25.1)
+
+
+@pytest.mark.timeout(30)
+def test_the_socket_monitor_sees_the_session_open_and_close() -> None:
+    import zmq
+    from e2e import wait_for as until
+
+    from unicron.agent.connwatch import ConnectionWatch
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    watch = ConnectionWatch(dealer)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        states: list[bool] = []
+
+        def seen(want: bool) -> bool:
+            if watch.sock.poll(50):
+                up = watch.read()
+                if up is not None:
+                    states.append(up)
+            return bool(states) and states[-1] is want
+
+        until(lambda: seen(True), 10, "the session to open")
+        router.close(linger=0)  # the coordinator's process is gone
+        until(lambda: seen(False), 10, "the session to close")
+    finally:
+        watch.close()
+        dealer.close(linger=0)
+        if not router.closed:
+            router.close(linger=0)

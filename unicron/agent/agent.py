@@ -30,6 +30,7 @@ from unicron.agent.attempt import (
     unfired_injects,
     worker_env_factory,
 )
+from unicron.agent.connwatch import ConnectionWatch
 from unicron.agent.inbox import WorkerInbox
 from unicron.agent.janitor import Janitor
 from unicron.agent.joining import JoinState, Refusal, join_body, resume_fields
@@ -116,6 +117,7 @@ class Agent:
         dealer.setsockopt(zmq.IPV6, 1)  # an IPv6 literal endpoint needs it; IPv4 ones are unaffected
         dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
         dealer.setsockopt(zmq.LINGER, 1000)
+        conn = ConnectionWatch(dealer)
         dealer.connect(self.endpoint)
         inbox = self.inbox = WorkerInbox(self.ctx, self.agent_addr)
         self.reporter.dealer = dealer
@@ -131,7 +133,7 @@ class Agent:
                     if notice is not None:
                         self.ui.warn(notice)
                 exit_fds = self.group.exit_fds() if self.group is not None else {}
-                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (inbox.bell, zmq.POLLIN),
+                items: list[tuple[Any, int]] = [(dealer, zmq.POLLIN), (conn.sock, zmq.POLLIN), (inbox.bell, zmq.POLLIN),
                                                 (self.signals.fileno(), zmq.POLLIN)]
                 if self.pace.messages_wake(now_m):
                     items.append((inbox.pull, zmq.POLLIN))
@@ -144,6 +146,8 @@ class Agent:
                 # silence in that time counts: not the coordinator's (its answers wait in the
                 # socket) nor the ranks' hang clocks (a whole node stops together).
                 self._paused(self.stalls.lapse(time.monotonic(), wait_s), stalled=True)
+                if conn.sock in fired and (up := conn.read()) is not None:
+                    self.link.connection(up)
                 if dealer in fired:
                     result = self._drain_coordinator(dealer)
                     if result is not None:
@@ -176,8 +180,9 @@ class Agent:
                 self._paused(self.stalls.lapse(time.monotonic()), stalled=False)
                 self._heartbeat()
                 stepped = self.group.last_step_at() if self.group is not None else None
-                if self.joining.welcomed and self.link.lost(time.monotonic(), stepped):
-                    return self.rejoiner.lost(self.group is not None and self.group.finished_reported)
+                done = self.group is not None and self.group.finished_reported
+                if self.joining.welcomed and self.link.lost(time.monotonic(), stepped, done=done):
+                    return self.rejoiner.lost(done)
         except (Interrupted, UnicronError) as err:
             # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
             self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
@@ -196,6 +201,7 @@ class Agent:
             if self.pool is not None:
                 self.pool.close()
             self.tee.close()
+            conn.close()
             dealer.close(linger=500)
             inbox.close()
             shutil.rmtree(self.work_dir, ignore_errors=True)
@@ -225,7 +231,9 @@ class Agent:
             except ProtocolError as err:
                 log.debug("dropped coordinator message: %s", err)
                 continue
-            self.link.heard(time.monotonic())
+            silence = self.link.heard(time.monotonic())
+            if silence > 0 and self.group is not None:
+                self.group.hang.paused(silence)  # see CoordinatorLink.unheard
             body = msg.body
             if msg.kind == "welcome":
                 self.epoch = body["epoch"]
@@ -377,7 +385,7 @@ class Agent:
         for r, notice in group.lingering_notices(time.monotonic()):
             self.ui.warn(notice)
             self.events.emit("worker_lingering", rank=r.rank, pid=r.proc.pid, message=notice)
-        if not group.hang_reported:
+        if not group.hang_reported and not self.link.unheard(time.monotonic()):
             hang = group.check_hang(now, self.link.job_level(time.monotonic()))
             if hang is not None:
                 group.hang_reported = True

@@ -6,6 +6,14 @@ this agent was listening counts (``paused``: the agent itself was stopped, or bu
 workers, and the answers wait in its socket), and steps of this node's ranks are signs of life
 too: a step needs every rank's collective, the coordinator's node's included, so while steps
 come the job lives even when the coordinator's launcher is stopped.
+
+How long a silence means the coordinator is gone depends on its connection: closed (its process
+died: its host's kernel closed the socket; or never made), ``lost_after_s``; still open, the
+coordinator's process lives but does not answer (stopped, swapping, its node frozen whole: its
+ranks, and so this node's, do not step either), or its host is cut off: ``OPEN_FACTOR`` times
+longer, so that a node frozen for tens of seconds costs the job nothing, as under torchrun,
+whose agents never give up on a silent store while their workers run. A node whose workers all
+finished waits only ``lost_after_s`` for the job's end to be confirmed: it did its part.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 from unicron.detect.activity import Activity
 
 MIN_LOST_AFTER_S = 15.0
+OPEN_FACTOR = 4  # silence allowed over a connection that stays open, in units of lost_after_s
 
 
 class CoordinatorLink:
@@ -24,12 +33,32 @@ class CoordinatorLink:
         self.heard_at = now
         self.level = Activity.IDLE
         self.level_at: float | None = None  # when the job's activity was last heard
+        self.open = False  # a ZMTP session with the coordinator is up (the socket's monitor says)
 
-    def heard(self, now: float, level: Activity | None = None) -> None:
-        """A message came (an ``ack`` carries the job's ``level``)."""
+    def connection(self, up: bool) -> None:
+        """The socket's monitor saw the session to the coordinator come up, or close."""
+        self.open = up
+
+    def limit_s(self, done: bool = False) -> float:
+        """The silence that means the coordinator is gone, given its connection now (``done``:
+        this node's workers all finished)."""
+        return self.lost_after_s * (OPEN_FACTOR if self.open and not done else 1)
+
+    def heard(self, now: float, level: Activity | None = None) -> float:
+        """A message came (an ``ack`` carries the job's ``level``). Returns how long the
+        coordinator had been silent beyond its two answers' allowance (see ``unheard``)."""
+        ended = max(0.0, now - self.heard_at - 2 * self.heartbeat_interval_s)
         self.heard_at = now
         if level is not None:
             self.level, self.level_at = level, now
+        return ended
+
+    def unheard(self, now: float) -> bool:
+        """The coordinator missed two answers: it, or its node, is stopped, cut off, or gone.
+        Its node's ranks may be what this node's ranks wait for, so no hang is called here
+        meanwhile (a verdict could not be acted on before it answers anyway), and the silence
+        does not count against the ranks' hang clocks when it answers again."""
+        return now - self.heard_at > 2 * self.heartbeat_interval_s
 
     def paused(self, gap_s: float) -> None:
         """This agent did not listen for ``gap_s``: nobody's silence in that time counts."""
@@ -49,5 +78,5 @@ class CoordinatorLink:
         """How long the job has shown no sign of life: no word, and no step since ``stepped_at``."""
         return now - max(self.heard_at, stepped_at if stepped_at is not None else self.heard_at)
 
-    def lost(self, now: float, stepped_at: float | None = None) -> bool:
-        return self.silent_s(now, stepped_at) > self.lost_after_s
+    def lost(self, now: float, stepped_at: float | None = None, *, done: bool = False) -> bool:
+        return self.silent_s(now, stepped_at) > self.limit_s(done)

@@ -54,8 +54,9 @@ class Rejoiner:
         did its part: exit 0, as torchrun's agent does when its exit barrier fails."""
         if finished:
             self.ui.warn(f"the coordinator at {self.endpoint} did not confirm the job's end (no answer for "
-                         f"{self.link.lost_after_s:g} s); this node's workers all exited 0")
+                         f"{self.link.limit_s(done=True):g} s); this node's workers all exited 0")
             self.events.emit("coordinator_lost", finished=True)
             return 0
+        how = "its connection open" if self.link.open else "its connection closed"
         raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
-                              f"{self.link.lost_after_s:g} s")
+                              f"{self.link.limit_s():g} s, {how})")

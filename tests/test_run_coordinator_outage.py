@@ -1,7 +1,9 @@
-"""A standalone coordinator SIGKILLed under a running 2-node job and started again on its port:
-the job trains on meanwhile, and the new coordinator takes it back from what the agents tell it
-(``unicron.coord.resume``): with nothing lost, or restarting on a fault that happened while no
-coordinator listened, from memory."""
+"""The coordinator out for a while under a running 2-node job. A standalone coordinator
+SIGKILLed and started again on its port: the job trains on meanwhile, and the new coordinator
+takes it back from what the agents tell it (``unicron.coord.resume``), with nothing lost, or
+restarting on a fault that happened while no coordinator listened, from memory. The node that
+hosts the embedded coordinator frozen whole for longer than the silence that ends an agent over a
+closed connection: its connection stays open, so the other node waits, and nothing is lost."""
 
 from __future__ import annotations
 
@@ -10,7 +12,15 @@ import signal
 import psutil
 import pytest
 from e2e import clean_env, read_events, run_unicron, wait_for
-from test_run_mesh import SECRET, _snapshot_steps_of, free_port
+from test_run_mesh import (
+    SECRET,
+    _assert_untouched_job_finished,
+    _snapshot_steps_of,
+    _stop_tree,
+    _two_nodes,
+    agent_args,
+    free_port,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -81,3 +91,13 @@ def test_a_restarted_coordinator_takes_its_job_back(workdir, launch, fault_while
     # Its console tells what it did (no agent's console shows the coordinator's decisions).
     assert "job 'meshjob': took back attempt 0 (2 node(s), 0 restart(s) spent)" in err, err
     assert ("SEV2 restart" in err) is fault_while_down, err
+
+
+def test_the_coordinators_node_frozen_for_20_s_costs_nothing(workdir, launch) -> None:
+    """Node a (hosting the coordinator) stops whole, launcher and workers, for 20 s: node b's
+    ranks cannot step and it hears nothing, for longer than the 15 s after which a coordinator
+    whose connection closed is given up. Its connection stays open (a's kernel runs): b waits,
+    and when a runs again the job goes on with one attempt (torchrun rides out such a freeze)."""
+    a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", steps=120, sleep=0.1), snapshot_step=5)
+    _stop_tree(a.proc.pid, 20)
+    _assert_untouched_job_finished(workdir, a, b)
