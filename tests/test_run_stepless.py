@@ -164,10 +164,8 @@ print(f"rank {rank} finished", flush=True)
     _ends_cleanly_without_a_fault(workdir, "uneven.py")
 
 
-def test_an_idle_tail_after_a_peer_finished_is_not_a_hang(workdir) -> None:
-    # After the last step rank 1 exits 0 while rank 0 waits idle for 4 s (an upload,
-    # wandb.finish()): past the idle hang threshold (1.5 s), but the job is past its last step.
-    (workdir / "tail.py").write_text("""
+# 30 steps of a tiny data-parallel training, then the TAIL under test.
+TRAINED_THEN = """
 import time
 import torch
 import torch.distributed as dist
@@ -182,10 +180,15 @@ for _ in range(30):
     for p in model.parameters():
         dist.all_reduce(p.grad)
     opt.step()
-if rank == 0:
-    time.sleep(4)
+TAIL
 print(f"rank {rank} finished", flush=True)
-""")
+"""
+
+
+def test_an_idle_tail_after_a_peer_finished_is_not_a_hang(workdir) -> None:
+    # After the last step rank 1 exits 0 while rank 0 waits idle for 4 s (an upload,
+    # wandb.finish()): past the idle hang threshold (1.5 s), but the job is past its last step.
+    (workdir / "tail.py").write_text(TRAINED_THEN.replace("TAIL", "if rank == 0:\n    time.sleep(4)"))
     _ends_cleanly_without_a_fault(workdir, "tail.py")
 
 
@@ -195,25 +198,7 @@ print(f"rank {rank} finished", flush=True)
 def test_an_idle_tail_after_destroy_process_group_is_not_a_hang(workdir, destroy: str) -> None:
     # After the last step every rank destroys the process group, then waits idle for 4 s (an
     # upload on each rank): no rank finished yet, but no collective can come any more.
-    (workdir / "tail.py").write_text(f"""
-import time
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(30):
-    opt.zero_grad()
-    model(torch.ones(2, 4)).sum().backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    opt.step()
-{destroy}
-time.sleep(4)
-print(f"rank {{rank}} finished", flush=True)
-""")
+    (workdir / "tail.py").write_text(TRAINED_THEN.replace("TAIL", destroy + "\ntime.sleep(4)"))
     _ends_cleanly_without_a_fault(workdir, "tail.py")
 
 
