@@ -33,7 +33,7 @@ from unicron.agent.attempt import (
 from unicron.agent.connwatch import ConnectionWatch
 from unicron.agent.inbox import WorkerInbox
 from unicron.agent.janitor import Janitor
-from unicron.agent.joining import JoinState, Refusal, join_body, resume_fields
+from unicron.agent.joining import JoinState, Refusal, join_body
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import Helpers
@@ -44,7 +44,7 @@ from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import READY_WAIT_S, WarmPool
-from unicron.agent.warmspec import boot_argv, should_refill
+from unicron.agent.warmspec import boot_argv
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
 from unicron.detect.stall import StallWatch
@@ -173,8 +173,7 @@ class Agent:
                     next_check = group.next_check_s(now_m) if group is not None and not group.finished_reported else None
                     self.pace.watched(now_m, next_check, exits_wake=exit_fds is not None)
                 if self.pace.chores_due(now_m):
-                    self._refill_pool()
-                    self._reap_orphans()
+                    self.helpers.chores(self.group, self.events)
                 # Likewise for a long turn (stopping workers takes up to the grace period) or a
                 # stall while this turn's messages were handled.
                 self._paused(self.stalls.lapse(time.monotonic()), stalled=False)
@@ -273,16 +272,8 @@ class Agent:
         self.rejoiner.fenced(reason, attempt)
 
     def _resume_fields(self) -> dict[str, Any]:
-        """What a coordinator that lost the job needs to take it back (``unicron.coord.resume``)."""
-        group, assign = self.group, self.pending_assign or self.assignment
-        state = "stopped"  # a restart's stop came, its next assign did not
-        if self.pending_assign is not None:
-            state = "running"  # its workers start as soon as the zygote is ready
-        elif group is not None and assign is not None and group.spec.attempt == assign["attempt"]:
-            state = "finished" if group.finished_reported else "running"
-        snapshots, sizes = scan_snapshots(self.shm_dir) if state == "stopped" else ({}, {})
-        return resume_fields(assign, epoch=self.epoch, state=state, faults=self.attempt_faults,
-                             snapshots=snapshots, snapshot_bytes=sizes)
+        return self.rejoiner.resume_fields(self.group, self.pending_assign, self.assignment, epoch=self.epoch,
+                                           faults=self.attempt_faults)
 
     def _start_attempt(self, body: dict[str, Any]) -> None:
         self._stop_group(reason="new attempt")
@@ -390,21 +381,6 @@ class Agent:
             if hang is not None:
                 group.hang_reported = True
                 self._report(hang)
-
-    def _refill_pool(self) -> None:
-        """Restart a zygote that died, once the attempt trains (not while its workers still start)."""
-        group = self.group
-        if self.pool is None or group is None:
-            return
-        progress = max((r.steps_in_attempt for r in group.ranks.values()), default=0)
-        if should_refill(time.time(), group.started_at, progress):
-            self.pool.refill()
-
-    def _reap_orphans(self) -> None:
-        workers = {r.proc.pid for r in self.group.ranks.values()} if self.group is not None else set()
-        reaped = self.helpers.reap(workers, time.monotonic())
-        if reaped:
-            self.events.emit("orphans_reaped", pids=reaped)
 
     def _stop_group(self, reason: str, sig: int = signal.SIGTERM) -> None:
         self.pending_assign = None

@@ -10,12 +10,18 @@ agent calls ``reap_orphans`` every few seconds.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from unicron.agent.proctree import children_of
+from unicron.agent.warmspec import should_refill
+
+if TYPE_CHECKING:
+    from unicron.agent.workers import WorkerGroup
+    from unicron.events import EventLog
 
 REAP_EVERY_S = 2.0
 
@@ -62,6 +68,18 @@ class Helpers:
         """Our children but our helpers: the workers, and what workers left behind that
         outlived its parent, such as a helper in a session of its own."""
         return children_except(self.pids())
+
+    def chores(self, group: WorkerGroup | None, events: EventLog) -> None:
+        """Between events: restart a zygote that died, once the attempt trains (not while its
+        workers still start), and reap exited orphans."""
+        if self.pool is not None and group is not None:
+            progress = max((r.steps_in_attempt for r in group.ranks.values()), default=0)
+            if should_refill(time.time(), group.started_at, progress):
+                self.pool.refill()
+        reaped = self.reap({r.proc.pid for r in group.ranks.values()} if group is not None else set(),
+                           time.monotonic())
+        if reaped:
+            events.emit("orphans_reaped", pids=reaped)
 
     def reap(self, workers: Collection[int], now: float) -> list[int]:
         """Every ``REAP_EVERY_S`` (``now`` monotonic): reap exited orphans; return their pids."""

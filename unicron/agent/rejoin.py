@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unicron.agent.joining import JoinState, Rejoin, Resume
+from unicron.agent.joining import JoinState, Rejoin, Resume, resume_fields
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.shm import scan_snapshots
+from unicron.agent.workers import WorkerGroup
 from unicron.errors import RendezvousError
 from unicron.events import EventLog
 
@@ -48,6 +49,21 @@ class Rejoiner:
                      "joining it again with the running attempt, the workers train on")
         self.joining.fenced(Resume(fields), time.monotonic(), self.link.lost_after_s)
         self.events.emit("resuming", reason=reason, attempt=attempt)
+
+    def resume_fields(self, group: WorkerGroup | None, pending: dict[str, Any] | None,
+                      assignment: dict[str, Any] | None, *, epoch: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a coordinator that lost the job needs to take it back: the attempt of the last
+        ``assign`` (or of the ``pending`` one, its workers not started yet) and how far its
+        workers got."""
+        assign = pending or assignment
+        state = "stopped"  # a restart's stop came, its next assign did not
+        if pending is not None:
+            state = "running"  # its workers start as soon as the zygote is ready
+        elif group is not None and assign is not None and group.spec.attempt == assign["attempt"]:
+            state = "finished" if group.finished_reported else "running"
+        snapshots, sizes = scan_snapshots(self.shm_dir) if state == "stopped" else ({}, {})
+        return resume_fields(assign, epoch=epoch, state=state, faults=faults, snapshots=snapshots,
+                             snapshot_bytes=sizes)
 
     def lost(self, finished: bool) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node

@@ -17,7 +17,7 @@ from unicron.coord.decide import Decider, Decision
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
-from unicron.coord.restore import Holdings, finished_ranks
+from unicron.coord.restore import Holdings, choose_restore, finished_ranks
 from unicron.coord.resume import take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
@@ -403,14 +403,8 @@ class JobCore:
     def _choose_restore(self, nodes: list[Any]) -> None:
         """The step the next attempt restores from memory, for its layout (none without holdings)."""
         holdings, self.holdings = self.holdings, None
-        layout, first = [], 0
-        for node in nodes:
-            layout.append((node.node_id, first, node.nproc))
-            first += node.nproc
-        self.restore_step = holdings.restorable_step(layout) if holdings is not None else None
-        self.restore_note = holdings.not_restored(layout) if holdings is not None else ""
-        if holdings is not None and self.restore_step is not None:
-            self.transfer_bytes += holdings.restored_bytes(self.restore_step, [n.node_id for n in nodes])
+        self.restore_step, self.restore_note, nbytes = choose_restore(holdings, [(n.node_id, n.nproc) for n in nodes])
+        self.transfer_bytes += nbytes
 
     def _finish(self, exit_code: int, reason: str, now: float, node_code: int | None = None) -> list[Out]:
         self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED

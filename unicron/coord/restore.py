@@ -110,3 +110,18 @@ def finished_ranks(stopped: Iterable[Mapping[str, Any]]) -> list[tuple[int, int 
             if type(rank) is int and (step is None or type(step) is int):
                 out.append((rank, step))
     return sorted(out)
+
+
+def choose_restore(holdings: Holdings | None, nodes: list[tuple[str, int]]) -> tuple[int | None, str, int]:
+    """For the next attempt's ``nodes`` (node id, rank count, in node-rank order): the step it
+    restores from memory (None: none), why nothing is restored though snapshots were kept, and
+    the bytes restored."""
+    if holdings is None:
+        return None, "", 0
+    layout, first = [], 0
+    for node_id, count in nodes:
+        layout.append((node_id, first, count))
+        first += count
+    step = holdings.restorable_step(layout)
+    nbytes = holdings.restored_bytes(step, [n for n, _ in nodes]) if step is not None else 0
+    return step, holdings.not_restored(layout), nbytes
