@@ -92,3 +92,15 @@ def test_the_socket_monitor_sees_the_session_open_and_close() -> None:
         dealer.close(linger=0)
         if not router.closed:
             router.close(linger=0)
+
+
+def test_silence_is_excused_from_hang_clocks_only_for_a_coordinator_that_hosts_ranks_and_only_so_much() -> None:
+    c = link(10.0)
+    assert not c.unheard(10.9) and c.unheard(11.1) and c.heard(20.0) == 9.0  # 10 s of silence, less the 1 s of two answers
+    # An answer every 14 s (over a closed connection: 15 s limit) excuses at most 15 s an attempt.
+    assert c.unheard(34.5) and c.heard(34.5) == 6.0  # 15 - 9 left
+    assert not c.unheard(50.0) and c.heard(50.0) == 0.0
+    c.new_attempt()
+    assert c.unheard(52.0)
+    alone = CoordinatorLink(0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, hosts_ranks=False)
+    assert not alone.unheard(10.0) and alone.heard(10.0) == 0.0  # a standalone coordinator runs no ranks

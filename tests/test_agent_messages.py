@@ -67,6 +67,9 @@ def test_a_destroyed_process_group_stops_hang_calls_until_a_new_step(tmp_path: P
         assert group.next_check_s(time.monotonic()) == float("inf")
         group.on_message({"t": "step", "rank": 0, "step": 2, "ts": now + 0.01}, now + 0.01)
         assert group.next_check_s(time.monotonic()) != float("inf")
+        group.on_message({"t": "closed", "rank": 0, "ts": now + 0.02}, now + 0.02)
+        group.on_message({"t": "opened", "rank": 0, "ts": now + 0.03}, now + 0.03)  # a new group is made
+        assert group.next_check_s(time.monotonic()) != float("inf")
     finally:
         group.stop(2.0)
         tee.close()

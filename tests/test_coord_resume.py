@@ -12,7 +12,7 @@ from test_coord_core import RESTART, ScriptedDecider, join, sends, spec, started
 from unicron.agent.joining import JoinState, Refusal, Resume, resume_fields
 from unicron.coord.decide import Decision
 from unicron.coord.job import JobCore
-from unicron.coord.outbox import Emit, Finish
+from unicron.coord.outbox import Emit, Finish, Send
 from unicron.coord.records import Phase
 from unicron.coord.resume import parse_resume
 from unicron.proto.schema import schema_errors
@@ -68,8 +68,9 @@ def test_the_first_resume_takes_the_attempt_back_as_it_was() -> None:
     assert core.attempt.number == 3 and core.attempt.nodes == ["a", "b"] and core.attempt.world_size == 4
     assert core.next_attempt == 4 and core.restarts_used == 2 and core.members.epoch >= 7
     assert [n.node_rank for n in core.members.active()] == [0, 1]
-    # b has not said what it did meanwhile: its heartbeat asks it to.
-    refused = sends(core.on_heartbeat("b", HB, 100.5), "reject")["b"]
+    # b has not said what it did meanwhile: its heartbeat (fault, stop, finish) asks it to.
+    assert core.awaits_resume("b") and not core.awaits_resume("a")
+    refused = sends(core.on_unresumed("b", HB, 100.5), "reject")["b"]
     assert refused["unknown_job"] is True and schema_errors("reject", refused) is None
     outs = core.on_join("b", resumed_join("b", assigns["b"]), 101)
     assert "b" in sends(outs, "welcome") and not [o for o in outs if isinstance(o, Emit) and o.kind == "stop"]
@@ -144,14 +145,54 @@ def test_a_stop_the_old_coordinator_began_is_finished_and_restores_from_memory()
     assert {a["restore_step"] for a in new.values()} == {9} and {a["attempt"] for a in new.values()} == {4}
 
 
-def test_a_node_on_another_attempt_makes_the_job_re_form_without_spending_budget() -> None:
+def test_a_node_on_another_attempt_makes_the_job_re_form_without_reusing_numbers_or_budget() -> None:
+    """The old coordinator died between a's and b's assigns of attempt 4 (a restart, the 3rd):
+    a resumed first with attempt 3. The job re-forms as attempt 5, with 3 restarts spent, and b's
+    workers of attempt 4 are stopped too."""
     core, assigns = taken_back()
-    outs = core.on_join("b", resumed_join("b", assigns["b"], attempt=4), 101)
+    outs = core.on_join("b", resumed_join("b", assigns["b"], attempt=4, restarts=3), 101)
     assert "b" in sends(outs, "welcome") and core.phase is Phase.STOPPING
+    assert [o.body["attempt"] for o in outs if isinstance(o, Send) and o.kind == "stop" and o.node_id == "b"] == [4, 3]
     core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
+    core.on_stopped("b", {"attempt": 4, "snapshots": {}, "stacks": {}}, 102)  # its own workers': not this stop's
+    assert core.phase is Phase.STOPPING
     core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
-    assert core.history == [] and core.restarts_used == 2
-    assert {a["attempt"] for a in next_assigns(core, 102.1).values()} == {4}
+    assert core.history == [] and core.restarts_used == 3
+    new = next_assigns(core, 102.1)
+    assert {a["attempt"] for a in new.values()} == {5} and {a["restart_count"] for a in new.values()} == {3}
+
+
+def test_no_decision_is_taken_before_every_node_said_what_it_did() -> None:
+    """The old coordinator had stopped the attempt for b's crash and died in the backoff. a
+    resumes first (stopped), so the stop goes out again; b's plain answer to it is turned away
+    until b resumes with its fault, which the decision then sees."""
+    assigns = first_assigns()
+    decider = ScriptedDecider(RESTART)
+    core = JobCore(spec(), decider, now=100)
+    core.on_join("a", resumed_join("a", assigns["a"], state="stopped"), 100)
+    assert core.phase is Phase.STOPPING and core.awaits_resume("b")
+    assert "unknown_job" in sends(core.on_unresumed("b", {}, 100.1), "reject")["b"]
+    core.on_join("b", resumed_join("b", assigns["b"], state="stopped", faults=[FAULT]), 100.3)
+    assert core.phase is Phase.WAITING
+    assert [[f["message"] for f in faults] for faults in decider.seen] == [[FAULT["message"]]]
+
+
+def test_spares_beyond_the_jobs_size_are_turned_out_when_it_is_taken_back() -> None:
+    """A fixed 2-node job: spare c asked for a place while the coordinator was down, and its join
+    made the job first. Taking the attempt of a and b back leaves no room: c asks again."""
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(), now=100)
+    core.on_join("c", join("c"), 100)
+    outs = core.on_join("a", resumed_join("a", assigns["a"]), 100.2)
+    assert sends(outs, "reject")["c"]["fenced"] is True and not sends(outs, "stop")
+    assert core.phase is Phase.RUNNING and [n.node_id for n in core.members.active()] == ["a", "b"]
+
+
+def test_a_resume_with_odd_fault_fields_is_taken_all_the_same() -> None:
+    core, assigns = taken_back(RESTART)
+    odd = {"kind": ["exit"], "rank": {"r": 1}, "ts": None, "message": 7}
+    outs = core.on_join("b", resumed_join("b", assigns["b"], faults=[odd]), 101)
+    assert "b" in sends(outs, "welcome") and core.phase is Phase.STOPPING and not core.awaits_resume("b")
 
 
 def test_a_resume_from_a_node_outside_the_attempt_joins_it_as_a_late_joiner() -> None:

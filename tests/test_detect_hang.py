@@ -293,3 +293,16 @@ def test_a_pause_of_the_observer_does_not_count_as_the_ranks_silence() -> None:
     assert det.check(now + 10.0 + 3.1) is not None
     det.observe(0, 31, now + 13.5)  # the next step's interval is what ran, not the pause
     assert det.stats.iter_times(0)[-1] == pytest.approx(3.5)
+
+
+def test_a_pause_never_moves_a_clock_past_now() -> None:
+    """The coordinator was silent for 30 s while the ranks stepped (a standalone coordinator
+    restarting): excusing that silence must not put their clocks in the future, where a hang
+    would go unseen for as long and every step before it would be a 0 s sample."""
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=2, first_step_timeout_s=60.0)
+    det.start(0.0, [0])
+    now = run_steps(det, [0], 30, dt=1.0, t0=5.0)
+    det.paused(30.0, now)
+    assert det.check(now + 3.1) is not None
+    det.observe(0, 31, now + 1.0)
+    assert det.stats.iter_times(0)[-1] == pytest.approx(1.0)

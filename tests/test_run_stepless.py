@@ -202,6 +202,22 @@ def test_an_idle_tail_after_destroy_process_group_is_not_a_hang(workdir, destroy
     _ends_cleanly_without_a_fault(workdir, "tail.py")
 
 
+def test_a_hang_after_the_process_group_is_made_again_is_found(workdir) -> None:
+    # destroy_process_group() then init_process_group(): the script goes on with collectives,
+    # and rank 1 then stalls while rank 0 waits in an all_reduce: a hang, as without the destroy.
+    # (A store of its own: the env:// one still holds the first group's keys, which gloo reads.)
+    store = workdir / "second-store"
+    again = ("dist.destroy_process_group()\n"
+             f"dist.init_process_group('gloo', init_method='file://{store}', rank=rank, world_size=2)\n"
+             "if rank == 1:\n    time.sleep(1000)\ndist.all_reduce(torch.ones(1))")
+    (workdir / "again.py").write_text(TRAINED_THEN.replace("TAIL", again))
+    code, _, err = run_unicron(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
+                                str(workdir / "again.py")], workdir, timeout=100)
+    assert code != 0 and "hang" in err, err
+    hangs = [e for e in read_events(workdir / "logs") if e["kind"] == "fault" and e.get("fault_kind") == "hang"]
+    assert hangs, err
+
+
 def _ends_cleanly_without_a_fault(workdir, script: str) -> None:
     code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
                                   str(workdir / script)], workdir, timeout=100)

@@ -88,7 +88,7 @@ class Agent:
         self.inbox: WorkerInbox | None = None  # the workers' channel, once bound
         self.epoch = 0
         self.link = CoordinatorLink(time.monotonic(), heartbeat_interval_s=s.heartbeat_interval_s,
-                                    heartbeat_timeout_s=s.heartbeat_timeout_s)
+                                    heartbeat_timeout_s=s.heartbeat_timeout_s, hosts_ranks=not s.coordinator)
         self.stalls = StallWatch(time.monotonic())  # reset as the loop starts
         self.reporter = Reporter(self.codec, node_id=self.node_id, host=self.host,
                                  heartbeat_interval_s=s.heartbeat_interval_s, events=events, ui=ui)
@@ -109,7 +109,6 @@ class Agent:
         self.rejoiner = Rejoiner(self.joining, self.link, endpoint=endpoint, shm_dir=self.shm_dir, ui=ui, events=events)
         self.last_attempt: int | None = None  # the attempt of the last workers, once any started
         self.assignment: dict[str, Any] | None = None  # the last ``assign``: what a resume takes back
-        self.attempt_faults: list[dict[str, Any]] = []  # reported during it (a restarted coordinator lost them)
 
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -214,7 +213,7 @@ class Agent:
             return
         self.link.paused(gap_s)
         if self.group is not None:
-            self.group.hang.paused(gap_s)
+            self.group.hang.paused(gap_s, time.time())
         if stalled:  # news; a long stop is not
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 
@@ -232,7 +231,7 @@ class Agent:
                 continue
             silence = self.link.heard(time.monotonic())
             if silence > 0 and self.group is not None:
-                self.group.hang.paused(silence)  # see CoordinatorLink.unheard
+                self.group.hang.paused(silence, time.time())  # see CoordinatorLink.unheard
             body = msg.body
             if msg.kind == "welcome":
                 self.epoch = body["epoch"]
@@ -273,12 +272,12 @@ class Agent:
 
     def _resume_fields(self) -> dict[str, Any]:
         return self.rejoiner.resume_fields(self.group, self.pending_assign, self.assignment, epoch=self.epoch,
-                                           faults=self.attempt_faults)
+                                           faults=self.reporter.attempt_faults)
 
     def _start_attempt(self, body: dict[str, Any]) -> None:
         self._stop_group(reason="new attempt")
         self.epoch = body["epoch"]
-        self.assignment, self.attempt_faults = body, []
+        self.assignment, self.reporter.attempt_faults = body, []
         pool = self.pool
         if pool is not None and not pool.settled():
             self.pending_assign = body  # the zygote is importing: its workers come sooner than cold ones
@@ -304,6 +303,7 @@ class Agent:
                             stack_dir=self.stack_dir, pool=self.pool, expect_steps=self.steps_seen)
         self.group = group
         self.last_attempt = spec.attempt
+        self.link.new_attempt()
         self.pace.watch_now()
         # Said before the workers start: what they print (an ImportError's traceback) comes after.
         nproc = spec.local_world_sizes[spec.node_rank]
@@ -394,13 +394,14 @@ class Agent:
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
                             abort=lambda: len(self.signals.received) > 1)
         if self.signals.signum is None:  # not worth a word when the user stopped the job
-            steps, faulted = {r.rank: r.step for r in group.ranks.values()}, {f.get("rank") for f in self.attempt_faults}
+            # Ranks whose hooks never ran (a start failure) say nothing of their faults.
+            steps = {r.rank: r.step for r in group.ranks.values() if r.hooked}
+            faulted = {f.get("rank") for f in self.reporter.attempt_faults}
             for notice in unfired_injects(group.spec, steps, faulted):
                 self.ui.warn(notice)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _report(self, fault: dict[str, Any]) -> None:
-        self.attempt_faults.append(fault)
         self.reporter.report(fault, self.group)
 
     def _heartbeat(self, *, at_once: bool = False) -> None:

@@ -77,14 +77,15 @@ def unfired_injects(spec: GroupSpec, steps: dict[int, int], faulted: set[int | N
     """``--inject`` faults for this node's ranks (``steps``: rank -> completed steps when the
     first attempt's workers stopped) that never fired: the rank stopped before their step (an
     earlier fault ended the attempt, or the script ended), and faults are injected into the first
-    attempt only. A rank with a fault of its own (``faulted``; None: a hang of the node) may
-    have died before the report of its last step left it (a freeze): it gets a step of slack."""
+    attempt only. A rank with a fault of its own (``faulted``; None: a hang of the node), or the
+    target of a ``freeze``, may have stopped before the report of its last step left it: it gets
+    a step of slack."""
     if spec.attempt != 0 or not spec.inject:
         return []
     out = []
     for fault in parse_inject_spec(spec.inject):
         short = sorted((rank, step) for rank, step in steps.items() if fault.applies_to(rank)
-                       and step + (rank in faulted or None in faulted) < fault.step)
+                       and step + (rank in faulted or None in faulted or fault.kind == "freeze") < fault.step)
         if fault.step > 0 and short:
             rank, step = short[0]
             out.append(f"--inject {fault} did not fire: rank {rank} stopped at step {step} of the first attempt "

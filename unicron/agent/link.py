@@ -25,8 +25,12 @@ OPEN_FACTOR = 4  # silence allowed over a connection that stays open, in units o
 
 
 class CoordinatorLink:
-    def __init__(self, now: float, *, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
+    def __init__(self, now: float, *, heartbeat_interval_s: float, heartbeat_timeout_s: float,
+                 hosts_ranks: bool = True) -> None:
         self.heartbeat_interval_s = heartbeat_interval_s
+        # Whether the coordinator's node runs ranks of the job (embedded in a launcher) rather
+        # than standing alone: only then may its silence be what this node's ranks wait for.
+        self.hosts_ranks = hosts_ranks
         # Generous: silence this long means the coordinator is gone (or cut off from us); a busy
         # coordinator on a loaded host must not look lost.
         self.lost_after_s = max(5 * heartbeat_timeout_s, MIN_LOST_AFTER_S)
@@ -34,6 +38,7 @@ class CoordinatorLink:
         self.level = Activity.IDLE
         self.level_at: float | None = None  # when the job's activity was last heard
         self.open = False  # a ZMTP session with the coordinator is up (the socket's monitor says)
+        self.excused_s = 0.0  # silence excused from the ranks' hang clocks this attempt (see unheard)
 
     def connection(self, up: bool) -> None:
         """The socket's monitor saw the session to the coordinator come up, or close."""
@@ -45,20 +50,29 @@ class CoordinatorLink:
         return self.lost_after_s * (OPEN_FACTOR if self.open and not done else 1)
 
     def heard(self, now: float, level: Activity | None = None) -> float:
-        """A message came (an ``ack`` carries the job's ``level``). Returns how long the
-        coordinator had been silent beyond its two answers' allowance (see ``unheard``)."""
-        ended = max(0.0, now - self.heard_at - 2 * self.heartbeat_interval_s)
+        """A message came (an ``ack`` carries the job's ``level``). Returns the silence that
+        just ended to excuse from the ranks' hang clocks (see ``unheard``)."""
+        ended = 0.0
+        if self.unheard(now):
+            ended = min(now - self.heard_at - 2 * self.heartbeat_interval_s, self.limit_s() - self.excused_s)
+            self.excused_s += ended
         self.heard_at = now
         if level is not None:
             self.level, self.level_at = level, now
         return ended
 
+    def new_attempt(self) -> None:
+        self.excused_s = 0.0
+
     def unheard(self, now: float) -> bool:
-        """The coordinator missed two answers: it, or its node, is stopped, cut off, or gone.
-        Its node's ranks may be what this node's ranks wait for, so no hang is called here
-        meanwhile (a verdict could not be acted on before it answers anyway), and the silence
-        does not count against the ranks' hang clocks when it answers again."""
-        return now - self.heard_at > 2 * self.heartbeat_interval_s
+        """The coordinator, embedded in a node that runs ranks, missed two answers: it, or its
+        node, is stopped, cut off, or gone. Its node's ranks may be what this node's ranks wait
+        for, so no hang is called here meanwhile (a verdict could not be acted on before it
+        answers anyway), and the silence does not count against the ranks' hang clocks when it
+        answers again. At most ``limit_s()`` of silence is excused per attempt, so that a
+        coordinator that answers only now and then cannot hide a hang for ever."""
+        return (self.hosts_ranks and self.excused_s < self.limit_s()
+                and now - self.heard_at > 2 * self.heartbeat_interval_s)
 
     def paused(self, gap_s: float) -> None:
         """This agent did not listen for ``gap_s``: nobody's silence in that time counts."""

@@ -35,6 +35,9 @@ class Reporter:
         self.health = HealthWatch()
         self.last_heartbeat = 0.0  # monotonic time of the last heartbeat sent
         self.sent_level = Activity.IDLE
+        # Every fault reported since the last assign (health evidence too): what a restarted
+        # coordinator, which lost them, is told in this node's resume (unicron.coord.resume).
+        self.attempt_faults: list[dict[str, Any]] = []
 
     def send(self, kind: str, body: dict[str, Any]) -> None:
         if self.dealer is None:
@@ -49,8 +52,10 @@ class Reporter:
         if fault.get("kind") in ("exit", "exception") and self.health.evidence:
             # Recent health changes travel with the failure they may explain.
             for item in self.health.take_evidence():
+                self.attempt_faults.append(dict(item, attempt=attempt))
                 self.send("fault", {"node_id": self.node_id, "attempt": attempt,
                                     "fault": dict(item, attempt=attempt)})
+        self.attempt_faults.append(fault)
         fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
         self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)
         self.ui.warn(fault_line(fault, self.node_id))

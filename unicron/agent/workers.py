@@ -124,8 +124,8 @@ class WorkerGroup:
             r.ready_at = r.ready_at or at
         elif t == "optim":
             r.steps_expected = True
-        elif t == "closed":
-            r.closed = True
+        elif t in ("closed", "opened"):
+            r.closed = t == "closed"
         elif t == "bye":
             r.bye_at = time.monotonic()
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for

@@ -109,10 +109,18 @@ class JobCore:
             self.holdings.add(node_id, held)
         return []
 
+    def awaits_resume(self, node_id: str) -> bool:
+        """A node of an attempt taken back after a restart (``unicron.coord.resume``), not heard
+        resuming yet: its heartbeats, faults, stops and finishes are answered ``unknown_job``,
+        so that it says all it did while no coordinator listened in one resume, before any
+        decision is taken on part of it."""
+        return node_id in self.awaiting_resume and self.members.is_active(node_id)
+
+    def on_unresumed(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        self.members.heartbeat(node_id, now)  # a sign of life all the same
+        return [Send(node_id, "reject", {"reason": "the coordinator restarted", "unknown_job": True})]
+
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
-        if node_id in self.awaiting_resume and self.members.heartbeat(node_id, now):
-            # What it did while no coordinator listened (a fault, a finish) comes with its resume.
-            return [Send(node_id, "reject", {"reason": "the coordinator restarted", "unknown_job": True})]
         before = self.job_activity(now)
         self._told_silent -= {node_id}
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
@@ -282,6 +290,7 @@ class JobCore:
             return []
         number = self.next_attempt
         self.next_attempt += 1
+        self.awaiting_resume.clear()  # the new attempt's assign reaches them all the same
         for node in self.members.nodes.values():
             node.workers = []  # the previous attempt's ranks are gone; heartbeats bring the new ones
         sizes = [n.nproc for n in nodes]
@@ -322,6 +331,7 @@ class JobCore:
 
     # ---- internals -----------------------------------------------------------------
     def _node_gone(self, node_id: str, host: str, how: str, why: str, now: float) -> list[Out]:
+        self.awaiting_resume.discard(node_id)  # back later, it is a joiner like any other
         attempt = self.attempt
         if attempt is None or node_id not in attempt.nodes:
             return []

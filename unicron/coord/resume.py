@@ -94,9 +94,10 @@ def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
                           state, tuple(faults[-MAX_FAULTS:]), snapshots, nbytes)
 
 
-def fault_key(fault: dict[str, Any]) -> tuple[Any, ...]:
-    """Identifies a fault sent twice: once as a ``fault`` message, again in a resume."""
-    return (fault.get("kind"), fault.get("rank"), fault.get("ts"), str(fault.get("message", ""))[:200])
+def fault_key(fault: dict[str, Any]) -> tuple[str, ...]:
+    """Identifies a fault sent twice: once as a ``fault`` message, again in a resume (any JSON
+    may come in a peer's fault: the key is made of its text)."""
+    return tuple(repr(fault.get(k))[:200] for k in ("kind", "rank", "ts", "message"))
 
 
 def _count(value: Any) -> bool:
@@ -113,22 +114,22 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
     if core.attempt is None and core.next_attempt == 0:  # no attempt started here: take theirs back
         out += _adopt(core, resumed, now)
     attempt = core.attempt
-    if attempt is None or node_id not in attempt.nodes:  # not a node of it: joins as any other
+    if attempt is None or node_id not in attempt.nodes or not core.members.is_active(node_id):
+        # Not a node of it, or one lost meanwhile: it joins as any other, and the job re-forms.
         return out + core.on_join(node_id, {k: v for k, v in body.items() if k != "resume"}, now)
     node = core.members.nodes[node_id]
     node.host, node.requested_rank, node.last_heartbeat = body["host"], body.get("node_rank"), now
     out.insert(0, Send(node_id, "welcome", {"node_id": node_id, "epoch": core.members.epoch}))
     if node_id not in core.awaiting_resume:  # a re-sent resume
         return out
-    core.awaiting_resume.discard(node_id)
     out.append(Emit("node_resumed", {"node_id": node_id, "host": node.host, "attempt": resumed.attempt,
                                      "state": resumed.state}))
     running = core.phase is Phase.RUNNING
-    if resumed.attempt != attempt.number:  # it missed an assign, or the others did: re-form all
-        return out + (core.stop_attempt(f"node {node.host} runs attempt {resumed.attempt}, not {attempt.number}, "
-                                        "after the coordinator restarted", now, want_stacks=False) if running else [])
+    if resumed.attempt != attempt.number:
+        return out + _disagrees(core, node_id, resumed, now)
     seen = {fault_key(f) for f in attempt.faults}
     new = [dict(f, node_id=node_id, reported_at=now) for f in resumed.faults if fault_key(f) not in seen]
+    core.awaiting_resume.discard(node_id)
     attempt.faults += new
     out += [Emit("fault", fault_fields(f)) for f in new]
     if resumed.state == "finished":
@@ -145,6 +146,25 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
     return out
 
 
+def _disagrees(core: JobCore, node_id: str, resumed: ResumedAttempt, now: float) -> list[Out]:
+    """A node runs another attempt than the one taken back: the old coordinator died between
+    two nodes' assigns (or this node missed one). The job re-forms, spending no budget; numbers
+    and budget go on from the newest any node knew (never reused, never refunded)."""
+    attempt = core.attempt
+    assert attempt is not None
+    core.awaiting_resume.discard(node_id)
+    core.next_attempt = max(core.next_attempt, resumed.attempt + 1)
+    core.restarts_used = max(core.restarts_used, resumed.restarts_used)
+    reason = (f"node {core.members.nodes[node_id].host} runs attempt {resumed.attempt}, not {attempt.number}, "
+              "after the coordinator restarted")
+    # Its own workers stop too (a stop names the attempt it is for); its answer to the stop of
+    # the attempt taken back is what counts.
+    out: list[Out] = [Send(node_id, "stop", {"attempt": resumed.attempt, "reason": reason, "want_stacks": False})]
+    if core.phase is Phase.RUNNING:
+        out += core.stop_attempt(reason, now, want_stacks=False)
+    return out
+
+
 def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
     """Rebuild the job around the attempt its nodes run: no restart, no budget spent."""
     core.members.adopt(list(resumed.nodes), resumed.epoch, now)
@@ -155,8 +175,15 @@ def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
     out: list[Out] = [Emit("job_resumed", {"attempt": attempt.number, "nnodes": len(attempt.nodes),
                                            "world_size": attempt.world_size, "restarts_used": core.restarts_used,
                                            "epoch": core.members.epoch})]
+    # Nodes that joined while this coordinator knew of no attempt (spares asking for a place):
+    # the job grows with them up to --nnodes MAX; the others are turned out to ask again.
     extra = [n for n in core.members.active() if n.node_id not in attempt.nodes]
-    if extra:  # joined while this coordinator knew of no attempt: the job grows with them
+    room = max(core.spec.max_nodes - len(attempt.nodes), 0)
+    for spare in extra[room:]:
+        core.members.leave(spare.node_id)
+        out.append(Send(spare.node_id, "reject", {"reason": f"job is full: {core.spec.max_nodes} node(s) already "
+                                                  "joined", "fenced": True}))
+    if extra[:room]:
         attempt.scale_up = True
         out += core.stop_attempt(f"node {extra[0].host} joined: growing to {len(core.members.active())} nodes",
                                  now, want_stacks=False)

@@ -273,6 +273,8 @@ class CoordinatorServer:
         handler = {"join": slot.core.on_join, "heartbeat": slot.core.on_heartbeat, "fault": slot.core.on_fault,
                    "stopped": slot.core.on_stopped, "finished": slot.core.on_finished,
                    "leave": slot.core.on_leave}.get(msg.kind)
+        if msg.kind in ("heartbeat", "fault", "stopped", "finished") and slot.core.awaits_resume(node_id):
+            handler = slot.core.on_unresumed
         if handler is None:
             self.codec.dropped.add("unexpected-kind")
             return

@@ -71,11 +71,14 @@ class StepStats:
         p.steps_in_attempt += advanced
         return True
 
-    def paused(self, gap_s: float) -> None:
-        """The observer was not running for ``gap_s``: no rank's silence in that time counts
-        (their progress clocks move on by it; the iteration times are untouched)."""
+    def paused(self, gap_s: float, now: float | None = None) -> None:
+        """The observer was not running for ``gap_s`` (or what it waited on was silent): no
+        rank's silence in that time counts. Their progress clocks move on by it, never past
+        ``now``: a rank that stepped meanwhile gets no credit beyond the present (a clock in the
+        future would hide a hang that long, and turn the steps before it into 0 s samples)."""
         for p in self._ranks.values():
-            p.last_progress_ts += gap_s
+            moved = p.last_progress_ts + gap_s
+            p.last_progress_ts = max(p.last_progress_ts, moved if now is None else min(moved, now))
 
     def remove(self, rank: int) -> None:
         """Stop expecting ``rank`` (it finished cleanly or was taken out of the job)."""
@@ -195,9 +198,9 @@ class HangDetector:
     def remove(self, rank: int) -> None:
         self.stats.remove(rank)
 
-    def paused(self, gap_s: float) -> None:
+    def paused(self, gap_s: float, now: float | None = None) -> None:
         """The agent itself was stopped for ``gap_s`` (see ``StepStats.paused``)."""
-        self.stats.paused(gap_s)
+        self.stats.paused(gap_s, now)
 
     def in_warmup(self) -> bool:
         # The first step of an attempt always gets the allowance: it pays for start-up.

@@ -3,7 +3,8 @@
 Messages (``t`` is the type; see docs/architecture.md, "Worker <-> agent"):
 ``hello{rank,local_rank,pid,ts}``, ``step{rank,step,ts}``, ``exc{rank,type,msg,tb,fatal,ready,ts}``,
 ``snap{rank,step,bytes,ts}``, ``moved{rank,ts}``, ``data{rank,ts}``, ``ready{rank,ts}``, ``optim{rank,ts}``,
-``exiting{rank,code,ready,ts}``, ``closed{rank,ts}`` (the default process group was destroyed),
+``exiting{rank,code,ready,ts}``, ``closed{rank,ts}`` (the default process group was destroyed), ``opened{rank,ts}`` (a new one is
+being made after that),
 ``bye{rank,ts}``.
 
 The agent reads this channel in batches (at most every 0.1 s: a step message per step would

@@ -25,7 +25,8 @@
 - **Past the collectives.** ``destroy_process_group()`` of the default group is wrapped to send
   ``closed`` once it returns: no collective of the job can join every rank again, so what the
   ranks do after it (a save, an upload, ``wandb.finish()``) is not a hang. A step reported after
-  it (the script initialised a new group) takes that back.
+  it, or ``init_process_group`` after it (``opened``: the script makes a new group), takes
+  that back.
 - **Hard exits.** ``os._exit`` (common after ``destroy_process_group``) skips atexit, so it is
   wrapped to finish pending snapshot writes, say ``bye`` on code 0 and flush the channel first.
 """
@@ -103,6 +104,7 @@ class _Runtime:
         self.reported: set[int] = set()  # id()s of exceptions already sent
         self.hard_exit_callbacks: list[Callable[[int], object]] = []
         self.snapshot_step: int | None = None  # of unicron.State's newest complete snapshot
+        self.closed = False  # said ``closed``: the default process group was destroyed
         self.pid = os.getpid()
         # Tells the agent while this worker's Python keeps moving between steps (evaluation,
         # compilation), so a long phase between steps is not taken for a hang.
@@ -193,27 +195,40 @@ def _install_ddp_layouts(ddp_module: ModuleType) -> None:
 
 
 def _announce_destroy(c10d_module: ModuleType) -> None:
-    """Wrap ``destroy_process_group`` (once) to send ``closed`` after the default group is gone.
-    Hooked as soon as ``distributed_c10d`` is executed, before ``torch.distributed`` re-exports
-    it; where that already happened (torch imported before the hooks), the re-export too."""
-    original = getattr(c10d_module, "destroy_process_group", None)
-    if original is None or getattr(original, "_unicron", False):
+    """Wrap ``destroy_process_group`` (once) to send ``closed`` after the default group is gone,
+    and ``init_process_group`` to send ``opened`` before a new one is made after that (the
+    script goes on with collectives: no longer past them). Hooked as soon as
+    ``distributed_c10d`` is executed, before ``torch.distributed`` re-exports them; where that
+    already happened (torch imported before the hooks), the re-exports too."""
+    destroy = getattr(c10d_module, "destroy_process_group", None)
+    init = getattr(c10d_module, "init_process_group", None)
+    if destroy is None or init is None or getattr(destroy, "_unicron", False):
         return
 
-    @functools.wraps(original)
+    @functools.wraps(destroy)
     def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
         members = getattr(c10d_module, "GroupMember", None)
         default = group is None or (members is not None and group is getattr(members, "WORLD", None))
-        result = original(group, *args, **kwargs)
+        result = destroy(group, *args, **kwargs)
         if default:
+            _rt.closed = True
             channel.get().emit("closed")
         return result
 
-    destroy_process_group._unicron = True  # type: ignore[attr-defined]
-    c10d_module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if _rt.closed:
+            _rt.closed = False
+            channel.get().emit("opened")
+        return init(*args, **kwargs)
+
     package = sys.modules.get("torch.distributed")
-    if package is not None and getattr(package, "destroy_process_group", None) is original:
-        package.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+    for name, original, wrapper in (("destroy_process_group", destroy, destroy_process_group),
+                                    ("init_process_group", init, init_process_group)):
+        wrapper._unicron = True  # type: ignore[attr-defined]
+        setattr(c10d_module, name, wrapper)
+        if package is not None and getattr(package, name, None) is original:
+            setattr(package, name, wrapper)
 
 
 # Modules to hook right after they are executed, and how.
