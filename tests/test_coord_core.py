@@ -456,3 +456,13 @@ def test_the_other_failed_ranks_are_named_by_node_like_the_root_cause() -> None:
     assert decision.action == "stop"
     assert "rank 1 on vm-7-ab12" in decision.reason and "also failed: rank 0 on vm-8-cd34: " in decision.reason, \
         decision.reason
+
+
+def test_another_failed_rank_is_named_once_with_its_first_report() -> None:
+    crash = {"kind": "exit", "rank": 1, "exitcode": -9, "ts": 1.0, "progress": 3, "node_id": "b", "host": "vm"}
+    victim = dict(CONNECTION_LOST, ts=1.5, node_id="a", host="vm")
+    its_exit = {"kind": "exit", "rank": 0, "exitcode": 1, "ts": 1.6, "node_id": "a", "host": "vm",
+                "summary": "exited with code 1"}
+    decision = DetectDecider().decide([crash, victim, its_exit], {}, 2.0, max_restarts=0, active_nodes=1,
+                                      min_nodes=1)
+    assert decision.reason.count("also failed: rank 0") == 1, decision.reason

@@ -238,3 +238,21 @@ def test_the_agent_resumes_only_as_a_member_and_before_any_assign_joins_plainly(
     # More refusals of messages sent before the resume went out: the join's answer decides.
     assert state.on_reject({"reason": "no job 'j' here", "unknown_job": True}) is Refusal.STALE
     assert resume_fields(None, epoch=1, state="running", faults=[], snapshots={}, snapshot_bytes={}) == {}
+
+
+def test_the_budget_spent_before_the_restart_still_counts() -> None:
+    """The restarted coordinator's decider has no history: the budget spent that the resume
+    carries must count all the same (found in acceptance: a job with --max-restarts 1 restarted
+    twice across a coordinator restart)."""
+    from unicron.coord.decide import DetectDecider
+
+    assigns = first_assigns()
+    core = JobCore(spec(), DetectDecider(), now=100)  # --max-restarts 3
+    core.on_join("a", resumed_join("a", assigns["a"], restarts=3), 100)
+    core.on_join("b", resumed_join("b", assigns["b"], restarts=3), 100.1)
+    fault = dict(FAULT, exitcode=-9, signal=9, message="rank 2 killed by SIGKILL", progress=20)
+    core.on_fault("b", {"attempt": 3, "fault": fault}, 102)
+    core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 103)
+    outs = core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 103)
+    assert core.phase is Phase.FAILED, core.final_reason
+    assert "restart budget spent: 3 of 3" in core.final_reason and [o for o in outs if isinstance(o, Finish)]

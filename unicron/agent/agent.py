@@ -266,7 +266,8 @@ class Agent:
         attempt = self.group.spec.attempt if self.group is not None else self.last_attempt
         if self.pending_assign is not None:  # assigned, its workers not started yet: lost from that one
             attempt = self.pending_assign["attempt"]
-        self.ui.warn(f"fenced by the coordinator ({reason}); stopping this node's workers and joining again")
+        workers = "stopping this node's workers and " if self.group is not None or self.pending_assign else ""
+        self.ui.warn(f"fenced by the coordinator ({reason}); {workers}joining again")
         self._stop_group(reason="fenced: " + reason)
         self.rejoiner.fenced(reason, attempt)
 

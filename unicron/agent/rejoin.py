@@ -29,7 +29,7 @@ class Rejoiner:
         ended = self.joining.on_welcome()
         if isinstance(ended, Resume):
             self.events.emit("resumed", epoch=epoch, attempt=attempt)
-            self.ui.info("the coordinator took the job back; the workers trained on")
+            self.ui.info("the coordinator took the job back")
         elif ended is not None:
             self.events.emit("rejoined", epoch=epoch, attempt=ended.attempt)
             self.ui.info("joined the job again; it re-forms with this node")
@@ -73,6 +73,6 @@ class Rejoiner:
                          f"{self.link.limit_s(done=True):g} s); this node's workers all exited 0")
             self.events.emit("coordinator_lost", finished=True)
             return 0
-        how = "its connection open" if self.link.open else "its connection closed"
+        how = "open" if self.link.open else "closed"
         raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
-                              f"{self.link.limit_s():g} s, {how})")
+                              f"{self.link.limit_s():g} s, with its connection {how}")

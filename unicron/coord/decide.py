@@ -33,7 +33,7 @@ class Decision:
 class Decider(Protocol):
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = ...,
-               finished: Sequence[tuple[int, int | None]] = ...) -> Decision: ...
+               finished: Sequence[tuple[int, int | None]] = ..., spent: int = ...) -> Decision: ...
 
 
 def to_fault(raw: dict[str, Any]) -> Fault:
@@ -58,7 +58,7 @@ class DetectDecider:
 
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = None,
-               finished: Sequence[tuple[int, int | None]] = ()) -> Decision:
+               finished: Sequence[tuple[int, int | None]] = (), spent: int = 0) -> Decision:
         """``finished``: (rank, last step) of ranks that exited 0 before the others failed.
         ``max_nodes`` (None: unknown) tells a fixed-size job, which cannot go on without a node
         even when the lost one is back already."""
@@ -80,7 +80,8 @@ class DetectDecider:
                                       elastic=active_nodes >= min_nodes and active_nodes > 0
                                       and (max_nodes is None or min_nodes < max_nodes)
                                       and any(f.kind == "node_lost" for f in parsed),
-                                      replayed=replayed, fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes))
+                                      replayed=replayed, fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes),
+                                      spent=spent)
         self.history.append(decision.record(cause, classification, progress, now, reached=reached,
                                             restored_from=restored_from, replayed=replayed))
         reason = decision.reason
@@ -123,8 +124,10 @@ def _root_cause_text(cause: Fault, raw: list[dict[str, Any]]) -> str:
         lines.append(cause.traceback.rstrip())
     elif cause.stderr_tail:
         lines.append("last lines of stderr:\n" + cause.stderr_tail.rstrip())
-    for f in raw:
-        if f.get("rank") is not None and f.get("rank") != cause.rank:
+    named: set[Any] = set()
+    for f in raw:  # each other rank once: its first report (an exception, before its exit's)
+        if f.get("rank") is not None and f.get("rank") != cause.rank and repr(f["rank"]) not in named:
+            named.add(repr(f["rank"]))
             lines.append(f"also failed: rank {f['rank']} on {f.get('node_id') or f.get('host') or '?'}: "
                          f"{f.get('summary') or f.get('message') or f.get('kind')}")
     return "\n".join(lines)

@@ -386,7 +386,8 @@ class JobCore:
             decision = self.decider.decide(attempt.faults, stacks, now, max_restarts=self.spec.max_restarts,
                                            max_nodes=self.spec.max_nodes,
                                            active_nodes=active, min_nodes=self.spec.min_nodes,
-                                           finished=finished_ranks(attempt.stopped.values()))
+                                           finished=finished_ranks(attempt.stopped.values()),
+                                           spent=self.restarts_used)
             self.history.append(decision)
         out.append(Emit("decision", {"attempt": attempt.number, "action": decision.action,
                                      "severity": decision.severity, "rule": decision.rule,

@@ -196,6 +196,7 @@ class RestartPolicy:
         elastic: bool = False,
         replayed: bool = False,
         fixed_why: str = "the job is not elastic (min nodes = current nodes)",
+        spent: int = 0,
     ) -> Decision:
         """Decide once per incident, for its root cause (``classify.root_cause``).
 
@@ -206,10 +207,12 @@ class RestartPolicy:
         ``replayed``: the attempt restored a snapshot and failed again as the attempt before it
         did, no further (``replayed_only``): its steps redid known work, so the crash-loop guard
         counts it as no progress. The other rules keep the real count, since it did run.
+        ``spent``: restarts the job spent that ``history`` may not hold (a coordinator that
+        restarted took the job back with its count, not its history): the budget counts the more.
         """
         progress = steps_completed_since_last_restart
         history = [r for r in history if r.action is not Action.NONE]  # INFO notes are not failures
-        used = sum(1 for r in history if r.action in BUDGETED_ACTIONS)
+        used = max(sum(1 for r in history if r.action in BUDGETED_ACTIONS), spent)
         severity = classification.severity
         cause = classification.reason
 
