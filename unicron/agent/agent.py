@@ -272,8 +272,8 @@ class Agent:
         self.rejoiner.fenced(reason, attempt)
 
     def _resume_fields(self) -> dict[str, Any]:
-        return self.rejoiner.resume_fields(self.group, self.pending_assign, self.assignment, epoch=self.epoch,
-                                           faults=self.reporter.attempt_faults)
+        return self.rejoiner.resume_fields(self.group, self.assignment, pending=self.pending_assign is not None,
+                                           epoch=self.epoch, faults=self.reporter.attempt_faults)
 
     def _start_attempt(self, body: dict[str, Any]) -> None:
         self._stop_group(reason="new attempt")

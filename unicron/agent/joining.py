@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unicron.agent.settings import AgentSettings
+from unicron.coord.resume import MAX_FAULTS
 from unicron.errors import RendezvousError
 
 JOIN_RETRY_S = 1.0
@@ -58,9 +59,6 @@ class Resume:
         return self.body()
 
 
-MAX_RESUME_FAULTS = 16  # as unicron.coord.resume reads them
-
-
 def resume_fields(assign: dict[str, Any] | None, *, epoch: int, state: str, faults: list[dict[str, Any]],
                   snapshots: dict[str, list[int]], snapshot_bytes: dict[str, int]) -> dict[str, Any]:
     """The ``join`` fields that resume the attempt ``assign`` gave this node, with its workers
@@ -70,7 +68,7 @@ def resume_fields(assign: dict[str, Any] | None, *, epoch: int, state: str, faul
         return {}
     return {"resume": {"attempt": assign["attempt"], "nodes": assign["nodes"],
                        "local_world_sizes": assign["local_world_sizes"], "restarts_used": assign["restarts_used"],
-                       "epoch": epoch, "state": state, "faults": faults[-MAX_RESUME_FAULTS:],
+                       "epoch": epoch, "state": state, "faults": faults[-MAX_FAULTS:],
                        "snapshots": snapshots, "snapshot_bytes": snapshot_bytes}}
 
 

@@ -50,14 +50,12 @@ class Rejoiner:
         self.joining.fenced(Resume(fields), time.monotonic(), self.link.lost_after_s)
         self.events.emit("resuming", reason=reason, attempt=attempt)
 
-    def resume_fields(self, group: WorkerGroup | None, pending: dict[str, Any] | None,
-                      assignment: dict[str, Any] | None, *, epoch: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
+    def resume_fields(self, group: WorkerGroup | None, assign: dict[str, Any] | None, *, pending: bool,
+                      epoch: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
         """What a coordinator that lost the job needs to take it back: the attempt of the last
-        ``assign`` (or of the ``pending`` one, its workers not started yet) and how far its
-        workers got."""
-        assign = pending or assignment
+        ``assign`` (``pending``: its workers not started yet) and how far its workers got."""
         state = "stopped"  # a restart's stop came, its next assign did not
-        if pending is not None:
+        if pending:
             state = "running"  # its workers start as soon as the zygote is ready
         elif group is not None and assign is not None and group.spec.attempt == assign["attempt"]:
             state = "finished" if group.finished_reported else "running"

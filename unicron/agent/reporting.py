@@ -52,9 +52,9 @@ class Reporter:
         if fault.get("kind") in ("exit", "exception") and self.health.evidence:
             # Recent health changes travel with the failure they may explain.
             for item in self.health.take_evidence():
-                self.attempt_faults.append(dict(item, attempt=attempt))
-                self.send("fault", {"node_id": self.node_id, "attempt": attempt,
-                                    "fault": dict(item, attempt=attempt)})
+                evidence = dict(item, attempt=attempt)
+                self.attempt_faults.append(evidence)
+                self.send("fault", {"node_id": self.node_id, "attempt": attempt, "fault": evidence})
         self.attempt_faults.append(fault)
         fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
         self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)

@@ -138,11 +138,10 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
         out += core.on_stopped(node_id, {**resumed.stopped_body(), "attempt": attempt.number}, now)
     elif resumed.state == "stopped" and running:
         attempt.stopped[node_id] = resumed.stopped_body()
+    if core.phase is Phase.RUNNING and (new or resumed.state == "stopped"):
         out += core.stop_attempt(describe_fault(new[0]) if new else (
             f"node {node.host} had stopped its workers of attempt {attempt.number} when the coordinator restarted"),
             now, want_stacks=False)
-    if new and core.phase is Phase.RUNNING:
-        out += core.stop_attempt(describe_fault(new[0]), now, want_stacks=False)
     return out
 
 
