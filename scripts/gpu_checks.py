@@ -1,4 +1,4 @@
-"""unicron on a real GPU: the checks a CPU machine cannot do, in one prepared run of 2-3 minutes.
+"""unicron on a real GPU: the checks a CPU machine cannot do, in one prepared run of 3-5 minutes.
 
     .venv/bin/python scripts/gpu_checks.py --out $OUT/gpu_checks.json [--only hang,crash] [--timeout-per-check 90]
 
@@ -23,12 +23,27 @@ Each check is one JSON record (``name, ok, seconds, summary, details`` or ``erro
   decision, recovery (exit 0), ``restore_step``.
 - ``nccl-faults`` (one GPU only, where the 2-rank checks run gloo): the ``cuda-assert`` and
   ``crash`` jobs again over NCCL with one rank.
+- ``snapshot``: ``unicron.State`` with the model on the GPU: background commits exact, and their cost.
+- ``gpu-stuck``: a rank stops for real at step 5, no injection: on CUDA a kernel that spins for
+  10 minutes on its stream ahead of the step's NCCL all_reduce (one rank over NCCL), so the host
+  waits in a CUDA sync; on CPU (``--cpu``) rank 1 of 2 is stuck in one native call (a regular
+  expression backtracking for ages, CPU busy, Python still) while rank 0 waits in gloo.
+  Default thresholds, ``--max-restarts 1``: the hang is called (busy), the stuck process killed,
+  and the restart restores from memory and finishes.
+- ``nccl-timeout``: the same stall under ``init_process_group(timeout=5 s)`` with unicron's hang
+  floors raised to 60 s, so the backend's own watchdog ends the process first: on CUDA NCCL's
+  ``Watchdog caught collective operation timeout`` (SIGABRT), on CPU gloo's timeout exception;
+  the real message's classification (``collective-timeout``) and the restart.
+- ``nccl-shared-gpu``: 2 ranks over NCCL on one GPU (both on cuda:0 also where there are more):
+  NCCL's real ``ncclInvalidUsage ... Duplicate GPU detected``, which is a launch mistake that
+  restarts cannot fix: FATAL, the job stopped at once with one line naming it. CUDA only.
 
 The 2-rank jobs use NCCL with a GPU per rank; on one GPU both ranks share cuda:0 over gloo on
 CUDA tensors (NCCL refuses two ranks on one GPU) and the JSON says so. Without CUDA the script
 prints one line saying so, writes ``{"cuda": false, ...}`` and exits 0 (``--cpu`` runs the checks
 on CPU over gloo instead, to test this script). Each check has a timeout, none starts when less
-than 30 s of ``--budget`` (420 s) is left, and the JSON is rewritten after every check.
+than 30 s of ``--budget`` (480 s) is left, and the JSON is rewritten after every check. The jobs
+and their helpers are in ``_gpu_jobs.py`` and ``gpu_checks_jobs/``.
 """
 
 from __future__ import annotations
@@ -39,48 +54,44 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "scripts"):  # unicron, and _gpu_jobs beside this script when it is loaded by path
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
-CHECKS = ("pynvml", "warm", "nccl", "hang", "hang-item", "cuda-assert", "crash", "nccl-faults", "snapshot")
-FAULT_STEP = 5
-ASSERT_STEP = 3
-STEPS = 120
-NPROC = 2
+from _gpu_jobs import (  # noqa: E402
+    ASSERT_STEP,
+    FAULT_STEP,
+    JOBS,
+    NPROC,
+    Context,
+    choose_backend,
+    describe_decision,
+    fault_time,
+    run_command,
+    run_job,
+    run_probe,
+    summarize_job,
+)
+
+CHECKS = ("pynvml", "warm", "nccl", "hang", "hang-item", "cuda-assert", "crash", "nccl-faults", "snapshot",
+          "gpu-stuck", "nccl-timeout", "nccl-shared-gpu")
+PG_TIMEOUT_S = 5  # nccl-timeout: the process group's own timeout ...
+LATE_FLOORS = ("--hang-floor", "60", "--hang-busy-floor", "60")  # ... which fires long before unicron's hang call
 STOP_MARGIN_S = 20.0  # after a check's timeout: time for it to stop its processes and return
-
-JOBS = Path(__file__).resolve().parent / "gpu_checks_jobs"  # the scripts the checks run
-
 WARM_EXPECTED_SUM = 3920  # sum of (A @ A) for A = arange(16).reshape(4, 4)
 
-
-
-@dataclass
-class Context:
-    device: str  # "cuda" or "cpu"
-    backend: str
-    device_count: int
-    work: Path
-    env: dict[str, str]
-    deadline: float = 0.0  # monotonic: the running check must be done by then
-
-    def left(self) -> float:
-        return max(1.0, self.deadline - time.monotonic())
-
-
 Result = tuple[bool, str, dict[str, Any]]  # ok, one-line summary, details
+__all__ = ["choose_backend", "describe_decision", "fault_time", "summarize_job"]  # the tests use them from here
 
 
 # ---- pure helpers ------------------------------------------------------------------------------
@@ -94,126 +105,6 @@ def parse_only(text: str | None) -> list[str]:
         raise ValueError(f"unknown check(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(CHECKS)}")
     return [n for n in CHECKS if n in wanted]
 
-
-def choose_backend(device: str, device_count: int, nproc: int) -> tuple[str, str]:
-    """Backend for an ``nproc``-rank job on one node, and why (NCCL needs a GPU per rank)."""
-    if device != "cuda":
-        return "gloo", "no GPU: gloo on CPU tensors"
-    if device_count >= nproc:
-        return "nccl", f"{device_count} GPUs for {nproc} ranks"
-    return "gloo", f"{device_count} GPU(s) for {nproc} ranks: NCCL refuses two ranks on one GPU; gloo on CUDA tensors"
-
-
-def fault_time(step_log: str, step: int, attempt: int = 0) -> float | None:
-    """When a rank was about to complete ``step`` of ``attempt`` (its last "pre" line), from its step log."""
-    found = None
-    for parts in (line.split() for line in step_log.splitlines()):
-        if len(parts) == 4 and parts[0] == "pre" and parts[1] == str(step) and parts[3] == str(attempt):
-            found = float(parts[2])
-    return found
-
-
-def summarize_job(events: list[dict[str, Any]], fault_ts: float | None, rank: int | None) -> dict[str, Any]:
-    """What one ``unicron run`` did, from its events: the first fault (of ``rank``, or a hang), decisions, restarts."""
-    events = sorted(events, key=lambda e: e.get("ts", 0.0))
-    faults = [e for e in events if e.get("kind") == "fault" and "node_id" not in e]  # the agent's, not the copies
-    mine = [e for e in faults if e.get("rank") == rank or e.get("fault_kind") == "hang"] or faults
-    first = mine[0] if mine else None
-    decisions = [{k: e.get(k) for k in ("attempt", "action", "severity", "rule", "reason", "culprits")}
-                 for e in events if e.get("kind") == "decision"]
-    restores = [e.get("restore_step") for e in events if e.get("kind") == "attempt_start" and e.get("attempt")]
-    end = next((e for e in events if e.get("kind") == "job_end"), None)
-    keys = ("fault_kind", "rank", "exitcode", "signal", "error_type", "message", "latency_s", "steps_completed")
-    return {
-        "first_fault": None if first is None else {k: first[k] for k in keys if first.get(k) is not None},
-        "detection_s": round(first["ts"] - fault_ts, 3) if first and fault_ts is not None and "ts" in first else None,
-        "decisions": decisions,
-        "culprit_named": None if rank is None else any(rank in (d.get("culprits") or []) for d in decisions),
-        "attempts": sum(1 for e in events if e.get("kind") == "attempt_start"),
-        "restore_step": restores[0] if restores else None,
-        "warm": [e.get("warm") for e in events if e.get("kind") == "workers_started"],
-        "job_end": None if end is None else {"exit_code": end.get("exit_code"), "reason": end.get("reason")},
-    }
-
-
-def describe_decision(summary: dict[str, Any]) -> str:
-    d = summary["decisions"][0] if summary["decisions"] else None
-    return "no decision" if d is None else f"{d['severity']} {d['action']} ({d['rule']}), culprits {d['culprits']}"
-
-
-# ---- processes ---------------------------------------------------------------------------------
-
-
-def read_events(log_dir: Path) -> list[dict[str, Any]]:
-    events = []
-    for path in sorted(log_dir.rglob("events.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                events.append(json.loads(line))
-    return events
-
-
-def kill_leftovers(marker: str) -> list[int]:
-    """SIGKILL and wait for processes whose command line or directory holds ``marker``, a directory
-    only this run created (forked workers may show their zygote's command line, not their own)."""
-    import psutil
-
-    procs = []
-    for proc in psutil.process_iter(["cmdline", "cwd"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.pid != os.getpid() and marker in " ".join([*(proc.info["cmdline"] or []), proc.info["cwd"] or ""]):
-                proc.kill()
-                procs.append(proc)
-    psutil.wait_procs(procs, timeout=5)
-    return [proc.pid for proc in procs]
-
-
-def run_command(cmd: list[str], env: dict[str, str], timeout_s: float, cwd: Path) -> tuple[int | None, str, str]:
-    """Run ``cmd`` in its own session and reap it; on timeout SIGTERM its group (unicron stops its
-    workers), SIGKILL 15 s later. Returns (exit code, None on timeout; stdout; stderr)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, None)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                out, err = proc.communicate(timeout=wait_s)
-                break
-        return None, out, err + f"\n[gpu_checks] timed out after {timeout_s:.0f}s"
-
-
-def run_job(ctx: Context, name: str, *, inject: str | None, max_restarts: int, sync: str = "barrier",
-            assert_step: int = 0, nproc: int = NPROC, backend: str | None = None,
-            fault_rank: int = 1) -> dict[str, Any]:
-    """``unicron run`` of gpu_checks_jobs/train_check.py (2 ranks): the summary of its events, exit code, output
-    tails. ``fault_rank`` is the rank the fault hits (its step log times the fault)."""
-    work = ctx.work / name
-    log_dir, step_logs, script = work / "logs", work / "steps", work / "train_check.py"
-    step_logs.mkdir(parents=True)
-    shutil.copy(JOBS / "train_check.py", script)
-    cmd = [sys.executable, "-m", "unicron", "run", "--standalone", "--nproc-per-node", str(nproc),
-           "--grace-period", "3", "--max-restarts", str(max_restarts),
-           "--log-dir", str(log_dir), *(["--inject", inject] if inject else []),
-           str(script), str(STEPS), sync, str(assert_step), str(step_logs)]
-    t0 = time.monotonic()
-    try:
-        env = {**ctx.env, "GPU_CHECK_BACKEND": backend or ctx.backend, "GPU_CHECK_FAULT_RANK": str(fault_rank)}
-        code, out, err = run_command(cmd, env, ctx.left(), work)
-    finally:
-        leftovers = kill_leftovers(str(work))
-    rank_log = step_logs / f"rank{fault_rank}.txt"
-    step = FAULT_STEP if inject else assert_step
-    events = read_events(log_dir)
-    summary = summarize_job(events, fault_time(rank_log.read_text(), step) if rank_log.exists() else None,
-                            fault_rank)
-    summary.update(exit_code=code, wall_s=round(time.monotonic() - t0, 2), backend=env["GPU_CHECK_BACKEND"],
-                   command=" ".join(cmd[2:]), stdout_tail=out[-1500:], stderr_tail=err[-3000:],
-                   leftover_pids_killed=leftovers, events=events[-80:])
-    return summary
 
 
 # ---- the checks ----------------------------------------------------------------------------------
@@ -248,14 +139,6 @@ def check_pynvml(ctx: Context) -> Result:
             if gpus else f"no GPU reading: {reader.unavailable_reason or 'NVML lists no GPU'}")
     return ok, line, details
 
-
-def run_probe(ctx: Context, script: str) -> dict[str, Any]:
-    """A job script that prints one JSON line: that line, or what it printed when it did not."""
-    code, out, err = run_command([sys.executable, str(JOBS / script)], ctx.env, min(ctx.left(), 120), ctx.work)
-    try:
-        return dict(json.loads(out.strip().splitlines()[-1]))
-    except (ValueError, IndexError, TypeError):
-        return {"exit_code": code, "stdout": out[-1000:], "stderr": err[-2000:]}
 
 
 def check_warm(ctx: Context) -> Result:
@@ -391,10 +274,59 @@ def check_snapshot(ctx: Context) -> Result:
     return ok, line, d
 
 
+def run_stall_job(ctx: Context, name: str, **kw: Any) -> dict[str, Any]:
+    """A rank stalls for real at FAULT_STEP: over NCCL with a rank per GPU (1 on a one-GPU machine:
+    its stalled stream holds the step's all_reduce), 2 ranks over gloo on CPU."""
+    nproc = NPROC if ctx.backend == "nccl" or ctx.device != "cuda" else 1
+    backend = "nccl" if ctx.device == "cuda" else "gloo"
+    return run_job(ctx, name, inject=None, max_restarts=1, sync="item", nproc=nproc, backend=backend,
+                   fault_rank=nproc - 1, stall="spin", **kw)
+
+
+def check_gpu_stuck(ctx: Context) -> Result:
+    s = run_stall_job(ctx, "gpu-stuck")
+    first = s["first_fault"] or {}
+    rule = s["decisions"][0]["rule"] if s["decisions"] else None
+    nproc = s["nproc"]
+    ok = (first.get("fault_kind") == "hang" and rule == "hang" and (nproc == 1 or s["culprit_named"])
+          and s["exit_code"] == 0 and s["restore_step"] is not None)
+    what = "a kernel spinning on its stream" if ctx.device == "cuda" else "a native call that never returns"
+    line = (f"{s['backend']} x{nproc}, rank {nproc - 1} stalled by {what}: hang called {s['detection_s']}s later "
+            f"({first.get('message', '')[:90]!r}); {describe_decision(s)}; restore_step {s['restore_step']}, "
+            f"exit {s['exit_code']}")
+    return ok, line, s
+
+
+def check_nccl_timeout(ctx: Context) -> Result:
+    s = run_stall_job(ctx, "nccl-timeout", flags=LATE_FLOORS, env={"GPU_CHECK_PG_TIMEOUT": str(PG_TIMEOUT_S)})
+    first = s["first_fault"] or {}
+    rule = s["decisions"][0]["rule"] if s["decisions"] else None
+    ok = rule == "collective-timeout" and s["exit_code"] == 0 and s["restore_step"] is not None
+    line = (f"{s['backend']}, process group timeout {PG_TIMEOUT_S}s: rank {first.get('rank')} "
+            f"{first.get('signal') or first.get('error_type') or first.get('fault_kind')} {s['detection_s']}s after "
+            f"the stall; {describe_decision(s)}; restore_step {s['restore_step']}, exit {s['exit_code']}")
+    return ok, line, s
+
+
+def check_nccl_shared_gpu(ctx: Context) -> Result:
+    if ctx.device != "cuda":
+        return True, "skipped: no GPU, no NCCL", {"skip": True}
+    s = run_job(ctx, "nccl-shared-gpu", inject=None, max_restarts=3, sync="item", nproc=NPROC, backend="nccl",
+                env={"GPU_CHECK_SAME_GPU": "1"})
+    d = s["decisions"][0] if s["decisions"] else {}
+    said = [line for line in s["stderr_tail"].splitlines() if "Duplicate GPU" in line][-1:]
+    ok = (d.get("rule") == "user-gpu-shared" and d.get("severity") == "FATAL" and s["attempts"] == 1
+          and s["exit_code"] not in (0, None))
+    line = (f"nccl x{NPROC} on cuda:0: {describe_decision(s)} after {s['attempts']} attempt(s), exit "
+            f"{s['exit_code']}; unicron said {said[0].strip()[:160] if said else 'nothing of it'!r}")
+    return ok, line, s
+
+
 CHECK_FUNCS: dict[str, Callable[[Context], Result]] = {
     "pynvml": check_pynvml, "warm": check_warm, "nccl": check_nccl, "hang": check_hang, "hang-item": check_hang_item,
     "cuda-assert": check_cuda_assert, "crash": check_crash, "nccl-faults": check_nccl_faults,
-    "snapshot": check_snapshot,
+    "snapshot": check_snapshot, "gpu-stuck": check_gpu_stuck, "nccl-timeout": check_nccl_timeout,
+    "nccl-shared-gpu": check_nccl_shared_gpu,
 }
 
 
@@ -455,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON results (rewritten after every check)")
     p.add_argument("--only", help=f"comma-separated checks, of {', '.join(CHECKS)} [all]")
     p.add_argument("--timeout-per-check", type=float, default=90.0, help="seconds for each check [90]")
-    p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run [420]")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run [480]")
     p.add_argument("--cpu", action="store_true", help="without CUDA, run the checks on CPU over gloo")
     args = p.parse_args(argv)
     try:

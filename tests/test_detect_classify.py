@@ -38,6 +38,11 @@ NCCL_SYSTEM = (
     "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.19.3\n"
     "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error."
 )
+NCCL_INVALID_USAGE = (  # as torch 2.x words it (NCCL 2.19-2.28): a launch that put two ranks on one GPU
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hpp:268, invalid usage (run with "
+    "NCCL_DEBUG=WARN for details), NCCL version 2.21.5\nncclInvalidUsage: This usually reflects invalid usage of "
+    "NCCL library.\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1b000"
+)
 GLOO_RESET = (
     "[rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
     "Connection closed by peer [127.0.0.1]:61576. This is typically caused by a remote worker crashing."
@@ -97,6 +102,10 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
     ("cuda-error", F(exitcode=-6, stderr_tail="terminate called...\n  what():  CUDA error: device-side assert triggered"), ()),
     ("nccl-remote", F(exitcode=1, stderr_tail=NCCL_REMOTE), ()),
     ("nccl-error", F(exitcode=1, stderr_tail=NCCL_SYSTEM), ()),
+    ("nccl-error", F(exitcode=1, stderr_tail=NCCL_INVALID_USAGE.replace("Duplicate GPU", "Other")), ()),
+    ("user-gpu-shared", F("exception", error_type="torch.distributed.DistBackendError", steps_completed=0,
+                          message=NCCL_INVALID_USAGE), ()),
+    ("user-gpu-shared", F(exitcode=1, steps_completed=12, stderr_tail=NCCL_INVALID_USAGE), ()),
     ("collective-timeout", F(exitcode=-6, stderr_tail="[Rank 0] Watchdog caught collective operation timeout: "
                                                       "WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 milliseconds"), ()),
     ("collective-timeout", F(exitcode=1, stderr_tail="RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] "

@@ -185,3 +185,24 @@ def test_a_check_past_its_timeout_is_stopped_and_recorded(workdir: Path) -> None
     assert crash["ok"] is False and crash["details"]["exit_code"] is None  # unicron was stopped, and reaped
     assert "[gpu_checks] timed out after 3s" in crash["details"]["stderr_tail"]
     assert "[FAIL] crash" in out
+
+
+def test_cpu_run_of_the_real_stall_checks(workdir: Path) -> None:
+    """No injection: rank 1 is stuck for real in a native call at step 5 (a regular expression
+    backtracking for ages). Found as a busy hang and healed; under a 5 s process group timeout
+    with unicron's floors at 60 s, gloo's own timeout ends rank 0 first and is classified so."""
+    out_file = workdir / "stall.json"
+    code, out, err = run_script(["--cpu", "--out", str(out_file), "--only", "gpu-stuck,nccl-timeout,nccl-shared-gpu"],
+                                workdir, timeout=110)
+    assert code == 0, err
+    checks = checks_by_name(out_file)
+    stuck, timeout = checks["gpu-stuck"]["details"], checks["nccl-timeout"]["details"]
+    assert checks["gpu-stuck"]["ok"] is True, stuck
+    assert stuck["first_fault"]["fault_kind"] == "hang" and "busy" in stuck["first_fault"]["message"]
+    assert stuck["decisions"][0]["culprits"] == [1] and stuck["restore_step"] == 4
+    assert 9.0 <= stuck["detection_s"] < 30.0  # the busy floor, 10 s
+    assert checks["nccl-timeout"]["ok"] is True, timeout
+    assert timeout["decisions"][0]["rule"] == "collective-timeout" and timeout["first_fault"]["rank"] == 0
+    assert 4.0 <= timeout["detection_s"] < 30.0 and timeout["exit_code"] == 0
+    assert checks["nccl-shared-gpu"]["ok"] is None  # CUDA only
+    assert stuck["leftover_pids_killed"] == [] == timeout["leftover_pids_killed"]

@@ -259,6 +259,7 @@ def _signal_in(signals: frozenset[int]) -> Callable[[Fault, Evidence], bool]:
     return lambda f, ev: _failed_process(f) and ev.signal in signals
 
 
+_SHARED_GPU = re.compile(r"Duplicate GPU detected[^\n]*")  # NCCL's words for two ranks of one communicator on one GPU
 _NVLINK_ERROR = re.compile(r"NVLink[^\n]*(error|fail|fault|down)|(error|fail|fault)[^\n]*NVLink", re.IGNORECASE)
 
 # fmt: off
@@ -302,6 +303,10 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()}: the script rejected its arguments (argparse usage error, exit code 2)"),
     Rule("user-state-error", Severity.FATAL, _state_misuse,
          lambda f, ev: f"{f.where()}: {_error_summary(f, ev)} (a restart would repeat it)"),
+    Rule("user-gpu-shared", Severity.FATAL, lambda f, ev: _failed_process(f) and bool(_SHARED_GPU.search(ev.text)),
+         lambda f, ev: f"{f.where()}: two ranks share one GPU (NCCL: {_short(_first_match(_SHARED_GPU, ev.text))}): "
+         "give each local rank its own device (torch.cuda.set_device(int(os.environ['LOCAL_RANK']))) and start "
+         "no more ranks per node than it has GPUs"),
     Rule("user-error-unknown-progress", Severity.SEV2, _user_error_unknown_progress,
          lambda f, ev: f"{f.where()} raised {_error_summary(f, ev)} past start-up (the script reports no steps, "
          "so its progress is unknown); the same error again after the restart stops the job"),
