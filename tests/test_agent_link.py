@@ -49,16 +49,31 @@ def test_the_jobs_level_goes_stale_after_two_missed_answers() -> None:
     assert c.job_level(9.6) is Activity.WORKING
 
 
-def test_a_coordinator_silent_over_an_open_connection_gets_longer() -> None:
-    """Its process lives (stopped, or its node frozen whole): 4 x the silence of a closed one,
-    except for a node whose workers all finished, which only waits for the job's end."""
+def test_a_coordinator_silent_over_an_open_connection_to_a_host_that_answers_gets_longer() -> None:
+    """Its process lives (stopped, swapping): 4 x the silence of a closed one, except for a node
+    whose workers all finished, which only waits for the job's end. Open but with a host that
+    does not answer (a partition, the host frozen whole or gone): the short limit."""
     c = link()
     c.heard(10.0)
     c.connection(True)
-    assert c.limit_s() == 60.0 and not c.lost(69.0) and c.lost(70.1)
-    assert c.limit_s(done=True) == 15.0 and c.lost(25.1, done=True)
+    assert not c.probing(10.9) and c.probing(11.1)  # two answers missed
+    assert c.limit_s(11.0) == 15.0 and c.lost(25.1)  # nothing known of its host yet
+    for t in range(12, 70):
+        c.host_answered(float(t))  # the probe connects once a second
+        assert not c.lost(t + 0.5)
+    assert c.limit_s(69.0) == 60.0 and c.lost(70.1)
+    assert c.limit_s(69.0, done=True) == 15.0 and c.lost(25.1, done=True)
+    assert c.limit_s(73.9) == 60.0 and c.limit_s(74.1) == 15.0  # its host has not answered for 5 s
     c.connection(False)  # its host's kernel closed the connection: the process died
-    assert c.lost(25.1)
+    assert c.limit_s(69.0) == 15.0 and c.lost(25.1) and not c.probing(30.0)
+
+
+def test_a_partitioned_coordinator_is_given_up_after_the_short_limit() -> None:
+    c = link()
+    c.heard(10.0)
+    c.connection(True)
+    c.host_answered(4.0)  # an earlier silence's answer is stale
+    assert not c.lost(24.9) and c.lost(25.1) and not c.lives_unheard(25.1)
 
 
 @pytest.mark.timeout(30)
@@ -104,3 +119,63 @@ def test_silence_is_excused_from_hang_clocks_only_for_a_coordinator_that_hosts_r
     assert c.unheard(52.0)
     alone = CoordinatorLink(0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, hosts_ranks=False)
     assert not alone.unheard(10.0) and alone.heard(10.0) == 0.0  # a standalone coordinator runs no ranks
+
+
+def test_the_endpoints_address() -> None:
+    from unicron.agent.hostprobe import tcp_address
+
+    assert tcp_address("tcp://10.0.0.2:29500") == ("10.0.0.2", 29500)
+    assert tcp_address("tcp://[::1]:5") == ("::1", 5) and tcp_address("tcp://node-3.cluster:80") == ("node-3.cluster", 80)
+    for other in ("ipc:///tmp/x", "tcp://host", "tcp://:5", "tcp://h:p"):
+        assert tcp_address(other) is None
+
+
+@pytest.mark.timeout(60)
+def test_the_probe_finds_a_stopped_process_up_and_a_closed_port_not() -> None:
+    """A coordinator's process stopped with SIGSTOP: its host's kernel still accepts connections
+    on its port (into the listen backlog), so the probe says up; a port nobody listens on: no."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from e2e import wait_for as until
+
+    from unicron.agent.hostprobe import HostProbe
+
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8)\n"
+        "print(s.getsockname()[1], flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: a connect is refused
+    up = down = None
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        server.send_signal(signal.SIGSTOP)
+        up = HostProbe(f"tcp://127.0.0.1:{port}", every_s=0.1, timeout_s=1.0)
+        down = HostProbe(f"tcp://127.0.0.1:{closed.getsockname()[1]}", every_s=0.1, timeout_s=1.0)
+        assert up.answered_at is None and up.probes == 0
+        up.want(True)
+        down.want(True)
+        until(lambda: up.answered_at is not None and down.probes >= 3, 20, "probes")
+        assert down.answered_at is None
+        up.want(False)  # asked to stop: at most the probe in flight, then none
+
+        def probes_stopped() -> bool:
+            before = up.probes
+            time.sleep(0.5)  # one sampling window of the poll: five probe periods
+            return up.probes == before
+
+        until(probes_stopped, 10, "the probes to stop")
+    finally:
+        for probe in (up, down):
+            if probe is not None:
+                probe.close()
+        closed.close()
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()

@@ -31,6 +31,7 @@ from unicron.agent.attempt import (
     worker_env_factory,
 )
 from unicron.agent.connwatch import ConnectionWatch
+from unicron.agent.hostprobe import HostProbe
 from unicron.agent.inbox import WorkerInbox
 from unicron.agent.janitor import Janitor
 from unicron.agent.joining import JoinState, Refusal, join_body
@@ -116,7 +117,7 @@ class Agent:
         dealer.setsockopt(zmq.IPV6, 1)  # an IPv6 literal endpoint needs it; IPv4 ones are unaffected
         dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
         dealer.setsockopt(zmq.LINGER, 1000)
-        conn = ConnectionWatch(dealer)
+        conn, probe = ConnectionWatch(dealer), HostProbe(self.endpoint)
         dealer.connect(self.endpoint)
         inbox = self.inbox = WorkerInbox(self.ctx, self.agent_addr)
         self.reporter.dealer = dealer
@@ -179,7 +180,10 @@ class Agent:
                 self._heartbeat()
                 stepped = self.group.last_step_at() if self.group is not None else None
                 done = self.group is not None and self.group.finished_reported
-                if self.joining.welcomed and self.link.lost(time.monotonic(), stepped, done=done):
+                now_m = time.monotonic()
+                probe.want(self.link.probing(now_m))  # silent over an open connection: is its host up?
+                self.link.host_answered(probe.answered_at)
+                if self.joining.welcomed and self.link.lost(now_m, stepped, done=done):
                     return self.rejoiner.lost(done)
         except (Interrupted, UnicronError) as err:
             # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
@@ -200,6 +204,7 @@ class Agent:
                 self.pool.close()
             self.tee.close()
             conn.close()
+            probe.close()
             dealer.close(linger=500)
             inbox.close()
             shutil.rmtree(self.work_dir, ignore_errors=True)

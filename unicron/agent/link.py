@@ -8,11 +8,14 @@ too: a step needs every rank's collective, the coordinator's node's included, so
 come the job lives even when the coordinator's launcher is stopped.
 
 How long a silence means the coordinator is gone depends on its connection: closed (its process
-died: its host's kernel closed the socket; or never made), ``lost_after_s``; still open, the
-coordinator's process lives but does not answer (stopped, swapping, its node frozen whole: its
-ranks, and so this node's, do not step either), or its host is cut off: ``OPEN_FACTOR`` times
-longer, so that a node frozen for tens of seconds costs the job nothing, as under torchrun,
-whose agents never give up on a silent store while their workers run. A node whose workers all
+died: its host's kernel closed the socket; or never made), ``lost_after_s``. Still open, either
+the coordinator's process lives but does not answer (stopped, swapping, its node's launcher
+frozen with the ranks on it: this node's ranks do not step either), and its host still accepts
+TCP connections on the coordinator's port (``unicron.agent.hostprobe`` tries once a second);
+then ``OPEN_FACTOR`` times longer, so that a node frozen for tens of seconds costs the job
+nothing, as under torchrun, whose agents never give up on a silent store while their workers
+run. Or nothing answers: a partition, or the host frozen whole or gone; no kernel closes the
+connection then, and ``lost_after_s`` applies, as for a closed one. A node whose workers all
 finished waits only ``lost_after_s`` for the job's end to be confirmed: it did its part.
 """
 
@@ -21,7 +24,8 @@ from __future__ import annotations
 from unicron.detect.activity import Activity
 
 MIN_LOST_AFTER_S = 15.0
-OPEN_FACTOR = 4  # silence allowed over a connection that stays open, in units of lost_after_s
+OPEN_FACTOR = 4  # silence allowed while the coordinator's process lives, in units of lost_after_s
+ANSWER_FRESH_S = 5.0  # a connect to the coordinator's host this recent says the host is up (one a second)
 
 
 class CoordinatorLink:
@@ -39,22 +43,38 @@ class CoordinatorLink:
         self.level_at: float | None = None  # when the job's activity was last heard
         self.open = False  # a ZMTP session with the coordinator is up (the socket's monitor says)
         self.excused_s = 0.0  # silence excused from the ranks' hang clocks this attempt (see unheard)
+        self.host_answered_at: float | None = None  # the coordinator's host last accepted a TCP connect
 
     def connection(self, up: bool) -> None:
         """The socket's monitor saw the session to the coordinator come up, or close."""
         self.open = up
 
-    def limit_s(self, done: bool = False) -> float:
-        """The silence that means the coordinator is gone, given its connection now (``done``:
-        this node's workers all finished)."""
-        return self.lost_after_s * (OPEN_FACTOR if self.open and not done else 1)
+    def host_answered(self, at: float | None) -> None:
+        """When the coordinator's host last accepted a connect on its port (``hostprobe``)."""
+        self.host_answered_at = at
+
+    def probing(self, now: float) -> bool:
+        """Whether the coordinator's host is worth probing: silent (two answers missed) over an
+        open connection."""
+        return self.open and now - self.heard_at > 2 * self.heartbeat_interval_s
+
+    def lives_unheard(self, now: float) -> bool:
+        """Silent, but its connection is open and its host accepts connections: the
+        coordinator's process lives (stopped, swapping)."""
+        return (self.open and self.host_answered_at is not None
+                and now - self.host_answered_at <= ANSWER_FRESH_S)
+
+    def limit_s(self, now: float, done: bool = False) -> float:
+        """The silence that means the coordinator is gone, given what is known of it at ``now``
+        (``done``: this node's workers all finished)."""
+        return self.lost_after_s * (OPEN_FACTOR if not done and self.lives_unheard(now) else 1)
 
     def heard(self, now: float, level: Activity | None = None) -> float:
         """A message came (an ``ack`` carries the job's ``level``). Returns the silence that
         just ended to excuse from the ranks' hang clocks (see ``unheard``)."""
         ended = 0.0
         if self.unheard(now):
-            ended = min(now - self.heard_at - 2 * self.heartbeat_interval_s, self.limit_s() - self.excused_s)
+            ended = min(now - self.heard_at - 2 * self.heartbeat_interval_s, self.limit_s(now) - self.excused_s)
             self.excused_s += ended
         self.heard_at = now
         if level is not None:
@@ -69,9 +89,9 @@ class CoordinatorLink:
         node, is stopped, cut off, or gone. Its node's ranks may be what this node's ranks wait
         for, so no hang is called here meanwhile (a verdict could not be acted on before it
         answers anyway), and the silence does not count against the ranks' hang clocks when it
-        answers again. At most ``limit_s()`` of silence is excused per attempt, so that a
+        answers again. At most ``limit_s`` of silence is excused per attempt, so that a
         coordinator that answers only now and then cannot hide a hang for ever."""
-        return (self.hosts_ranks and self.excused_s < self.limit_s()
+        return (self.hosts_ranks and self.excused_s < self.limit_s(now)
                 and now - self.heard_at > 2 * self.heartbeat_interval_s)
 
     def paused(self, gap_s: float) -> None:
@@ -93,4 +113,4 @@ class CoordinatorLink:
         return now - max(self.heard_at, stepped_at if stepped_at is not None else self.heard_at)
 
     def lost(self, now: float, stepped_at: float | None = None, *, done: bool = False) -> bool:
-        return self.silent_s(now, stepped_at) > self.limit_s(done)
+        return self.silent_s(now, stepped_at) > self.limit_s(now, done)

@@ -66,11 +66,17 @@ class Rejoiner:
     def lost(self, finished: bool) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node
         did its part: exit 0, as torchrun's agent does when its exit barrier fails."""
+        now = time.monotonic()
         if finished:
             self.ui.warn(f"the coordinator at {self.endpoint} did not confirm the job's end (no answer for "
-                         f"{self.link.limit_s(done=True):g} s); this node's workers all exited 0")
+                         f"{self.link.limit_s(now, done=True):g} s); this node's workers all exited 0")
             self.events.emit("coordinator_lost", finished=True)
             return 0
-        how = "open" if self.link.open else "closed"
+        if not self.link.open:
+            how = "its connection closed (its process died?)"
+        elif self.link.lives_unheard(now):
+            how = "its connection open and its host up (its process stopped?)"
+        else:
+            how = "its connection open but its host unreachable (a partition, or the host is down)"
         raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
-                              f"{self.link.limit_s():g} s, with its connection {how}")
+                              f"{self.link.limit_s(now):g} s, {how}")
