@@ -466,3 +466,32 @@ def test_another_failed_rank_is_named_once_with_its_first_report() -> None:
     decision = DetectDecider().decide([crash, victim, its_exit], {}, 2.0, max_restarts=0, active_nodes=1,
                                       min_nodes=1)
     assert decision.reason.count("also failed: rank 0") == 1, decision.reason
+
+
+def test_a_hang_after_another_nodes_rank_finished_is_a_tail_not_a_fault() -> None:
+    """Node b's workers all exited 0: a's ranks are past the last step (an upload, a final
+    checkpoint), so a's hang report is ignored, and a is told at once not to call one."""
+    core = two_nodes_running(ScriptedDecider(RESTART))
+    assert "done" not in sends(core.on_heartbeat("a", {"attempt": 0, "workers": [], "health": {}}, 1.5), "ack")["a"]
+    outs = core.on_finished("b", {"attempt": 0}, 2)
+    assert sends(outs, "ack")["a"]["done"] == 0 and core.past_last_step()
+    outs = core.on_fault("a", {"attempt": 0, "fault": {"kind": "hang", "ts": 3.5, "message": "idle"}}, 3.5)
+    assert [o.kind for o in outs if isinstance(o, Emit)] == ["hang_ignored"] and not sends(outs, "stop")
+    assert core.phase is Phase.RUNNING and core.attempt is not None and core.attempt.faults == []
+    # A rank that fails for real in its tail is still a fault.
+    outs = core.on_fault("a", {"attempt": 0, "fault": {"kind": "exit", "rank": 0, "exitcode": 1, "ts": 4}}, 4)
+    assert set(sends(outs, "stop")) == {"a", "b"}
+
+
+def test_a_node_with_one_rank_done_tells_the_others_at_once() -> None:
+    """b's heartbeat says one of its ranks is past its last step (exited 0, destroyed its
+    process group) while its other rank lives on: every agent hears it, for this attempt only."""
+    core = two_nodes_running(ScriptedDecider(RESTART))
+    outs = core.on_heartbeat("b", {"attempt": 0, "workers": [], "health": {}, "done": True}, 2)
+    assert {n: body.get("done") for n, body in sends(outs, "ack").items()} == {"a": 0, "b": 0}
+    outs = core.on_heartbeat("b", {"attempt": 0, "workers": [], "health": {}, "done": True}, 2.5)
+    assert list(sends(outs, "ack")) == ["b"]  # told once; later acks still carry it
+    assert sends(outs, "ack")["b"]["done"] == 0
+    stale = two_nodes_running(ScriptedDecider(RESTART))
+    stale.on_heartbeat("b", {"attempt": 7, "workers": [], "health": {}, "done": True}, 2)  # another attempt's word
+    assert not stale.past_last_step()

@@ -472,3 +472,44 @@ def test_a_node_whose_workers_finished_while_the_coordinator_was_stopped_exits_0
     assert code_b == 0 and "did not confirm the job's end" in err_b, err_b
     code_a, _, err_a = a.wait(60)
     assert code_a == 0, err_a
+
+
+TAIL_AFTER_TRAINING = """
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(30):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    time.sleep(0.02)
+if rank != 3:
+    time.sleep(5)  # the tail: a final checkpoint upload, wandb.finish()
+print(f"rank {rank} finished", flush=True)
+"""
+
+
+def test_an_idle_tail_on_one_node_after_a_rank_of_another_finished_is_not_a_hang(workdir, launch) -> None:
+    """Rank 3 (on one node) exits 0 after the last step; its node's other rank and the other
+    node's ranks idle 5 s in their tails, past the 1.5 s idle threshold. The first node says so
+    in its heartbeat, the coordinator tells every agent, and nobody calls a hang (it used to
+    call one on the other node and restart the job until the budget was spent)."""
+    (workdir / "tail.py").write_text(TAIL_AFTER_TRAINING)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "tailjob", "--max-restarts", "3", "--log-dir", str(workdir / "logs"), str(workdir / "tail.py")]
+    nodes = [launch(args, workdir, env) for _ in range(2)]
+    for node in nodes:
+        code, out, err = node.wait(90)
+        assert code == 0, err
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] in ("fault", "decision", "hang_ignored")], events
+    assert len([e for e in events if e["kind"] == "attempt_start"]) == 1

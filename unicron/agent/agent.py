@@ -244,6 +244,8 @@ class Agent:
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
                 self.link.heard(time.monotonic(), Activity.parse(body.get("activity")))
+                if self.group is not None and body.get("done") == self.group.spec.attempt:
+                    self.group.peers_done = True
             elif msg.kind == "assign":
                 self._start_attempt(body)
             elif msg.kind == "stop":

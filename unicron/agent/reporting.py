@@ -35,6 +35,7 @@ class Reporter:
         self.health = HealthWatch()
         self.last_heartbeat = 0.0  # monotonic time of the last heartbeat sent
         self.sent_level = Activity.IDLE
+        self.sent_done = False  # whether the last heartbeat said some local rank is past its last step
         # Every fault reported since the last assign (health evidence too): what a restarted
         # coordinator, which lost them, is told in this node's resume (unicron.coord.resume).
         self.attempt_faults: list[dict[str, Any]] = []
@@ -68,17 +69,20 @@ class Reporter:
         # A group that finished or reported a hang samples no more: its last level is stale.
         running = group is not None and not group.finished_reported and not group.hang_reported
         level = group.level if running and group is not None else Activity.IDLE
-        # A change of activity goes out at once: other agents' hang thresholds depend on it.
-        if not at_once and now - self.last_heartbeat < self.heartbeat_interval_s and level == self.sent_level:
+        done = group is not None and group.past_last_step()
+        # A change of activity goes out at once: other agents' hang thresholds depend on it; and
+        # a rank past its last step, which ends their hang calls.
+        if (not at_once and now - self.last_heartbeat < self.heartbeat_interval_s and level == self.sent_level
+                and done == self.sent_done):
             return
-        self.last_heartbeat, self.sent_level = now, level
+        self.last_heartbeat, self.sent_level, self.sent_done = now, level, done
         if self.health.due(now):
             self._check_health(read_health_safely(), group)
         workers = group.summary() if group is not None else []
         self.send("heartbeat", {"node_id": self.node_id, "epoch": epoch,
                                 "attempt": group.spec.attempt if group else -1,
                                 "workers": workers, "health": self.health.reading,
-                                "activity": level.name.lower()})
+                                "activity": level.name.lower(), "done": done})
         self.ui.update(workers)
 
     def _check_health(self, reading: dict[str, Any], group: WorkerGroup | None) -> None:

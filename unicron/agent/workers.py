@@ -57,6 +57,7 @@ class WorkerGroup:
         self.reported_exc: set[int] = set()
         self.finished_reported = False
         self.hang_reported = False
+        self.peers_done = False  # the coordinator says a rank of another node is past its last step
         self.saw_hello = False
         self.activity = ActivityTracker()
         self.level = Activity.IDLE  # what the local ranks overdue for a step are doing
@@ -239,12 +240,14 @@ class WorkerGroup:
         none seen: they cannot be overdue), nor once some rank finished cleanly or destroyed its
         default process group: the job is past its last step (no collective can join every rank
         again), and what the ranks do in their tail (an upload, ``wandb.finish()``, a sleep) is
-        not a hang."""
-        if self.failure_reported():
-            return False
-        if any(r.bye_at is not None or r.exitcode == 0 or r.closed for r in self.ranks.values()):
+        not a hang. The same once a rank of another node is (``peers_done``)."""
+        if self.failure_reported() or self.past_last_step() or self.peers_done:
             return False
         return self.expect_steps or any(r.steps_in_attempt for r in self.ranks.values())
+
+    def past_last_step(self) -> bool:
+        """Some local rank finished cleanly or destroyed its default process group."""
+        return any(r.bye_at is not None or r.exitcode == 0 or r.closed for r in self.ranks.values())
 
     def next_check_s(self, mono: float) -> float:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the

@@ -133,16 +133,29 @@ class JobCore:
         attempt = self.attempt
         current = attempt is not None and body.get("attempt") == attempt.number and node_id not in attempt.finished
         self.members.nodes[node_id].activity = Activity.parse(body.get("activity")) if current else Activity.IDLE
+        was_done = self.past_last_step()
+        if current and body.get("done") is True and attempt is not None:
+            attempt.done.add(node_id)
         level = self.job_activity(now)
-        if level > before:
+        if level > before or self.past_last_step() > was_done:
             # Every agent judges a hang by the whole job's activity: a node whose ranks wait in
             # a barrier while another node's rank evaluates must hear of it before its short
-            # idle threshold runs out, not at its next heartbeat.
+            # idle threshold runs out, not at its next heartbeat; likewise that a rank finished.
             return self._ack_all(level)
         return [Send(node_id, "ack", self._ack(level))]
 
     def _ack(self, level: Activity) -> dict[str, Any]:
-        return {"epoch": self.members.epoch, "state": self.phase.value, "activity": level.name.lower()}
+        ack = {"epoch": self.members.epoch, "state": self.phase.value, "activity": level.name.lower()}
+        if self.past_last_step() and self.attempt is not None:
+            ack["done"] = self.attempt.number
+        return ack
+
+    def past_last_step(self) -> bool:
+        """Some rank of the running attempt exited 0 or destroyed its process group: no
+        collective can join every rank again, so what the others do from now on (an upload,
+        a final checkpoint, ``wandb.finish()``) is their tail, never a hang."""
+        a = self.attempt
+        return a is not None and self.phase is Phase.RUNNING and bool(a.finished or a.done)
 
     def _ack_all(self, level: Activity) -> list[Out]:
         return [Send(n.node_id, "ack", self._ack(level)) for n in self.members.active()]
@@ -171,6 +184,9 @@ class JobCore:
             return [Emit("fault_stale", {"node_id": node_id, "attempt": body["attempt"]})]
         self.members.heartbeat(node_id, now)  # any message is a sign of life
         fault = dict(body["fault"], node_id=node_id, reported_at=now)
+        if fault.get("kind") == "hang" and self.past_last_step():  # a tail, sent before the agent knew
+            return [Emit("hang_ignored", {"node_id": node_id, "attempt": attempt.number,
+                                          "why": "a rank of another node is past its last step"})]
         attempt.faults.append(fault)
         if isinstance(fault.get("latency_s"), (int, float)):
             self.detections.append(float(fault["latency_s"]))
@@ -183,10 +199,13 @@ class JobCore:
         attempt = self.attempt
         if attempt is None or body["attempt"] != attempt.number or self.phase is not Phase.RUNNING:
             return []
+        was_done = self.past_last_step()
         attempt.finished.add(node_id)
         out: list[Out] = [Emit("node_finished", {"node_id": node_id, "attempt": attempt.number})]
         if all(n in attempt.finished for n in attempt.nodes):
             out += self._finish(0, "all workers finished successfully", now)
+        elif not was_done:  # the others' ranks are in their tails now: no hang to call there
+            out += self._ack_all(self.job_activity(now))
         return out
 
     def on_stopped(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:

@@ -45,6 +45,7 @@ class Attempt:
     faults: list[dict[str, Any]] = field(default_factory=list)  # as reported, all kept for the root cause
     stopped: dict[str, dict[str, Any]] = field(default_factory=dict)  # node id -> its `stopped` report
     finished: set[str] = field(default_factory=set)  # nodes whose workers all exited 0
+    done: set[str] = field(default_factory=set)  # nodes with some rank past its last step (exited 0, closed)
     stop_reason: str = ""
     stop_sent_at: float | None = None
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure

@@ -21,9 +21,10 @@ from unicron.proto.schema import schema_errors
 
 # 2: join carries heartbeat_interval_s and a fenced node's attempt and snapshots; reject says
 # fenced. 3: assign names the attempt's nodes and the restarts spent; join may resume an attempt
-# with a restarted coordinator, which says unknown_job. Peers of another version do not talk:
-# their messages are dropped and counted.
-PROTOCOL_VERSION = 3
+# with a restarted coordinator, which says unknown_job. 4: a heartbeat says whether some rank of
+# the node is past its last step (done), an ack which attempt is (done). Peers of another version
+# do not talk: their messages are dropped and counted.
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 

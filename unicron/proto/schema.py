@@ -23,7 +23,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
              "attempt?": int, "snapshots?": dict, "snapshot_bytes?": dict,
              # a member whose coordinator restarted: the attempt it runs (unicron.coord.resume)
              "resume?": dict},
-    "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict, "activity?": str},
+    "heartbeat": {"node_id": str, "epoch": int, "attempt": int, "workers": list, "health": dict, "activity?": str,
+                  "done?": bool},
     "fault": {"node_id": str, "attempt": int, "fault": dict},
     "stopped": {"node_id": str, "attempt": int, "snapshots": dict, "stacks": dict, "snapshot_bytes?": dict,
                 "finished?": list},
@@ -32,7 +33,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "status_req": {},
     # coordinator -> agent
     "welcome": {"node_id": str, "epoch": int},
-    "ack": {"epoch": int, "state": str, "activity?": str},
+    # done: the attempt (its number) in which some rank is past its last step: no hang can be called
+    "ack": {"epoch": int, "state": str, "activity?": str, "done?": int},
     "assign": {"epoch": int, "attempt": int, "restart_count": int, "node_rank": int, "nnodes": int,
                "rank_offset": int, "world_size": int, "local_world_sizes": list,
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
