@@ -492,6 +492,10 @@ def test_a_node_with_one_rank_done_tells_the_others_at_once() -> None:
     outs = core.on_heartbeat("b", {"attempt": 0, "workers": [], "health": {}, "done": True}, 2.5)
     assert list(sends(outs, "ack")) == ["b"]  # told once; later acks still carry it
     assert sends(outs, "ack")["b"]["done"] == 0
+    # Its rank made a new process group (init_process_group after destroy): training again.
+    outs = core.on_heartbeat("b", {"attempt": 0, "workers": [], "health": {}, "done": False}, 3)
+    assert {n: "done" in body for n, body in sends(outs, "ack").items()} == {"a": False, "b": False}
+    assert not core.past_last_step()
     stale = two_nodes_running(ScriptedDecider(RESTART))
     stale.on_heartbeat("b", {"attempt": 7, "workers": [], "health": {}, "done": True}, 2)  # another attempt's word
     assert not stale.past_last_step()

@@ -244,8 +244,11 @@ class Agent:
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
                 self.link.heard(time.monotonic(), Activity.parse(body.get("activity")))
-                if self.group is not None and body.get("done") == self.group.spec.attempt:
-                    self.group.peers_done = True
+                if self.group is not None:
+                    self.group.peers_done = body.get("done") == self.group.spec.attempt
+                    if self.group.peers_done:  # a hang this node reported was a tail: not for a resume
+                        self.reporter.attempt_faults = [f for f in self.reporter.attempt_faults
+                                                        if f.get("kind") != "hang"]
             elif msg.kind == "assign":
                 self._start_attempt(body)
             elif msg.kind == "stop":

@@ -134,10 +134,10 @@ class JobCore:
         current = attempt is not None and body.get("attempt") == attempt.number and node_id not in attempt.finished
         self.members.nodes[node_id].activity = Activity.parse(body.get("activity")) if current else Activity.IDLE
         was_done = self.past_last_step()
-        if current and body.get("done") is True and attempt is not None:
-            attempt.done.add(node_id)
+        if current and attempt is not None:  # a rank that made a new process group takes it back
+            (attempt.done.add if body.get("done") is True else attempt.done.discard)(node_id)
         level = self.job_activity(now)
-        if level > before or self.past_last_step() > was_done:
+        if level > before or self.past_last_step() != was_done:
             # Every agent judges a hang by the whole job's activity: a node whose ranks wait in
             # a barrier while another node's rank evaluates must hear of it before its short
             # idle threshold runs out, not at its next heartbeat; likewise that a rank finished.
