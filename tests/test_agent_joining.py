@@ -92,3 +92,24 @@ def test_a_full_job_is_waited_out_until_a_place_frees_or_the_join_timeout() -> N
     with pytest.raises(RendezvousError, match=r"refused this node for 20 s: job is full"):
         late.join_due(20.5)
 
+
+
+def test_a_node_waiting_for_a_place_ends_once_the_coordinator_stops_answering() -> None:
+    """It answered "full, wait" to every join; then silence (the job ended, the coordinator's
+    launcher exited): the waiting node ends after the silence a member would take for a lost
+    coordinator, not after the whole join timeout."""
+    j = JoinState("tcp://h:1", join_timeout_s=600, now=0.0, gone_after_s=15.0)
+    full = {"reason": "job is full: 2 node(s) already joined", "wait": True}
+    for t in range(0, 30):
+        if j.join_due(float(t)):
+            j.heard(t + 0.01)
+            assert j.on_reject(full) is Refusal.WAIT
+            j.waiting_notice(full["reason"])
+    assert j.heard_at == 29.01
+    assert j.join_due(30.0) and not j.join_due(30.5)  # still asking, every second
+    assert j.join_due(43.9)  # 14.9 s without an answer
+    with pytest.raises(RendezvousError, match=r"stopped answering while this node waited for a place \(job is "
+                                              r"full: 2 node\(s\) already joined\): no answer for 15 s"):
+        j.join_due(44.1)
+    never = JoinState("tcp://h:1", join_timeout_s=600, now=0.0, gone_after_s=15.0)
+    assert never.join_due(0.0) and never.join_due(16.0)  # never answered: the coordinator may start later

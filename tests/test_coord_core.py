@@ -499,3 +499,39 @@ def test_a_node_with_one_rank_done_tells_the_others_at_once() -> None:
     stale = two_nodes_running(ScriptedDecider(RESTART))
     stale.on_heartbeat("b", {"attempt": 7, "workers": [], "health": {}, "done": True}, 2)  # another attempt's word
     assert not stale.past_last_step()
+
+
+def test_a_rank_training_on_alone_ahead_of_a_waiting_one_makes_the_job_working() -> None:
+    """Uneven end across nodes: b's rank waits at a final barrier at step 20 while a's trains on
+    alone: the job is working (every agent told at once), until a's rank stops stepping too."""
+    core = two_nodes_running(ScriptedDecider(RESTART))
+
+    def beat(node: str, step: int, t: float) -> list[Any]:
+        return core.on_heartbeat(node, {"attempt": 0, "workers": [{"rank": 0 if node == "a" else 1, "step": step}],
+                                        "health": {}, "activity": "idle"}, t)
+
+    beat("a", 20, 2.0)
+    beat("b", 20, 2.0)
+    assert core.job_activity(2.1) is Activity.IDLE
+    assert sends(beat("a", 21, 2.5), "ack")["a"]["activity"] == "idle"  # one ahead: the step in flight
+    outs = beat("a", 23, 3.0)
+    assert {n: body["activity"] for n, body in sends(outs, "ack").items()} == {"a": "working", "b": "working"}
+    beat("b", 20, 3.2)
+    beat("a", 23, 3.8)  # a's rank stopped too
+    assert core.job_activity(3.9) is Activity.WORKING and core.job_activity(4.1) is Activity.IDLE  # 2 x 0.5 s
+    core.on_heartbeat("a", {"attempt": 0, "workers": [{"rank": "x"}, 7, {"rank": 0, "step": 1.5}], "health": {}}, 4.2)
+    assert core.attempt is not None and core.attempt.steps[0] == (23, 3.0)  # garbage skipped
+
+
+def test_nodes_waiting_for_a_place_are_told_when_the_job_ends() -> None:
+    core = JobCore(spec(), ScriptedDecider(), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    assert sends(core.on_join("c", join("c"), 1.5), "reject")["c"]["wait"] is True
+    core.on_finished("a", {"attempt": 0}, 2)
+    outs = core.on_finished("b", {"attempt": 0}, 2)
+    told = sends(outs, "reject")
+    assert list(told) == ["c"] and "wait" not in told["c"]
+    assert told["c"]["reason"] == "job 'job' ended: all workers finished successfully"
+    assert isinstance(outs[-1], Finish)  # after the word to c: a Finish stops serving the job

@@ -306,3 +306,15 @@ def test_a_pause_never_moves_a_clock_past_now() -> None:
     assert det.check(now + 3.1) is not None
     det.observe(0, 31, now + 1.0)
     assert det.stats.iter_times(0)[-1] == pytest.approx(1.0)
+
+
+def test_ranks_stepping_unevenly_is_progress_lockstep_one_ahead_is_not() -> None:
+    from unicron.detect.hang import uneven_progress
+
+    # A lockstep job whose rank 1 is stuck: rank 0 finished the step in flight, one ahead.
+    assert not uneven_progress({0: (21, 10.0), 1: (20, 9.9)}, 10.5, 1.0)
+    # Rank 0 trains on alone (an uneven end): two or more ahead and stepping now.
+    assert uneven_progress({0: (25, 10.4), 1: (20, 9.0)}, 10.5, 1.0)
+    assert not uneven_progress({0: (25, 8.0), 1: (20, 7.0)}, 10.5, 1.0)  # ... but it stopped too
+    assert not uneven_progress({0: (25, 10.4)}, 10.5, 1.0)  # one rank alone: nothing to compare
+    assert uneven_progress({"a": (5, 3.0), "b": (3, 1.0), "c": (4, 2.0)}, 3.5, 1.0)

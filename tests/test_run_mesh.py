@@ -513,3 +513,44 @@ def test_an_idle_tail_on_one_node_after_a_rank_of_another_finished_is_not_a_hang
     events = read_events(workdir / "logs")
     assert not [e for e in events if e["kind"] in ("fault", "decision", "hang_ignored")], events
     assert len([e for e in events if e["kind"] == "attempt_start"]) == 1
+
+
+
+def test_a_rank_waiting_at_the_end_for_another_nodes_rank_that_trains_on_is_not_hung(workdir, launch) -> None:
+    """The uneven end across nodes: the coordinator sees one rank two or more steps ahead of
+    another and still stepping, and tells every agent that the job is working."""
+    from test_run_stepless import UNEVEN_END
+
+    (workdir / "uneven_end.py").write_text(UNEVEN_END)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "unevenjob", "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
+            str(workdir / "uneven_end.py")]
+    nodes = [launch(args, workdir, env) for _ in range(2)]
+    for node in nodes:
+        code, out, err = node.wait(90)
+        assert code == 0, err
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] in ("fault", "decision")], events
+
+
+def test_a_spare_node_waiting_for_a_place_ends_with_the_job(workdir, launch) -> None:
+    """A third agent for a full 2-node job waits for a place; when the job ends it is told so
+    and exits at once with one line (it used to wait silently for the 600 s join timeout)."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    a = launch(agent_args(workdir, port, "2", steps=200, sleep=0.05), workdir, env)
+    b = launch(agent_args(workdir, port, "2", steps=200, sleep=0.05), workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"], 60, "the attempt")
+    spare = launch(agent_args(workdir, port, "2", steps=200, sleep=0.05), workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "join_refused"], 60, "the spare waiting")
+    for item in (a, b):
+        code, out, err = item.wait(90)
+        assert code == 0, err
+    ended_at = time.monotonic()
+    code, out, err = spare.wait(30)
+    assert code == 4, err
+    assert time.monotonic() - ended_at < 20
+    assert "no place for this node yet (job is full" in err
+    assert "ended: all workers finished successfully" in err or "stopped answering while this node waited" in err, err

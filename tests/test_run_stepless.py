@@ -164,6 +164,45 @@ print(f"rank {rank} finished", flush=True)
     _ends_cleanly_without_a_fault(workdir, "uneven.py")
 
 
+
+UNEVEN_END = """
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(16, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def step(collective=True):
+    opt.zero_grad()
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    if collective:
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+    opt.step()
+    time.sleep(0.05)
+
+
+for _ in range(20):
+    step()
+if rank == 0:  # trains on alone for 4 s (more data on this rank) ...
+    start = time.time()
+    while time.time() - start < 4:
+        step(collective=False)
+dist.barrier()  # ... while rank 1 waits here, past the idle threshold
+print(f"rank {rank} finished", flush=True)
+"""
+
+
+def test_a_rank_waiting_at_the_end_for_one_that_trains_on_alone_is_not_hung(workdir) -> None:
+    # Rank 0 keeps completing optimizer steps: the job makes progress, as torchrun lets it.
+    # It used to be called a hang 1.5 s after rank 1's last step, rank 0 named the culprit.
+    (workdir / "uneven_end.py").write_text(UNEVEN_END)
+    _ends_cleanly_without_a_fault(workdir, "uneven_end.py")
+
 # 30 steps of a tiny data-parallel training, then the TAIL under test.
 TRAINED_THEN = """
 import time

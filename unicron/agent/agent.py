@@ -106,7 +106,7 @@ class Agent:
             self.pool.refill()
         self.helpers = Helpers(self.pool, self.janitor)
         self.pending_assign: dict[str, Any] | None = None
-        self.joining = JoinState(endpoint, s.join_timeout_s, time.monotonic())
+        self.joining = JoinState(endpoint, s.join_timeout_s, time.monotonic(), gone_after_s=self.link.lost_after_s)
         self.rejoiner = Rejoiner(self.joining, self.link, endpoint=endpoint, shm_dir=self.shm_dir, ui=ui, events=events)
         self.last_attempt: int | None = None  # the attempt of the last workers, once any started
         self.assignment: dict[str, Any] | None = None  # the last ``assign``: what a resume takes back
@@ -235,6 +235,7 @@ class Agent:
                 log.debug("dropped coordinator message: %s", err)
                 continue
             silence = self.link.heard(time.monotonic())
+            self.joining.heard(time.monotonic())
             if silence > 0 and self.group is not None:
                 self.group.hang.paused(silence, time.time())  # see CoordinatorLink.unheard
             body = msg.body

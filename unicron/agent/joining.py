@@ -73,8 +73,12 @@ def resume_fields(assign: dict[str, Any] | None, *, epoch: int, state: str, faul
 
 
 class JoinState:
-    def __init__(self, endpoint: str, join_timeout_s: float, now: float) -> None:
+    def __init__(self, endpoint: str, join_timeout_s: float, now: float, *, gone_after_s: float = 15.0) -> None:
         self.endpoint = endpoint
+        # A coordinator that answered (the job is full: wait) and then says nothing this long is
+        # gone: the job ended, or it died. It answers every join at once while it lives.
+        self.gone_after_s = gone_after_s
+        self.heard_at: float | None = None
         self.join_timeout_s = join_timeout_s
         self.welcomed = False
         self.started = now
@@ -99,7 +103,13 @@ class JoinState:
 
     def join_due(self, now: float) -> bool:
         """Whether a join should go out now; raises once the join has waited too long."""
-        if self.welcomed or (self.last_sent is not None and now - self.last_sent < JOIN_RETRY_S):
+        if self.welcomed:
+            return False
+        if self.refused is not None and self.heard_at is not None and now - self.heard_at > self.gone_after_s:
+            raise RendezvousError(f"the coordinator at {self.endpoint} stopped answering while this node waited "
+                                  f"for a place ({self.refused}): no answer for {self.gone_after_s:g} s (the job "
+                                  "ended, or its coordinator is gone)")
+        if self.last_sent is not None and now - self.last_sent < JOIN_RETRY_S:
             return False
         if now - self.started > self.join_timeout_s:
             if self.refused is not None:
@@ -109,6 +119,10 @@ class JoinState:
                                   "(a coordinator drops, unanswered, what is signed with another UNICRON_SECRET)")
         self.last_sent = now
         return True
+
+    def heard(self, now: float) -> None:
+        """Some message of the coordinator came."""
+        self.heard_at = now
 
     def on_welcome(self) -> Rejoin | Resume | None:
         """Now a member; returns the re-join this ends, if it was one."""

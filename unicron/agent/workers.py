@@ -24,7 +24,7 @@ from unicron.agent.terminate import terminate_all
 from unicron.agent.usage import tree_usage
 from unicron.agent.warm import WarmPool
 from unicron.detect.activity import Activity, ActivityTracker
-from unicron.detect.hang import HangDetector
+from unicron.detect.hang import HangDetector, uneven_progress
 
 RAN_FOR_S = 1.0  # see WorkerGroup.ran_past_startup
 LINGER_S = 30.0  # a process this long past its script's clean end is named once (lingering_notices)
@@ -220,6 +220,10 @@ class WorkerGroup:
             self.activity.add(mono, {r.rank: tree_usage(r.proc.pid) if r.exitcode is None else None
                                      for r in self.ranks.values()})
         self.level = self.activity.level(mono) or Activity.IDLE
+        stats = self.hang.stats
+        steps = {r: (stats.last_step(r) or 0, stats.last_progress(r) or 0.0) for r in stats.ranks}
+        if uneven_progress(steps, mono, self.activity.rule.window_s):  # one trains on alone: progress
+            self.level = Activity.WORKING
         return self.level
 
     def _sampling_starts_s(self) -> float:

@@ -21,6 +21,7 @@ from unicron.coord.restore import Holdings, choose_restore, finished_ranks
 from unicron.coord.resume import take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
+from unicron.detect.hang import uneven_progress
 
 
 class JobCore:
@@ -136,6 +137,7 @@ class JobCore:
         was_done = self.past_last_step()
         if current and attempt is not None:  # a rank that made a new process group takes it back
             (attempt.done.add if body.get("done") is True else attempt.done.discard)(node_id)
+            attempt.note_steps(body.get("workers"), now)
         level = self.job_activity(now)
         if level > before or self.past_last_step() != was_done:
             # Every agent judges a hang by the whole job's activity: a node whose ranks wait in
@@ -166,6 +168,9 @@ class JobCore:
         level = max((n.activity for n in self.members.active()), default=Activity.IDLE)
         if now is not None and self._silent(now):
             level = max(level, Activity.BUSY)
+        if (now is not None and self.phase is Phase.RUNNING and self.attempt is not None
+                and uneven_progress(self.attempt.steps, now, 2 * self.spec.heartbeat_interval_s)):
+            level = Activity.WORKING  # a rank trains on alone, ahead of one that waits: progress
         return level
 
     def _silent(self, now: float) -> frozenset[str]:
@@ -440,7 +445,10 @@ class JobCore:
         self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED
         self.exit_code = exit_code
         self.final_reason = reason
-        return [Emit("job_end", {"exit_code": exit_code, "reason": reason, "restarts": self.restarts_used}),
+        # Nodes turned away while the job was full wait for a place that will never come.
+        over = [Send(n, "reject", {"reason": f"job {self.spec.job_id!r} ended: {reason}"}) for n in self._refused
+                if not self.members.is_active(n)]
+        return [Emit("job_end", {"exit_code": exit_code, "reason": reason, "restarts": self.restarts_used}), *over,
                 Finish(exit_code if node_code is None else node_code, reason)]
 
     # ---- status --------------------------------------------------------------------

@@ -46,6 +46,15 @@ class Attempt:
     stopped: dict[str, dict[str, Any]] = field(default_factory=dict)  # node id -> its `stopped` report
     finished: set[str] = field(default_factory=set)  # nodes whose workers all exited 0
     done: set[str] = field(default_factory=set)  # nodes with some rank past its last step (exited 0, closed)
+    # rank -> (steps completed, when this coordinator first heard of that step): uneven progress
+    steps: dict[int, tuple[int, float]] = field(default_factory=dict)
     stop_reason: str = ""
     stop_sent_at: float | None = None
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure
+
+    def note_steps(self, workers: Any, now: float) -> None:
+        """Each rank's steps from a heartbeat's ``workers`` (malformed entries skipped)."""
+        for w in workers if isinstance(workers, list) else []:
+            rank, step = (w.get("rank"), w.get("step")) if isinstance(w, dict) else (None, None)
+            if type(rank) is int and type(step) is int and step > self.steps.get(rank, (-1, 0.0))[0]:
+                self.steps[rank] = (step, now)

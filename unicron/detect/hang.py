@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -127,6 +128,21 @@ class StepStats:
     def steps_in_attempt(self, rank: int) -> int:
         p = self._ranks.get(rank)
         return p.steps_in_attempt if p is not None else 0
+
+
+LEAD_STEPS = 2  # steps ahead of the slowest rank that no lockstep job can be
+
+
+def uneven_progress(steps: Mapping[Any, tuple[int, float]], now: float, within_s: float) -> bool:
+    """Whether the ranks step unevenly: one is ``LEAD_STEPS`` or more steps ahead of the slowest
+    (``steps``: rank -> (steps completed, when its last step came)) and stepped within
+    ``within_s``. A lockstep job whose rank is stuck leaves the others at most one step ahead
+    (the step in flight); ranks further ahead train on without the slow one (an uneven end: the
+    short rank waits at a final barrier or in its tail). That is progress, not a hang."""
+    if len(steps) < 2:
+        return False
+    slowest = min(step for step, _ in steps.values())
+    return any(step >= slowest + LEAD_STEPS and now - at <= within_s for step, at in steps.values())
 
 
 @dataclass(frozen=True)
