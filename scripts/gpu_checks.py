@@ -91,6 +91,7 @@ STOP_MARGIN_S = 20.0  # after a check's timeout: time for it to stop its process
 WARM_EXPECTED_SUM = 3920  # sum of (A @ A) for A = arange(16).reshape(4, 4)
 
 Result = tuple[bool, str, dict[str, Any]]  # ok, one-line summary, details
+NO_NCCL: Result = (True, "skipped: no GPU, no NCCL", {"skip": True})
 __all__ = ["choose_backend", "describe_decision", "fault_time", "summarize_job"]  # the tests use them from here
 
 
@@ -189,7 +190,7 @@ def check_warm(ctx: Context) -> Result:
 
 def check_nccl(ctx: Context) -> Result:
     if ctx.device != "cuda":
-        return True, "skipped: no GPU, no NCCL", {"skip": True}
+        return NO_NCCL
     nproc = min(NPROC, ctx.device_count)  # one rank per GPU
     s = run_job(ctx, "nccl", inject=None, max_restarts=0, nproc=nproc, backend="nccl")
     ok = s["exit_code"] == 0 and not s["decisions"]
@@ -310,7 +311,7 @@ def check_nccl_timeout(ctx: Context) -> Result:
 
 def check_nccl_shared_gpu(ctx: Context) -> Result:
     if ctx.device != "cuda":
-        return True, "skipped: no GPU, no NCCL", {"skip": True}
+        return NO_NCCL
     s = run_job(ctx, "nccl-shared-gpu", inject=None, max_restarts=3, sync="item", nproc=NPROC, backend="nccl",
                 env={"GPU_CHECK_SAME_GPU": "1"})
     d = s["decisions"][0] if s["decisions"] else {}

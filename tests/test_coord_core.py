@@ -535,3 +535,13 @@ def test_nodes_waiting_for_a_place_are_told_when_the_job_ends() -> None:
     assert list(told) == ["c"] and "wait" not in told["c"]
     assert told["c"]["reason"] == "job 'job' ended: all workers finished successfully"
     assert isinstance(outs[-1], Finish)  # after the word to c: a Finish stops serving the job
+
+
+def test_a_node_with_other_hang_settings_is_refused_with_the_flags_named() -> None:
+    hang = {"--hang-floor": 1.5, "--hang-factor": 3.0}
+    core = JobCore(JobSpec("job", 2, 2, max_restarts=3, hang=hang), ScriptedDecider(), now=0)
+    assert sends(core.on_join("a", {**join("a"), "hang": dict(hang)}, 0), "welcome")
+    told = sends(core.on_join("b", {**join("b"), "hang": {**hang, "--hang-floor": 10.0}}, 0), "reject")["b"]
+    assert told["reason"] == ("hang settings differ from the job's (give every node the same): this node has "
+                              "--hang-floor 10.0, the job's 1.5") and "wait" not in told
+    assert sends(core.on_join("b", {**join("b"), "hang": dict(hang)}, 1), "welcome")

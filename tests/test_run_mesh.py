@@ -9,6 +9,7 @@ import time
 
 import pytest
 from e2e import clean_env, read_events, wait_for
+from test_run_stepless import TRAINED_THEN, UNEVEN_END
 
 pytestmark = pytest.mark.slow
 
@@ -474,26 +475,8 @@ def test_a_node_whose_workers_finished_while_the_coordinator_was_stopped_exits_0
     assert code_a == 0, err_a
 
 
-TAIL_AFTER_TRAINING = """
-import time
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(30):
-    opt.zero_grad()
-    model(torch.ones(2, 4)).sum().backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    opt.step()
-    time.sleep(0.02)
-if rank != 3:
-    time.sleep(5)  # the tail: a final checkpoint upload, wandb.finish()
-print(f"rank {rank} finished", flush=True)
-"""
+# After the last step rank 3 exits 0, the others sit in their tail (a final checkpoint upload, wandb.finish()).
+TAIL_AFTER_TRAINING = TRAINED_THEN.replace("TAIL", "if rank != 3:\n    time.sleep(5)")
 
 
 def test_an_idle_tail_on_one_node_after_a_rank_of_another_finished_is_not_a_hang(workdir, launch) -> None:
@@ -519,8 +502,6 @@ def test_an_idle_tail_on_one_node_after_a_rank_of_another_finished_is_not_a_hang
 def test_a_rank_waiting_at_the_end_for_another_nodes_rank_that_trains_on_is_not_hung(workdir, launch) -> None:
     """The uneven end across nodes: the coordinator sees one rank two or more steps ahead of
     another and still stepping, and tells every agent that the job is working."""
-    from test_run_stepless import UNEVEN_END
-
     (workdir / "uneven_end.py").write_text(UNEVEN_END)
     port = free_port()
     env = clean_env(UNICRON_SECRET=SECRET)
@@ -554,3 +535,18 @@ def test_a_spare_node_waiting_for_a_place_ends_with_the_job(workdir, launch) -> 
     assert time.monotonic() - ended_at < 20
     assert "no place for this node yet (job is full" in err
     assert "ended: all workers finished successfully" in err or "stopped answering while this node waited" in err, err
+
+
+def test_a_node_started_with_other_hang_settings_is_refused_in_one_line(workdir, launch) -> None:
+    """--hang-floor on one node only would be silently ignored by the others' hang calls."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    first = launch(agent_args(workdir, port, "2", steps=5), workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "join"], 60, "the first node")
+    other = launch(agent_args(workdir, port, "2", "--hang-floor", "10", steps=5), workdir, env)
+    code, out, err = other.wait(60)
+    assert code == 4, err
+    lines = [line for line in err.splitlines() if line.startswith("unicron: error:")]
+    assert lines == ["unicron: error: the coordinator refused this node: hang settings differ from the job's (give "
+                     "every node the same): this node has --hang-floor 10.0, the job's 1.5"], err
+    assert first.proc.poll() is None  # still waiting for a second node

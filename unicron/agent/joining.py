@@ -171,4 +171,11 @@ def join_body(s: AgentSettings, node_id: str, host: str, pid: int, extra: dict[s
             "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,
             "heartbeat_timeout_s": s.heartbeat_timeout_s, "heartbeat_interval_s": s.heartbeat_interval_s,
             "join_timeout_s": s.join_timeout_s,
-            "stop_timeout_s": s.grace_s + STACK_STOP_MARGIN_S, **extra}
+            "stop_timeout_s": s.grace_s + STACK_STOP_MARGIN_S, "hang": hang_settings(s), **extra}
+
+
+def hang_settings(s: AgentSettings) -> dict[str, float]:
+    """The flags every node must share: each agent judges the whole job's hang by them."""
+    return {"--hang-factor": s.hang_factor, "--hang-floor": s.hang_floor_s,
+            "--hang-warmup-steps": s.hang_warmup_steps, "--hang-busy-factor": s.hang_busy_factor,
+            "--hang-busy-floor": s.hang_busy_floor_s, "--first-step-timeout": s.first_step_timeout_s}

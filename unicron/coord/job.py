@@ -63,6 +63,12 @@ class JobCore:
             return self.refuse(node_id, body["host"], (
                 f"--nnodes mismatch: this node says {body['min_nodes']}:{body['max_nodes']}, "
                 f"the job is {self.spec.min_nodes}:{self.spec.max_nodes}"))
+        theirs = body.get("hang") or {}
+        differ = [f"{flag} {theirs.get(flag)!r}, the job's {value!r}" for flag, value in self.spec.hang.items()
+                  if theirs.get(flag) != value]
+        if differ:  # each agent judges the whole job's hang by its own: a node alone with a longer floor is no use
+            return self.refuse(node_id, body["host"], "hang settings differ from the job's (give every node the "
+                               "same): this node has " + "; ".join(differ))
         if "resume" in body:
             return take_back(self, node_id, body, now)  # its coordinator restarted
         known = self.members.is_active(node_id)

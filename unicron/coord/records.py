@@ -32,6 +32,7 @@ class JobSpec:
     heartbeat_interval_s: float = 0.5
     join_timeout_s: float = 600.0
     stop_timeout_s: float = 40.0
+    hang: dict[str, Any] = field(default_factory=dict)  # the hang flags (--hang-floor ...), by flag
 
 
 @dataclass

@@ -286,7 +286,8 @@ class CoordinatorServer:
                        max_restarts=b["max_restarts"], last_call_s=float(b["last_call_s"]),
                        heartbeat_timeout_s=float(b["heartbeat_timeout_s"]),
                        heartbeat_interval_s=float(b.get("heartbeat_interval_s", 0.5)),
-                       join_timeout_s=float(b["join_timeout_s"]), stop_timeout_s=float(b["stop_timeout_s"]))
+                       join_timeout_s=float(b["join_timeout_s"]), stop_timeout_s=float(b["stop_timeout_s"]),
+                       hang=dict(b.get("hang") or {}))
         core = JobCore(spec, self.decider_for(), now)
         events = self.events_for(msg.job)
         events.listeners.append(core.recent_events.append)

@@ -18,7 +18,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "join": {"node_id": str, "host": str, "nproc": int, "node_rank?": OPT_INT, "pid": int,
              "weight?": NUM, "min_nodes": int, "max_nodes": int, "max_restarts": int,
              "last_call_s": NUM, "heartbeat_timeout_s": NUM, "join_timeout_s": NUM,
-             "stop_timeout_s": NUM, "heartbeat_interval_s?": NUM,
+             "stop_timeout_s": NUM, "heartbeat_interval_s?": NUM, "hang?": dict,
              # a fenced node re-joining: the attempt it was lost from and the snapshots it kept
              "attempt?": int, "snapshots?": dict, "snapshot_bytes?": dict,
              # a member whose coordinator restarted: the attempt it runs (unicron.coord.resume)
