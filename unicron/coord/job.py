@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 from unicron.coord.decide import Decider, Decision
+from unicron.coord.evidence import job_activity, join_mismatch, past_last_step, silent_nodes
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
@@ -21,7 +22,6 @@ from unicron.coord.restore import Holdings, choose_restore, finished_ranks
 from unicron.coord.resume import take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
-from unicron.detect.hang import uneven_progress
 
 
 class JobCore:
@@ -59,16 +59,9 @@ class JobCore:
     def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         if self.phase in (Phase.DONE, Phase.FAILED):
             return self.refuse(node_id, body["host"], f"job {self.spec.job_id} is over")
-        if body["min_nodes"] != self.spec.min_nodes or body["max_nodes"] != self.spec.max_nodes:
-            return self.refuse(node_id, body["host"], (
-                f"--nnodes mismatch: this node says {body['min_nodes']}:{body['max_nodes']}, "
-                f"the job is {self.spec.min_nodes}:{self.spec.max_nodes}"))
-        theirs = body.get("hang") or {}
-        differ = [f"{flag} {theirs.get(flag)!r}, the job's {value!r}" for flag, value in self.spec.hang.items()
-                  if theirs.get(flag) != value]
-        if differ:  # each agent judges the whole job's hang by its own: a node alone with a longer floor is no use
-            return self.refuse(node_id, body["host"], "hang settings differ from the job's (give every node the "
-                               "same): this node has " + "; ".join(differ))
+        mismatch = join_mismatch(self.spec, body)
+        if mismatch is not None:
+            return self.refuse(node_id, body["host"], mismatch)
         if "resume" in body:
             return take_back(self, node_id, body, now)  # its coordinator restarted
         known = self.members.is_active(node_id)
@@ -159,35 +152,16 @@ class JobCore:
         return ack
 
     def past_last_step(self) -> bool:
-        """Some rank of the running attempt exited 0 or destroyed its process group: no
-        collective can join every rank again, so what the others do from now on (an upload,
-        a final checkpoint, ``wandb.finish()``) is their tail, never a hang."""
-        a = self.attempt
-        return a is not None and self.phase is Phase.RUNNING and bool(a.finished or a.done)
+        return past_last_step(self.phase, self.attempt)  # see unicron.coord.evidence
 
     def _ack_all(self, level: Activity) -> list[Out]:
         return [Send(n.node_id, "ack", self._ack(level)) for n in self.members.active()]
 
     def job_activity(self, now: float | None = None) -> Activity:
-        """The highest activity any node reports (IDLE with no node); at least BUSY while a
-        node of the running attempt is silent (given ``now``): see ``_silent``."""
-        level = max((n.activity for n in self.members.active()), default=Activity.IDLE)
-        if now is not None and self._silent(now):
-            level = max(level, Activity.BUSY)
-        if (now is not None and self.phase is Phase.RUNNING and self.attempt is not None
-                and uneven_progress(self.attempt.steps, now, 2 * self.spec.heartbeat_interval_s)):
-            level = Activity.WORKING  # a rank trains on alone, ahead of one that waits: progress
-        return level
+        return job_activity(self.spec, self.members, self.phase, self.attempt, now)  # see coord.evidence
 
     def _silent(self, now: float) -> frozenset[str]:
-        """Nodes of the running attempt that missed two heartbeats. Their ranks may be what
-        the others wait for (a node stalled whole: a VM pause): until such a node is heard
-        again or declared lost, the others hold their ranks to the longer busy threshold, so
-        an idle hang verdict does not blame a rank that waits on it."""
-        if self.phase is not Phase.RUNNING or self.attempt is None:
-            return frozenset()
-        after = 2 * self.spec.heartbeat_interval_s
-        return frozenset(n.node_id for n in self.members.silent(now, after) if n.node_id in self.attempt.nodes)
+        return silent_nodes(self.spec, self.members, self.phase, self.attempt, now)
 
     def on_fault(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         attempt = self.attempt

@@ -1,0 +1,73 @@
+"""What the coordinator tells every agent about the whole job, so that each judges a hang by
+the job and not by its own ranks alone (pure: state and time in, answers out).
+
+- The job's activity: the highest any node reports; at least BUSY while a node of the running
+  attempt is silent (its ranks may be what the others wait for); WORKING while a rank steps
+  two or more steps ahead of another (an uneven end: it trains on alone).
+- Whether the attempt is past its last step: some rank exited 0 or destroyed its process group
+  (a node's ``done``, or all its workers ``finished``); the others' tails are never a hang.
+- Whether a joining node agrees with the job's shape and hang settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unicron.coord.membership import Membership
+from unicron.coord.records import Attempt, JobSpec, Phase
+from unicron.detect.activity import Activity
+from unicron.detect.hang import uneven_progress
+
+
+def running(phase: Phase, attempt: Attempt | None) -> Attempt | None:
+    return attempt if phase is Phase.RUNNING else None
+
+
+def past_last_step(phase: Phase, attempt: Attempt | None) -> bool:
+    """Some rank of the running attempt exited 0 or destroyed its process group: no collective
+    can join every rank again, so what the others do from now on (an upload, a final
+    checkpoint, ``wandb.finish()``) is their tail, never a hang."""
+    a = running(phase, attempt)
+    return a is not None and bool(a.finished or a.done)
+
+
+def silent_nodes(spec: JobSpec, members: Membership, phase: Phase, attempt: Attempt | None,
+                 now: float) -> frozenset[str]:
+    """Nodes of the running attempt that missed two heartbeats. Their ranks may be what the
+    others wait for (a node stalled whole: a VM pause): until such a node is heard again or
+    declared lost, the others hold their ranks to the longer busy threshold, so an idle hang
+    verdict does not blame a rank that waits on it."""
+    a = running(phase, attempt)
+    if a is None:
+        return frozenset()
+    after = 2 * spec.heartbeat_interval_s
+    return frozenset(n.node_id for n in members.silent(now, after) if n.node_id in a.nodes)
+
+
+def job_activity(spec: JobSpec, members: Membership, phase: Phase, attempt: Attempt | None,
+                 now: float | None = None) -> Activity:
+    """The highest activity any node reports (IDLE with no node); given ``now``, at least BUSY
+    while a node of the running attempt is silent, and WORKING while a rank trains on ahead of
+    one that waits (within two heartbeat intervals of its last step)."""
+    level = max((n.activity for n in members.active()), default=Activity.IDLE)
+    if now is None:
+        return level
+    if silent_nodes(spec, members, phase, attempt, now):
+        level = max(level, Activity.BUSY)
+    a = running(phase, attempt)
+    if a is not None and uneven_progress(a.steps, now, 2 * spec.heartbeat_interval_s):
+        level = Activity.WORKING
+    return level
+
+
+def join_mismatch(spec: JobSpec, body: dict[str, Any]) -> str | None:
+    """Why a joining node cannot be part of this job as started (None: it can)."""
+    if body["min_nodes"] != spec.min_nodes or body["max_nodes"] != spec.max_nodes:
+        return (f"--nnodes mismatch: this node says {body['min_nodes']}:{body['max_nodes']}, "
+                f"the job is {spec.min_nodes}:{spec.max_nodes}")
+    theirs = body.get("hang") or {}
+    differ = [f"{flag} {theirs.get(flag)!r}, the job's {value!r}" for flag, value in spec.hang.items()
+              if theirs.get(flag) != value]
+    if differ:  # each agent judges the whole job's hang by its own: a node alone with a longer floor is no use
+        return "hang settings differ from the job's (give every node the same): this node has " + "; ".join(differ)
+    return None
