@@ -234,8 +234,9 @@ class Agent:
             except ProtocolError as err:
                 log.debug("dropped coordinator message: %s", err)
                 continue
-            silence = self.link.heard(time.monotonic())
-            self.joining.heard(time.monotonic())
+            heard_at = time.monotonic()
+            silence = self.link.heard(heard_at)
+            self.joining.heard(heard_at)
             if silence > 0 and self.group is not None:
                 self.group.hang.paused(silence, time.time())  # see CoordinatorLink.unheard
             body = msg.body
@@ -244,12 +245,13 @@ class Agent:
                 self.rejoiner.welcomed(self.epoch, self.last_attempt)
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
-                self.link.heard(time.monotonic(), Activity.parse(body.get("activity")))
+                self.link.heard(heard_at, Activity.parse(body.get("activity")))
                 if self.group is not None:
-                    self.group.peers_done = body.get("done") == self.group.spec.attempt
-                    if self.group.peers_done:  # a hang this node reported was a tail: not for a resume
+                    told = body.get("done") == self.group.spec.attempt
+                    if told and not self.group.peers_done:  # a hang this node reported was a tail: not for a resume
                         self.reporter.attempt_faults = [f for f in self.reporter.attempt_faults
                                                         if f.get("kind") != "hang"]
+                    self.group.peers_done = told
             elif msg.kind == "assign":
                 self._start_attempt(body)
             elif msg.kind == "stop":
