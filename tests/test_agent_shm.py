@@ -49,3 +49,15 @@ def test_work_dirs_of_dead_agents_are_removed_by_the_next_one(tmp_path, monkeypa
     assert not os.path.exists(left)
     second = make_work_dir()  # another live agent on this machine keeps its directory
     assert os.path.exists(mine) and os.path.exists(second)
+
+
+def test_the_work_directory_leaves_a_temp_dir_too_long_for_its_sockets() -> None:
+    from unicron.agent.shm import SOCKET_PATH_MAX, work_base
+
+    short, long_ = "/scratch/job", "/scratch/" + "x" * 80
+    assert work_base(short, lambda d: True) == short
+    assert work_base(long_, lambda d: True) == "/tmp"
+    assert work_base(long_, lambda d: d == "/dev/shm") == "/dev/shm"  # /tmp not writable here
+    assert work_base(long_, lambda d: False) is None
+    edge = "/" + "e" * (SOCKET_PATH_MAX - len("/unicron-agent-XXXXXXXX/agent.sock.bell") - 1)
+    assert work_base(edge, lambda d: True) == edge and work_base(edge + "e", lambda d: True) == "/tmp"

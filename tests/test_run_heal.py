@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from e2e import read_events, run_unicron
+from e2e import clean_env, read_events, run_unicron
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +54,21 @@ def test_fault_heals_and_matches_failure_free_run(workdir, reference_hash, fault
     # Every worker, the restarted ones too, was forked by the zygote (torch already imported).
     started = [e for e in events if e["kind"] == "workers_started"]
     assert [e["warm"] for e in started] == [2, 2]
+
+
+def test_a_temp_dir_too_long_for_a_unix_socket_still_heals(workdir, reference_hash) -> None:
+    """TMPDIR deeper than a socket path may be (as on some clusters' per-job scratch): the
+    agent puts its workers' channel in a short temp dir instead, and the exception a worker
+    forwards over it still heals the job (it used to be an internal error, exit 70)."""
+    deep = workdir / ("t" * 60) / ("u" * 40)
+    deep.mkdir(parents=True)
+    args = ["run", *COMMON, "--log-dir", str(workdir / "logs"), "--inject", "exception@0:6",
+            str(workdir / "train_state.py"), "--steps", "12", "--out", str(workdir / "healed.txt"), "--sleep", "0.02"]
+    code, out, err = run_unicron(args, workdir, timeout=100, env=clean_env(TMPDIR=str(deep)))
+    assert code == 0, err
+    assert (workdir / "healed.txt").read_text() == reference_hash
+    faults = [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]
+    assert faults[0]["fault_kind"] == "exception", faults
 
 
 def test_a_failure_right_after_a_restore_is_reported_at_the_restored_step(workdir, reference_hash) -> None:

@@ -12,6 +12,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+
+from unicron.errors import UsageError
 
 
 def scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -53,10 +56,33 @@ def make_shm_dir(run_id: str) -> str:
     return make_owned_dir(f"unicron-{_safe(run_id)[:40]}-", base)
 
 
+# A unix socket's path must fit sockaddr_un.sun_path (107 bytes here): the longest one in the
+# work directory is BASE/unicron-agent-XXXXXXXX/agent.sock.bell.
+SOCKET_PATH_MAX = 107
+_WORK_TAIL = len("/unicron-agent-XXXXXXXX/agent.sock.bell")
+_SHORT_BASES = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def work_base(tempdir: str, usable: Callable[[str], bool]) -> str | None:
+    """Where the agent's work directory goes: the temp dir when its sockets' paths fit there,
+    else the first short system temp dir that ``usable`` accepts (a long ``TMPDIR``, as on
+    macOS-style or per-job scratch paths, must not stop the job); None if none does."""
+    for base in (tempdir, *_SHORT_BASES):
+        if len(base.rstrip("/")) + _WORK_TAIL <= SOCKET_PATH_MAX and usable(base):
+            return base
+    return None
+
+
 def make_work_dir() -> str:
-    """The agent's private directory (IPC socket, stack dumps) in the temp dir, short enough for
-    ipc:// paths (~100 bytes), owner-marked and cleaned up the same way."""
-    return make_owned_dir("unicron-agent-", tempfile.gettempdir())
+    """The agent's private directory (IPC socket, stack dumps), short enough for ipc:// paths,
+    owner-marked and cleaned up the same way."""
+    tempdir = tempfile.gettempdir()
+    base = work_base(tempdir, lambda d: os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK))
+    if base is None:
+        raise UsageError(f"the temp directory {tempdir!r} is too long for the workers' socket (at most "
+                         f"{SOCKET_PATH_MAX - _WORK_TAIL} characters) and none of {', '.join(_SHORT_BASES)} "
+                         "is writable; set TMPDIR to a shorter directory")
+    return make_owned_dir("unicron-agent-", base)
 
 
 def make_owned_dir(prefix: str, base: str) -> str:
