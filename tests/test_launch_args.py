@@ -293,6 +293,11 @@ def test_slurm_info_and_nodelist() -> None:
             expand_nodelist(bad)
     with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST: cannot read node list"):
         slurm_info({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-"})
+    # Only the first host is needed: a range with a digit too many must not be built in memory.
+    info = slurm_info({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[07-999999999999],m[1-3]"})
+    assert info is not None and info.first_host == "n07"
+    with pytest.raises(ConfigError, match="bad range"):  # a malformed later part is still refused
+        slurm_info({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-999999999999],m[x]"})
 
 
 def test_comma_list_escape() -> None:
@@ -385,7 +390,22 @@ BAD_FLAGS = [
     (["--standalone=1"], "--standalone takes no value"),
     (["--nnodes", "--standalone"], "--nnodes: expected a value"),
     (["--config", "/nonexistent.toml"], "/nonexistent.toml: cannot read config file"),
+    # read, it would fill memory (it used to); a FIFO is below
+    (["--config", "/dev/zero"], "/dev/zero: cannot read config file: it is not a regular file"),
+    (["--config", "/"], "/: cannot read config file: it is a directory"),
+    (["--secret-file", "/dev/zero"], "--secret-file: cannot read secret file /dev/zero: it is not a regular file"),
 ]
+
+
+def test_a_fifo_or_an_oversized_file_as_config_is_refused_without_reading_it(script: str, tmp_path: Path) -> None:
+    fifo = tmp_path / "settings.toml"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    with pytest.raises(UsageError, match="settings.toml: cannot read config file: it is not a regular file"):
+        parse(["--config", str(fifo), script])
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(UsageError, match="big.toml: cannot read config file: it is 2097152 bytes, more than"):
+        parse(["--config", str(big), script])
 
 
 @pytest.mark.parametrize("argv,message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])

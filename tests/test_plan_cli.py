@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,15 @@ def test_bad_input_is_one_error_naming_the_field(app: typer.Typer, tmp_path: Pat
 def test_missing_file(app: typer.Typer, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["plan", "--input", str(tmp_path / "nope.json")])
     assert isinstance(result.exception, InputError) and "cannot read" in str(result.exception)
+
+
+def test_a_device_or_a_fifo_as_input_is_refused_without_reading_it(app: typer.Typer, tmp_path: Path) -> None:
+    fifo = tmp_path / "cluster.json"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):  # /dev/zero used to be read until memory ran out; a FIFO, forever
+        result = CliRunner().invoke(app, ["plan", "--input", path])
+        assert isinstance(result.exception, InputError), result.output
+        assert str(result.exception) == f"--input: cannot read {path}: it is not a regular file"
 
 
 def test_simulate_json_and_plot(app: typer.Typer, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from unicron.agent.rootcause import (
     make_failure,
     order_failures,
     parse_error_file,
+    read_error_file,
     read_tail,
     root_cause,
     signal_name,
@@ -94,6 +95,21 @@ def test_parse_error_file_plain_string_and_garbage() -> None:
     # a record with odd extraInfo still gives its message
     odd = parse_error_file('{"message": {"message": "E", "extraInfo": "x"}}')
     assert odd is not None and odd.message == "E" and odd.traceback is None and odd.timestamp is None
+    assert parse_error_file("[" * 100_000 + "]" * 100_000) is None  # deeper than json recurses: garbage too
+
+
+def test_an_error_file_is_read_only_when_it_is_a_bounded_regular_file(tmp_path: Path) -> None:
+    ok = tmp_path / "error.json"
+    ok.write_text('{"message": "boom"}')
+    text, mtime = read_error_file(str(ok))
+    assert text == '{"message": "boom"}' and mtime == os.stat(ok).st_mtime
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # a worker's doing: reading it would block the agent forever
+    big = tmp_path / "big.json"
+    big.write_text('{"message": "' + "Y" * 5000 + '"}')
+    for path in (str(fifo), "/dev/zero", str(tmp_path), str(tmp_path / "missing.json")):
+        assert read_error_file(path) == (None, None), path
+    assert read_error_file(str(big), max_bytes=4096) == (None, None)
 
 
 def test_signal_names_and_exit_descriptions() -> None:

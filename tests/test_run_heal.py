@@ -56,6 +56,20 @@ def test_fault_heals_and_matches_failure_free_run(workdir, reference_hash, fault
     assert [e["warm"] for e in started] == [2, 2]
 
 
+def test_an_exception_with_a_huge_message_ends_the_job_in_a_bounded_line(workdir) -> None:
+    """A 5 MB exception message (a repr of a batch, a list of files) used to exceed the mesh's
+    message limit: the fault never reached the coordinator and the job waited forever."""
+    (workdir / "huge.py").write_text("raise ValueError('bad batch: ' + 'X' * 5_000_000)\n")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
+                                  "--log-dir", str(workdir / "logs"), str(workdir / "huge.py")], workdir, timeout=60)
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.startswith("unicron:")]
+    assert lines[-1].startswith("unicron: error: ") and "ValueError: bad batch: XXX" in lines[-1], lines[-1][:300]
+    assert max(len(line) for line in lines) < 1000
+    fault = next(e for e in read_events(workdir / "logs") if e["kind"] == "fault")
+    assert fault["error_type"] == "ValueError" and "characters left out" in fault["message"]
+
+
 def test_a_temp_dir_too_long_for_a_unix_socket_still_heals(workdir, reference_hash) -> None:
     """TMPDIR deeper than a socket path may be (as on some clusters' per-job scratch): the
     agent puts its workers' channel in a short temp dir instead, and the exception a worker

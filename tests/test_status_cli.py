@@ -155,6 +155,17 @@ def test_closed_port_is_one_error_within_the_timeout(runs_dir: Path, watch: list
     assert time.monotonic() - start < 3
 
 
+def test_an_unusable_runs_dir_is_one_line_naming_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    env = {**os.environ, "UNICRON_RUNS_DIR": str(taken)}
+    proc = subprocess.run([sys.executable, "-m", "unicron", "status"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"unicron: error: UNICRON_RUNS_DIR: cannot use {taken} as the directory of "
+                                   "live runs: File exists")
+
+
 def test_no_run_on_this_machine(runs_dir: Path) -> None:
     code, msg = invoke(["status"])
     assert code == 5 and msg.startswith("no unicron run found on this machine")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from unicron.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class RunInfo:
@@ -26,9 +28,16 @@ class RunInfo:
 
 
 def runs_dir() -> Path:
-    base = os.environ.get("UNICRON_RUNS_DIR") or os.path.join(tempfile.gettempdir(), f"unicron-runs-{os.getuid()}")
-    path = Path(base)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """The registry's directory (created): ``UNICRON_RUNS_DIR``, else one per user in the temp
+    dir. ``ConfigError`` naming where it came from when it cannot be used."""
+    given = os.environ.get("UNICRON_RUNS_DIR")
+    path = Path(given or os.path.join(tempfile.gettempdir(), f"unicron-runs-{os.getuid()}"))
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        source = "UNICRON_RUNS_DIR" if given else "the runs directory"
+        raise ConfigError(f"{source}: cannot use {path} as the directory of live runs: "
+                          f"{err.strerror or err}") from None
     return path
 
 
@@ -50,7 +59,7 @@ def register_run(info: RunInfo) -> Path:
 def unregister_run(job: str) -> None:
     try:
         _entry(job).unlink()
-    except FileNotFoundError:
+    except (FileNotFoundError, ConfigError):  # never registered
         pass
 
 

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 DEFAULT_TAIL_LINES = 40
 _TAIL_READ_BYTES = 64 * 1024
+ERROR_FILE_MAX_BYTES = 8 * 1024 * 1024  # torchrun's own error files are a few KB
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def parse_error_file(text: str) -> ErrorRecord | None:
     """Parse an error file's text; None if it is empty or not what ``@record`` writes."""
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python recurses
         return None
     if not isinstance(data, dict) or "message" not in data:
         return None
@@ -192,6 +194,29 @@ def read_tail(path: str | None, max_bytes: int = _TAIL_READ_BYTES) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def read_error_file(path: str, max_bytes: int = ERROR_FILE_MAX_BYTES) -> tuple[str | None, float | None]:
+    """The text and mtime of a worker's error file; (None, None) when it is missing or is not
+    a regular file of at most ``max_bytes`` (the worker chose what is there: a FIFO would block
+    the read, a device or a huge file would fill memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None, None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            return None, None
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError:
+        return None, None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # grew while read
+        return None, None
+    return data.decode("utf-8", errors="replace"), st.st_mtime
+
+
 def build_failure(
     *,
     rank: int,
@@ -208,12 +233,7 @@ def build_failure(
     error_text: str | None = None
     mtime: float | None = None
     if error_file and error_file != os.devnull:
-        try:
-            with open(error_file, encoding="utf-8", errors="replace") as fh:
-                error_text = fh.read()
-            mtime = os.stat(error_file).st_mtime
-        except OSError:
-            error_text = None
+        error_text, mtime = read_error_file(error_file)
     return make_failure(
         rank=rank,
         local_rank=local_rank,

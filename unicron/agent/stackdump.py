@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 STACK_WAIT_S = 1.5
+STACK_KEEP_CHARS = 20_000  # of one rank's dump (its end is kept)
+STACKS_TOTAL_CHARS = 1_000_000  # of a node's dumps together
 
 
 def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT_S) -> dict[str, str]:
@@ -30,12 +32,14 @@ def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT
         except ProcessLookupError:
             pass
     stacks: dict[str, str] = {}
+    # Every rank's dump rides in one message to the coordinator, which has a size limit.
+    keep = max(2_000, min(STACK_KEEP_CHARS, STACKS_TOTAL_CHARS // max(1, len(pids))))
     deadline = time.monotonic() + wait_s
     while paths and time.monotonic() < deadline:
         for rank, (path, size) in list(paths.items()):
             if path.exists() and path.stat().st_size > size:
                 time.sleep(0.05)  # let faulthandler finish writing this dump
-                stacks[str(rank)] = path.read_bytes()[size:].decode(errors="replace")[-20000:]
+                stacks[str(rank)] = path.read_bytes()[size:].decode(errors="replace")[-keep:]
                 del paths[rank]
         time.sleep(0.02)
     stacks.update({str(rank): "" for rank in paths})

@@ -12,6 +12,8 @@ from typing import Any
 
 from rich.console import Console
 
+from unicron.textclip import clip_line
+
 
 class AgentUI:
     def __init__(self, mode: str = "auto", *, name: str = "unicron", label: str = "") -> None:
@@ -101,4 +103,4 @@ def fault_line(fault: dict[str, Any], node_id: str) -> str:
         # Without a restored snapshot the count starts again in every attempt; the script's
         # own step (resumed from its checkpoint) is its business.
         at += f" of attempt {attempt}"
-    return f"{fault.get('kind')} on {who}{at}: {what or fault.get('kind')}"
+    return f"{fault.get('kind')} on {who}{at}: {clip_line(what or str(fault.get('kind')))}"

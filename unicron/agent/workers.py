@@ -25,6 +25,7 @@ from unicron.agent.usage import tree_usage
 from unicron.agent.warm import WarmPool
 from unicron.detect.activity import Activity, ActivityTracker
 from unicron.detect.hang import HangDetector, uneven_progress
+from unicron.textclip import clip_fields
 
 RAN_FOR_S = 1.0  # see WorkerGroup.ran_past_startup
 LINGER_S = 30.0  # a process this long past its script's clean end is named once (lingering_notices)
@@ -401,4 +402,4 @@ class WorkerGroup:
                 fault.setdefault("message", f"{r.exception.get('type')}: {r.exception.get('msg')}")
                 fault["traceback"] = fault.get("traceback") or r.exception.get("tb")
         fault.update({k: v for k, v in fields.items() if v is not None})
-        return json.loads(json.dumps(fault, default=str))
+        return clip_fields(json.loads(json.dumps(fault, default=str)))  # a worker's text is unbounded

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from unicron.coord.assign import attempt_messages
 from unicron.coord.decide import Decider, Decision
 from unicron.coord.evidence import job_activity, join_mismatch, past_last_step, silent_nodes
 from unicron.coord.membership import Membership, NodeState
@@ -297,34 +298,15 @@ class JobCore:
         self.awaiting_resume.clear()  # the new attempt's assign reaches them all the same
         for node in self.members.nodes.values():
             node.workers = []  # the previous attempt's ranks are gone; heartbeats bring the new ones
-        sizes = [n.nproc for n in nodes]
-        world = sum(sizes)
         self._choose_restore(nodes)
-        self.attempt = Attempt(number, now, [n.node_id for n in nodes], world)
+        self.attempt = Attempt(number, now, [n.node_id for n in nodes], sum(n.nproc for n in nodes))
         self.phase = Phase.RUNNING
         if self._down_since is not None:
             self.downtime_s += now - self._down_since
             self._down_since = None
-        out: list[Out] = [Emit("attempt_start", {
-            "attempt": number, "world_size": world, "nnodes": len(nodes), "epoch": self.members.epoch,
-            "master_port": master_port, "restore_step": self.restore_step,
-            **({"restore_note": self.restore_note} if self.restore_note else {}),
-            "nodes": {n.node_id: n.node_rank for n in nodes}})]
-        offset = 0
-        for node in nodes:
-            out.append(Send(node.node_id, "assign", {
-                "epoch": self.members.epoch, "attempt": number,
-                # TORCHELASTIC_RESTART_COUNT, as torchrun counts it: the failures restarted
-                # (job-wide), not re-formations that admitted a node
-                "restart_count": self.restarts_used,
-                "node_rank": node.node_rank, "nnodes": len(nodes), "rank_offset": offset,
-                "world_size": world, "local_world_sizes": sizes, "master_addr": master_addr,
-                "master_port": master_port, "restore_step": self.restore_step,
-                **({"restore_note": self.restore_note} if self.restore_note else {}),
-                "inject": number == 0, "restarts_used": self.restarts_used,
-                "nodes": [[n.node_id, n.host] for n in nodes]}))
-            offset += node.nproc
-        return out
+        return attempt_messages(number, nodes, epoch=self.members.epoch, restarts_used=self.restarts_used,
+                                master_addr=master_addr, master_port=master_port,
+                                restore_step=self.restore_step, restore_note=self.restore_note)
 
     def fail(self, reason: str, now: float, exit_code: int = 1) -> list[Out]:
         """The shell could not do what the job needs (e.g. open a store), or the coordinator's

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from unicron.coord.membership import NodeState
 from unicron.coord.records import Phase
+from unicron.textclip import clip_line
 
 if TYPE_CHECKING:
     from unicron.coord.job import JobCore
@@ -72,7 +73,7 @@ def describe_fault(fault: dict[str, Any]) -> str:
     detail = fault.get("message") or ""
     if fault.get("error_type"):
         detail = f"{fault['error_type']}: {detail}" if detail else str(fault["error_type"])
-    return f"{kind} on {where}" + (f": {detail}" if detail else "")
+    return f"{kind} on {where}" + (f": {clip_line(detail)}" if detail else "")
 
 
 def fault_fields(fault: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ import sys
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from unicron.errors import UsageError
@@ -25,7 +24,9 @@ from unicron.launch.args import BY_DEST, InjectSpec, RdzvConf, StdSpec, split_en
 from unicron.launch.commands import split_argv
 from unicron.launch.layers import CLI, DEFAULT, Resolver, load_config_file
 from unicron.launch.slurm import slurm_info
+from unicron.smallfile import NotReadable, read_regular
 
+SECRET_MAX_BYTES = 64 << 10
 DEFAULT_PORTS = {"c10d": 29400, "etcd": 2379, "etcd-v2": 2379}  # torchrun's; static needs an explicit port
 DeviceProbe = Callable[[str], "int | None"]  # kind (cpu|cuda|xpu|accelerator) -> count, None if absent
 
@@ -162,10 +163,12 @@ def resolve_nproc(spec: str, probe: DeviceProbe, label: str) -> int:
 
 def _read_secret(path: str, label: str, warnings: list[str]) -> bytes:
     try:
-        data = Path(path).read_bytes().strip()
+        data = read_regular(path, SECRET_MAX_BYTES).strip()
         mode = os.stat(path).st_mode
     except OSError as err:
         raise UsageError(f"{label}: cannot read secret file {path}: {err.strerror or err}") from None
+    except NotReadable as err:
+        raise UsageError(f"{label}: cannot read secret file {path}: it {err}") from None
     if not data:
         raise UsageError(f"{label}: secret file {path} is empty")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):

@@ -17,8 +17,10 @@ from typing import Any
 
 from unicron.errors import ConfigError, UsageError
 from unicron.launch.args import BY_DEST, BY_FLAG, closest_flag
+from unicron.smallfile import NotReadable, read_regular
 
 CLI, ENV, SLURM, FILE, DEFAULT = range(5)
+CONFIG_MAX_BYTES = 1 << 20  # a settings file; anything larger is a mistake
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -115,9 +117,11 @@ def load_config_file(path: str) -> dict[str, Any]:
     """Settings from a TOML, YAML or JSON file, keyed by long flag name (dashes or underscores)."""
     suffix = Path(path).suffix.lower()
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_regular(path, CONFIG_MAX_BYTES).decode("utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file: {err.strerror or err}") from None
+    except NotReadable as err:
+        raise ConfigError(f"{path}: cannot read config file: it {err}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); a config file is TOML, YAML or JSON") from None
     try:

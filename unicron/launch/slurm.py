@@ -6,7 +6,7 @@ Pure: reads a mapping of environment variables, never the process environment it
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from unicron.errors import ConfigError
@@ -47,42 +47,61 @@ def _split_top_level(text: str) -> list[str]:
     return [p for p in (s.strip() for s in parts) if p]
 
 
-def _expand_range(item: str) -> list[str]:
+def _range_bounds(item: str) -> tuple[int, int, int]:
+    """(first, last, zero-padded width) of one bracket item such as ``01-04`` or ``7``."""
     lo, dash, hi = item.partition("-")
     if not lo.isdigit() or (dash and not hi.isdigit()):
         raise ValueError(f"bad range {item!r}")
-    if not dash:
-        return [lo]
-    if int(hi) < int(lo):
+    if dash and int(hi) < int(lo):
         raise ValueError(f"descending range {item!r}")
-    width = len(lo)  # zero padding is kept: 01-04 -> 01 02 03 04
-    return [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+    return int(lo), int(hi) if dash else int(lo), len(lo)  # zero padding is kept: 01-04 -> 01 02 03 04
 
 
-def _expand_host(pattern: str) -> list[str]:
+def _host_parts(pattern: str) -> tuple[str, list[tuple[int, int, int]], str] | None:
+    """A host pattern's text before its first bracket group, the group's ranges, and the rest;
+    None for a plain name. Checks the whole pattern's syntax, expanding nothing."""
     match = re.search(r"\[([^\[\]]*)\]", pattern)
     if match is None:
         if "[" in pattern or "]" in pattern:
             raise ValueError(f"bad host pattern {pattern!r}")
-        return [pattern]
-    head, tail = pattern[: match.start()], pattern[match.end():]
-    numbers = [n for item in match.group(1).split(",") for n in _expand_range(item.strip())]
-    # Several bracket groups in one name expand as a product, in Slurm's order.
-    return [f"{head}{n}{rest}" for n in numbers for rest in _expand_host_tail(tail)]
+        return None
+    ranges = [_range_bounds(item.strip()) for item in match.group(1).split(",")]
+    tail = pattern[match.end():]
+    if tail:
+        _host_parts(tail)
+    return pattern[: match.start()], ranges, tail
 
 
-def _expand_host_tail(tail: str) -> list[str]:
-    return _expand_host(tail) if tail else [""]
+def _iter_host(pattern: str) -> Iterator[str]:
+    """The names of one host pattern, lazily: ``n[1-99999999]`` must not be built in memory
+    when only its first name is wanted. Several bracket groups expand as a product, in Slurm's
+    order."""
+    parts = _host_parts(pattern)
+    if parts is None:
+        yield pattern
+        return
+    head, ranges, tail = parts
+    for lo, hi, width in ranges:
+        for n in range(lo, hi + 1):
+            for rest in _iter_host(tail) if tail else ("",):
+                yield f"{head}{str(n).zfill(width)}{rest}"
+
+
+def iter_nodelist(nodelist: str) -> Iterator[str]:
+    """The host names of a Slurm hostlist such as ``node[01-04,07],gpu3``, in order, lazily.
+
+    Raises ``ValueError`` for a malformed list, at once (before the first name)."""
+    parts = _split_top_level(nodelist)
+    for part in parts:
+        _host_parts(part)
+    if not parts:
+        raise ValueError("empty node list")
+    return (host for part in parts for host in _iter_host(part))
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm hostlist such as ``node[01-04,07],gpu3`` into host names, in order.
-
-    Raises ``ValueError`` for a malformed list."""
-    hosts = [h for part in _split_top_level(nodelist) for h in _expand_host(part)]
-    if not hosts:
-        raise ValueError("empty node list")
-    return hosts
+    """Every host name of a Slurm hostlist, in order (see ``iter_nodelist``)."""
+    return list(iter_nodelist(nodelist))
 
 
 def slurm_info(environ: Mapping[str, str]) -> SlurmInfo | None:
@@ -106,7 +125,7 @@ def slurm_info(environ: Mapping[str, str]) -> SlurmInfo | None:
     first_host = None
     if nodelist is not None:
         try:
-            first_host = expand_nodelist(nodelist)[0]
+            first_host = next(iter_nodelist(nodelist))
         except ValueError as err:
             raise ConfigError(f"{source['first_host']}: cannot read node list {nodelist!r}: {err}") from None
     return SlurmInfo(job_id, nnodes, node_rank, first_host, source)

@@ -17,14 +17,19 @@ from unicron.plan.simulate import POLICIES, SimParams, simulate
 from unicron.plan.solver import plan
 from unicron.plan.trace import Trace
 from unicron.plan.transfers import transfer_plan
+from unicron.smallfile import NotReadable, read_regular
+
+INPUT_MAX_BYTES = 64 << 20  # a cluster description or a failure trace
 
 
 def load_document(path: Path, what: str = "--input") -> Any:
     """Read a JSON or YAML file (by suffix; anything else is tried as JSON, then YAML)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular(path, INPUT_MAX_BYTES).decode("utf-8")
     except OSError as exc:
         raise InputError(f"{what}: cannot read {path}: {exc.strerror or exc}") from exc
+    except NotReadable as exc:
+        raise InputError(f"{what}: cannot read {path}: it {exc}") from exc
     except UnicodeDecodeError as exc:
         raise InputError(f"{what}: {path} is not UTF-8 text") from exc
     suffix = path.suffix.lower()

@@ -100,7 +100,10 @@ class Codec:
         payload = {"v": PROTOCOL_VERSION, "kind": kind, "job": job or self.job, "sender": self.sender,
                    "seq": self._seq, "ts": self.clock(), "body": body}
         payload["mac"] = sign(self.key, payload)
-        return _canonical(payload)
+        raw = _canonical(payload)
+        if len(raw) > MAX_MESSAGE_BYTES:  # the peer would drop it, and the sender wait for an answer forever
+            raise ProtocolError(f"refusing to send {kind!r}: {len(raw)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit")
+        return raw
 
     def decode(self, raw: bytes) -> Message:
         """Verify and parse one message; raise ProtocolError (and count it) if it must be dropped."""

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType, TracebackType
 from typing import IO, Any, NoReturn
 
+from unicron.textclip import FAULT_FIELD_LIMITS, clip
 from unicron.worker import channel, env
 from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
 from unicron.worker.liveness import FrameWatch
@@ -309,8 +310,10 @@ def report_exception(
         return
     _rt.reported.add(id(exc))
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    channel.get().emit("exc", type=exception_type_name(exc_type), msg=str(exc), tb=text, fatal=fatal,
-                       ready=distributed_ready())
+    # Bounded: the agent's channel drops a message over 1 MiB, and this one must arrive.
+    channel.get().emit("exc", type=clip(exception_type_name(exc_type), FAULT_FIELD_LIMITS["error_type"]),
+                       msg=clip(str(exc), FAULT_FIELD_LIMITS["message"]),
+                       tb=clip(text, FAULT_FIELD_LIMITS["traceback"]), fatal=fatal, ready=distributed_ready())
 
 
 def exiting(code: object) -> None:

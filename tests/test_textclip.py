@@ -1,0 +1,29 @@
+"""Bounding text a worker controls before it travels (pure)."""
+
+from __future__ import annotations
+
+from unicron.textclip import FAULT_FIELD_LIMITS, clip, clip_fields, clip_line
+
+
+def test_clip_keeps_short_text_and_both_ends_of_long_text() -> None:
+    assert clip("short", 10) == "short"
+    text = "HEAD" + "x" * 1000 + "TAIL"
+    out = clip(text, 100)
+    assert out.startswith("HEADxx") and out.endswith("xxTAIL")
+    assert f"[{len(text) - 100} characters left out]" in out
+    assert len(out) < 160  # the limit plus the marker
+
+
+def test_clip_line_bounds_what_a_console_line_shows() -> None:
+    assert clip_line("ValueError: bad") == "ValueError: bad"
+    line = clip_line("ValueError: " + "X" * 5_000_000)
+    assert len(line) < 600 and line.endswith("[4999512 more characters]")
+
+
+def test_clip_fields_bounds_each_text_field_of_a_fault() -> None:
+    fault = {"kind": "exit", "rank": 0, "message": "m" * 10**6, "traceback": "t" * 10**6, "summary": "s",
+             "stderr_tail": None}
+    clip_fields(fault)
+    assert fault["summary"] == "s" and fault["stderr_tail"] is None and fault["rank"] == 0
+    for name in ("message", "traceback"):
+        assert len(fault[name]) < FAULT_FIELD_LIMITS[name] + 100

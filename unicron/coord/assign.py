@@ -1,0 +1,48 @@
+"""What the coordinator says when an attempt starts (pure): the ``attempt_start`` event and
+each node's ``assign``, its place in the attempt's world."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from unicron.coord.outbox import Emit, Out, Send
+
+
+class Placed(Protocol):
+    """A member of the attempt, ranked (``Membership.assign_ranks``)."""
+
+    node_id: str
+    host: str
+    nproc: int
+    node_rank: int
+
+
+def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restarts_used: int,
+                     master_addr: str, master_port: int, restore_step: int | None,
+                     restore_note: str = "") -> list[Out]:
+    """The event that opens attempt ``number`` on ``nodes`` (in node-rank order), then one
+    ``assign`` per node: its node rank, the global rank of its first worker, the world's sizes,
+    the store, the step every rank restores."""
+    sizes = [n.nproc for n in nodes]
+    world = sum(sizes)
+    note: dict[str, Any] = {"restore_note": restore_note} if restore_note else {}
+    out: list[Out] = [Emit("attempt_start", {
+        "attempt": number, "world_size": world, "nnodes": len(nodes), "epoch": epoch,
+        "master_port": master_port, "restore_step": restore_step, **note,
+        "nodes": {n.node_id: n.node_rank for n in nodes}})]
+    offset = 0
+    for node in nodes:
+        out.append(Send(node.node_id, "assign", {
+            "epoch": epoch, "attempt": number,
+            # TORCHELASTIC_RESTART_COUNT, as torchrun counts it: the failures restarted
+            # (job-wide), not re-formations that admitted a node
+            "restart_count": restarts_used,
+            "node_rank": node.node_rank, "nnodes": len(nodes), "rank_offset": offset,
+            "world_size": world, "local_world_sizes": sizes, "master_addr": master_addr,
+            "master_port": master_port, "restore_step": restore_step, **note,
+            # faults are injected into the first attempt only (a restart must be able to heal)
+            "inject": number == 0, "restarts_used": restarts_used,
+            "nodes": [[n.node_id, n.host] for n in nodes]}))
+        offset += node.nproc
+    return out

@@ -1,0 +1,40 @@
+"""Bounding text that a worker controls (exception messages, tracebacks, error files, stderr)
+before it travels: a mesh message has a size limit (``proto.messages.MAX_MESSAGE_BYTES``), a
+console line should be read by a person, and a 5 MB exception message must not stop a job."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Per field of a fault report: enough for any real traceback, far below the mesh's limit even
+# for every rank of a large node together.
+FAULT_FIELD_LIMITS: Mapping[str, int] = {"message": 16_000, "traceback": 64_000, "stderr_tail": 16_000,
+                                         "summary": 2_000, "error_type": 200}
+LINE_LIMIT = 500  # what a console line shows of a worker's message
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its head and tail with the count
+    of what was left out between them (a traceback's last lines name the error)."""
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    tail = limit - head
+    return f"{text[:head]} ... [{len(text) - limit} characters left out] ... {text[len(text) - tail:]}"
+
+
+def clip_line(text: str, limit: int = LINE_LIMIT) -> str:
+    """What a console line shows of ``text``: at most ``limit`` characters of it."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
+
+
+def clip_fields(record: dict[str, Any], limits: Mapping[str, int] = FAULT_FIELD_LIMITS) -> dict[str, Any]:
+    """``record`` with each string field named in ``limits`` clipped to its limit (in place)."""
+    for name, limit in limits.items():
+        value = record.get(name)
+        if isinstance(value, str):
+            record[name] = clip(value, limit)
+    return record
