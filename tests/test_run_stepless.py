@@ -133,6 +133,40 @@ loss = model(torch.ones(2, 4)).sum() * learning_rate_typo
     assert _attempts(read_events(workdir / "logs")) == 1
 
 
+def test_a_rank_stuck_before_the_first_step_of_the_first_attempt_is_a_hang(workdir) -> None:
+    # Both ranks built their optimizer; rank 1 then stalls in its start-up ("reading the dataset
+    # index") while rank 0 waits in a broadcast. The first-step allowance (4 s here) applies in
+    # the first attempt too: the hang is called, rank 1 named, and the restart trains to the end.
+    (workdir / "stuck_start.py").write_text("""
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    time.sleep(3600)
+index = torch.zeros(1)
+dist.broadcast(index, 0)
+for _ in range(5):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+print("rank", rank, "done", flush=True)
+""")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "2",
+                                  "--first-step-timeout", "4", "--max-restarts", "1", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "stuck_start.py")], workdir, timeout=100)
+    assert code == 0, err
+    events = read_events(workdir / "logs")
+    hang = next(e for e in events if e["kind"] == "fault")
+    assert hang["fault_kind"] == "hang", hang
+    assert next(e for e in events if e["kind"] == "decision")["culprits"] == [1]
+    assert "rank 0 done" in out and "rank 1 done" in out
+
+
 def test_rank_finishing_early_is_not_waited_for(workdir) -> None:
     # Rank 1 finishes after 10 steps and exits 0; rank 0 goes on alone for 60 more optimizer
     # steps (~3 s, twice the idle hang threshold): torchrun runs this to the end, so must we.

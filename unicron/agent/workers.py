@@ -248,7 +248,10 @@ class WorkerGroup:
         not a hang. The same once a rank of another node is (``peers_done``)."""
         if self.failure_reported() or self.past_last_step() or self.peers_done:
             return False
-        return self.expect_steps or any(r.steps_in_attempt for r in self.ranks.values())
+        # A rank that built an optimizer will report steps: before its first one the
+        # first-step allowance applies, in the first attempt too (a rank stuck in its start-up
+        # while the others wait in a collective is a hang, found after --first-step-timeout).
+        return self.expect_steps or any(r.steps_in_attempt or r.steps_expected for r in self.ranks.values())
 
     def past_last_step(self) -> bool:
         """Some local rank finished cleanly or destroyed its default process group."""

@@ -330,6 +330,8 @@ class CoordinatorServer:
             self.sock.send_multipart([identity, self.codec.encode(kind, body, job=job)], zmq.NOBLOCK)
         except zmq.ZMQError as err:  # peer gone or queue full: it will time out on its side
             log.debug("send %s failed: %s", kind, err)
+        except ProtocolError as err:  # over the size limit: the coordinator goes on for the others
+            log.error("not sent: %s", err)
 
     def _open_store(self, job_id: str, slot: JobSlot, attempt: int) -> None:
         """A fresh TCPStore per attempt: restarted workers can never read stale keys."""
