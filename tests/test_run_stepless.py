@@ -167,6 +167,40 @@ print("rank", rank, "done", flush=True)
     assert "rank 0 done" in out and "rank 1 done" in out
 
 
+def test_a_scripts_own_sigusr1_handler_is_left_alone_by_the_hang_diagnosis(workdir) -> None:
+    # The usual Slurm/Lightning "checkpoint and requeue" handler on SIGUSR1. The stacks of a hang
+    # are asked for with another signal: the handler never runs, and the culprit is named.
+    (workdir / "usr1.py").write_text("""
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+
+def requeue(signum, frame):
+    open(sys.argv[1] + f".rank{rank}", "w").write("requeue")
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+signal.signal(signal.SIGUSR1, requeue)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(8):
+    if rank == 1 and step == 4 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        time.sleep(3600)
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    time.sleep(0.05)
+""")
+    marker = workdir / "requeued"
+    code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "1", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "usr1.py"), str(marker)], workdir, timeout=100)
+    assert code == 0, err
+    assert not list(workdir.glob("requeued.*")), "the script's SIGUSR1 handler ran"
+    events = read_events(workdir / "logs")
+    assert next(e for e in events if e["kind"] == "fault")["fault_kind"] == "hang"
+    assert next(e for e in events if e["kind"] == "decision")["culprits"] == [1]
+
+
 def test_rank_finishing_early_is_not_waited_for(workdir) -> None:
     # Rank 1 finishes after 10 steps and exits 0; rank 0 goes on alone for 60 more optimizer
     # steps (~3 s, twice the idle hang threshold): torchrun runs this to the end, so must we.

@@ -10,6 +10,7 @@ import pytest
 from helpers_worker import agent_socket, base_env, finish, wait_until, workers, write_script
 
 from unicron.errors import UsageError
+from unicron.worker.env import STACK_SIGNAL
 from unicron.worker.inject import INJECTED_CUDA_ERROR, Fault, faults_at, format_inject_spec, parse_inject_spec
 
 LOOP = """
@@ -94,7 +95,7 @@ def test_hang_blocks_in_python_and_stack_dump_shows_it(tmp_path: Path) -> None:
         agent.wait_for(lambda m: m["t"] == "step" and m["rank"] == 1 and m["step"] == 3)
         dump = stacks / "rank1.txt"
         wait_until(dump.exists, 10, "rank 1 stack file")
-        os.kill(procs[1].pid, signal.SIGUSR1)
+        os.kill(procs[1].pid, STACK_SIGNAL)
         wait_until(lambda: "hang_forever" in dump.read_text(), 10, "rank 1 stack dump")
         assert procs[1].poll() is None  # still hung, survived the dump
         agent.drain(0.2)

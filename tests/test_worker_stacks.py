@@ -1,13 +1,14 @@
-"""SIGUSR1 stack dumps work while a rank is blocked inside a real gloo collective."""
+"""Stack dumps (on STACK_SIGNAL) work while a rank is blocked inside a real gloo collective."""
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
 from helpers_worker import Rendezvous, agent_socket, base_env, workers, write_script
+
+from unicron.worker.env import STACK_SIGNAL
 
 TRAIN = """
     from datetime import timedelta
@@ -31,7 +32,7 @@ def _dump_until(pid: int, path: Path, needles: tuple[str, ...], timeout_s: float
     yet, and a dump read while faulthandler writes it has its innermost frames only)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, STACK_SIGNAL)
         poll_until = time.monotonic() + 0.5
         while time.monotonic() < poll_until:
             text = path.read_text() if path.exists() else ""

@@ -1,7 +1,7 @@
 """A watcher that removes the agent's directories when the agent dies without doing it.
 
 The agent removes its shared-memory snapshot directory and its IPC directory on every path it
-controls. A SIGKILL, the kernel's OOM killer or a signal it does not handle (SIGUSR1) gives it
+controls. A SIGKILL, the kernel's OOM killer or a signal it does not handle (SIGUSR2) gives it
 no such path, and the snapshots (model and optimizer state, three steps of it per rank) would
 hold that much RAM in ``/dev/shm`` until the next agent on the machine cleans up (``shm.py``).
 

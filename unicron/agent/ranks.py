@@ -26,7 +26,7 @@ class RankState:
     exited_at: float | None = None
     snapshot_step: int | None = None
     steps_in_attempt: int = 0
-    hooked: bool = False  # said hello: its SIGUSR1 stack-dump handler is installed
+    hooked: bool = False  # said hello: its stack-dump signal handler is installed
     ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
     steps_expected: bool = False  # built an optimizer: it will report steps
     exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet

@@ -1,6 +1,7 @@
 """Every live worker's Python stack, on demand.
 
-The injected hooks register faulthandler for SIGUSR1, writing to a file of the worker's own in
+The injected hooks register faulthandler for ``STACK_SIGNAL`` (SIGRTMIN+4, not SIGUSR1: scripts
+handle that one themselves), writing to a file of the worker's own in
 the agent's stack directory, so a dump comes even from a worker blocked inside a C++ collective
 (faulthandler runs in the signal handler, without the GIL). A worker asked that gives none in
 ``STACK_WAIT_S`` is stopped, or stuck where no Python runs: "" in the result, a suspect when the
@@ -10,9 +11,10 @@ others all wait in a collective (``unicron.detect.stacks``).
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
+
+from unicron.worker.env import STACK_SIGNAL
 
 STACK_WAIT_S = 1.5
 STACK_KEEP_CHARS = 20_000  # of one rank's dump (its end is kept)
@@ -20,7 +22,7 @@ STACKS_TOTAL_CHARS = 1_000_000  # of a node's dumps together
 
 
 def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT_S) -> dict[str, str]:
-    """SIGUSR1 each rank's process (``rank -> pid``) and read what each appends to its file
+    """Signal (``STACK_SIGNAL``) each rank's process (``rank -> pid``) and read what each appends to its file
     ``rank<N>.txt``; returns ``str(rank) -> stack text``."""
     paths = {}
     for rank, pid in pids.items():
@@ -28,7 +30,7 @@ def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT
         size = path.stat().st_size if path.exists() else 0  # earlier dumps stay in the file
         paths[rank] = (path, size)
         try:
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, STACK_SIGNAL)
         except ProcessLookupError:
             pass
     stacks: dict[str, str] = {}

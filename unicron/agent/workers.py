@@ -330,7 +330,7 @@ class WorkerGroup:
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
-        """Every live rank's Python stack (see ``unicron.agent.stackdump``); SIGUSR1 would kill
+        """Every live rank's Python stack (see ``unicron.agent.stackdump``); the signal would kill
         a worker without the handler (``--no-inject``, or still starting), so those are skipped."""
         live = {r.rank: r.proc.pid for r in self.ranks.values()
                 if r.hooked and r.exitcode is None and r.proc.poll() is None}

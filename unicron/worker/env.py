@@ -6,12 +6,17 @@ Kept free of heavy imports: the agent imports these names too.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
 
 from unicron.errors import ConfigError
 
 AGENT_ADDR = "UNICRON_AGENT_ADDR"  # zmq endpoint of the agent's PULL socket
-STACK_DIR = "UNICRON_STACK_DIR"  # SIGUSR1 dumps all thread stacks to rank{RANK}.txt here
+STACK_DIR = "UNICRON_STACK_DIR"  # STACK_SIGNAL dumps all thread stacks to rank{RANK}.txt here
+# The signal that asks a worker for its stacks: a real-time one, which scripts leave alone.
+# SIGUSR1 is a script's own (Slurm's `--signal=USR1@90`, Lightning's checkpoint-and-requeue):
+# sending it ran such a handler on every hang, and the handler had replaced the dump's.
+STACK_SIGNAL = signal.SIGRTMIN + 4
 SNAPSHOT_DIR = "UNICRON_SNAPSHOT_DIR"  # unicron.State snapshots live here (agent-owned shm)
 RESTORE_STEP = "UNICRON_RESTORE_STEP"  # step every rank has a snapshot of
 INJECT = "UNICRON_INJECT"  # fault-injection specs KIND@RANK:STEP[;...]

@@ -11,7 +11,7 @@
 - **Exceptions.** ``sys.excepthook`` and ``threading.excepthook`` send ``exc{...}`` (once per
   exception) before chaining to the previous hook.
 - **Stacks.** ``faulthandler`` dumps every thread's Python stack to
-  ``$UNICRON_STACK_DIR/rank{RANK}.txt`` on SIGUSR1. It runs in the C signal handler, so it
+  ``$UNICRON_STACK_DIR/rank{RANK}.txt`` on ``env.STACK_SIGNAL`` (SIGRTMIN+4). It runs in the C signal handler, so it
   works while the main thread is blocked inside a C++ collective. The file is opened in append
   mode: a reader truncates it (never unlinks it) before signalling, or reads past the old size.
 - **Past start-up.** Once ``torch.distributed`` is initialised (checked every
@@ -38,7 +38,6 @@ import functools
 import importlib.abc
 import importlib.machinery
 import os
-import signal
 import sys
 import threading
 import time
@@ -397,7 +396,7 @@ def _install_stack_dump(stack_dir: str, rank: int) -> None:
     os.makedirs(stack_dir, exist_ok=True)
     # Kept open for the life of the process: faulthandler writes to its fd from a signal handler.
     _rt.stack_file = open(os.path.join(stack_dir, f"rank{rank}.txt"), "a", encoding="utf-8")
-    faulthandler.register(signal.SIGUSR1, file=_rt.stack_file, all_threads=True, chain=False)
+    faulthandler.register(env.STACK_SIGNAL, file=_rt.stack_file, all_threads=True, chain=False)
 
 
 def install() -> None:
