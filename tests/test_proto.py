@@ -83,9 +83,20 @@ def test_unknown_kind_wrong_job_and_stale() -> None:
         receiver.decode(_signed({**base, "kind": "status_req", "job": "other", "seq": 2}))
     with pytest.raises(ProtocolError, match="stale"):
         receiver.decode(_signed({**base, "kind": "status_req", "seq": 3, "ts": now - 3600}))
-    for garbage in (b"", b"\xff\xfe", b"[1,2]", b"null", b'{"v":1}'):
+    for garbage in (b"", b"\xff\xfe", b"[1,2]", b"null", b'{"v":1}', b"[" * 100_000 + b"]" * 100_000):
         with pytest.raises(ProtocolError):
             receiver.decode(garbage)
+
+
+def test_a_fault_whose_text_fields_are_not_text_is_refused() -> None:
+    """What a fault says comes from a worker: the coordinator relies on its types."""
+    sender, receiver = _codecs()
+    good = {"kind": "exception", "ts": 1.0, "rank": 0, "attempt": 0, "message": "boom", "traceback": "tb",
+            "progress": 3, "into_attempt_s": 1.5}  # fields beyond the checked ones ride along
+    receiver.decode(sender.encode("fault", {"node_id": "n", "attempt": 0, "fault": good}))
+    for field, value in (("traceback", 7), ("message", {"a": 1}), ("rank", "0"), ("culprit_ranks", "1")):
+        with pytest.raises(ProtocolError, match=f"fault.{field}"):
+            sender.encode("fault", {"node_id": "n", "attempt": 0, "fault": {**good, field: value}})
 
 
 def test_a_peer_of_another_protocol_version_is_refused() -> None:
@@ -136,7 +147,9 @@ def test_coordinator_survives_garbage_and_keeps_serving(live_coordinator) -> Non
     attacker.connect(f"tcp://{ep}")
     wrong_key = Codec(b"x" * 32, "evil", job="j")
     garbage = [b"", b"not json", b"{}", b"\x00" * 1000, json.dumps({"v": 1}).encode(),
-               wrong_key.encode("join", _join_body("evil"))]
+               wrong_key.encode("join", _join_body("evil")),
+               # deeper than json parses: it used to raise RecursionError, which ended the thread
+               b"[" * 200_000 + b"]" * 200_000]
     for raw in garbage:
         attacker.send(raw)
     attacker.send_multipart([b"a", b"b", b"c"])

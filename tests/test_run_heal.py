@@ -70,6 +70,48 @@ def test_an_exception_with_a_huge_message_ends_the_job_in_a_bounded_line(workdir
     assert fault["error_type"] == "ValueError" and "characters left out" in fault["message"]
 
 
+def test_an_exception_that_cannot_be_printed_is_still_the_root_cause(workdir) -> None:
+    """Its ``__str__`` raises: the hook used to fail on it and report its own TypeError."""
+    (workdir / "unprintable.py").write_text(
+        "class BadBatch(Exception):\n    def __str__(self):\n        raise TypeError('no str')\n\n"
+        "raise BadBatch()\n")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
+                                  "--log-dir", str(workdir / "logs"), str(workdir / "unprintable.py")], workdir, timeout=60)
+    assert code == 1
+    fault = next(e for e in read_events(workdir / "logs") if e["kind"] == "fault")
+    assert fault["error_type"] == "BadBatch" and fault["message"] == "<exception str() failed>", fault
+
+
+def test_garbage_a_worker_writes_on_its_channel_is_survived_and_the_job_heals(workdir) -> None:
+    """A script can reach its agent's channel: an ``exc`` with a number for its traceback and a
+    dict for its message, and JSON nested deeper than Python parses. They used to end the
+    coordinator's thread (the fault's types) and the agent (RecursionError)."""
+    (workdir / "garbage.py").write_text("""
+import json, os, sys, time
+import zmq
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    push = zmq.Context().socket(zmq.PUSH)
+    push.connect(os.environ["UNICRON_AGENT_ADDR"])
+    push.send(b"[" * 200000 + b"]" * 200000)
+    push.send(json.dumps({"t": "exc", "rank": 0, "type": 5, "msg": {"a": 1}, "tb": 7, "fatal": True,
+                          "ts": time.time()}).encode())
+    time.sleep(60)  # stopped by the restart the fault asks for
+dist.barrier()
+print("rank", dist.get_rank(), "done", flush=True)
+""")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                                  "--grace-period", "2", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "garbage.py")], workdir, timeout=100)
+    assert code == 0, err
+    assert "rank 0 done" in out and "rank 1 done" in out
+    assert "Traceback" not in err and "internal error" not in err, err
+    starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
+    assert len(starts) == 2
+
+
 def test_a_temp_dir_too_long_for_a_unix_socket_still_heals(workdir, reference_hash) -> None:
     """TMPDIR deeper than a socket path may be (as on some clusters' per-job scratch): the
     agent puts its workers' channel in a short temp dir instead, and the exception a worker

@@ -52,7 +52,7 @@ class WorkerInbox:
                 return count, faults
             try:
                 msg = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than json parses
                 msg = None
             if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or sink is None:
                 self.dropped += 1

@@ -148,7 +148,8 @@ class WorkerGroup:
             self.stepped_at = max(at_m, self.stepped_at or at_m)
             self.hang.observe(r.rank, r.step, at_m)
         elif t == "exc":
-            r.exception = {k: msg.get(k) for k in ("type", "msg", "tb")}
+            # The worker's text, whatever it sent (a script can write to the channel): strings only.
+            r.exception = {k: v if isinstance(v := msg.get(k), str) else "" for k in ("type", "msg", "tb")}
             if msg.get("ready") is True:
                 r.ready_at = r.ready_at or at
             if msg.get("fatal") is False:
@@ -156,8 +157,8 @@ class WorkerGroup:
             if r.rank not in self.reported_exc:
                 self.reported_exc.add(r.rank)
                 latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
-                return self._fault(r, "exception", now, at=at, message=str(msg.get("msg") or ""),
-                                   error_type=msg.get("type"), traceback=msg.get("tb"), latency_s=latency)
+                return self._fault(r, "exception", now, at=at, message=r.exception["msg"],
+                                   error_type=r.exception["type"], traceback=r.exception["tb"], latency_s=latency)
         elif t == "moved":
             self.activity.moved(r.rank, at_m)
         elif t == "data":

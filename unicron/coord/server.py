@@ -158,7 +158,7 @@ class CoordinatorServer:
                 # A stall can land while the messages are handled, just before the verdicts.
                 self._paused(stalls.lapse(now))
                 for job_id, slot in list(self.slots.items()):
-                    self._run(job_id, slot, slot.core.tick(now))
+                    self._tick(job_id, slot, now)
                 if self.exit_when_done and self.slots and all(
                         s.finished_at is not None for s in self.slots.values()):
                     break
@@ -172,6 +172,14 @@ class CoordinatorServer:
                 slot.stores.clear()
             wake.close(0)
             self.sock.close(linger=2000)
+
+    def _tick(self, job_id: str, slot: JobSlot, now: float) -> None:
+        try:
+            self._run(job_id, slot, slot.core.tick(now))
+        except Exception as err:  # a bug ends this job with its cause, not every job with the thread
+            log.exception("error in the tick of job %s", job_id)
+            if slot.finished_at is None:
+                self._run(job_id, slot, slot.core.fail(f"coordinator error: {type(err).__name__}: {err}", now))
 
     def _paused(self, gap_s: float) -> None:
         """This process was not running for ``gap_s`` (SIGSTOP, a VM or swap stall, a clock

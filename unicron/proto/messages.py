@@ -118,7 +118,7 @@ class Codec:
             raise ProtocolError("too large: message over the size limit")
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # read before the signature is
             raise ProtocolError("malformed: not JSON") from None
         if not isinstance(obj, dict) or set(obj) != _ENVELOPE_KEYS:
             raise ProtocolError("malformed: not an envelope")

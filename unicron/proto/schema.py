@@ -52,6 +52,24 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+# Fields of a fault (``fault.fault``) whose type the coordinator relies on; others may ride along.
+FAULT_FIELDS: dict[str, Any] = {"kind": str, "ts": NUM, "rank": OPT_INT, "node": OPT_STR, "host": OPT_STR,
+                                "exitcode": OPT_INT, "signal": (str, int, type(None)), "error_type": OPT_STR,
+                                "message": OPT_STR, "traceback": OPT_STR, "stderr_tail": OPT_STR,
+                                "summary": OPT_STR, "steps_completed": OPT_INT, "attempt": int,
+                                "culprit_ranks": list}
+NESTED: dict[tuple[str, str], dict[str, Any]] = {("fault", "fault"): FAULT_FIELDS}
+
+
+def _type_error(key: str, value: Any, types: Any) -> str | None:
+    # bool is an int in Python; a schema that wants int must not accept True.
+    if isinstance(value, bool) and types is not bool and (not isinstance(types, tuple) or bool not in types):
+        return f"field {key!r} has type bool"
+    if not isinstance(value, types):
+        return f"field {key!r} has type {type(value).__name__}"
+    return None
+
+
 def schema_errors(kind: str, body: Any) -> str | None:
     """Return why ``body`` does not fit the schema of ``kind``, or None when it fits."""
     schema = SCHEMAS.get(kind)
@@ -70,10 +88,14 @@ def schema_errors(kind: str, body: Any) -> str | None:
             if optional:
                 continue
             return f"missing field {key!r}"
-        value = body[key]
-        # bool is an int in Python; a schema that wants int must not accept True.
-        if isinstance(value, bool) and types is not bool and (not isinstance(types, tuple) or bool not in types):
-            return f"field {key!r} has type bool"
-        if not isinstance(value, types):
-            return f"field {key!r} has type {type(value).__name__}"
+        problem = _type_error(key, body[key], types)
+        if problem is not None:
+            return problem
+        nested = NESTED.get((kind, key))
+        if nested is not None:
+            for field, field_types in nested.items():
+                if field in body[key]:
+                    problem = _type_error(f"{key}.{field}", body[key][field], field_types)
+                    if problem is not None:
+                        return problem
     return None

@@ -309,9 +309,13 @@ def report_exception(
         return
     _rt.reported.add(id(exc))
     text = "".join(traceback.format_exception(exc_type, exc, tb))
+    try:
+        message = str(exc)
+    except Exception:  # a broken __str__: what Python's own traceback prints for it
+        message = "<exception str() failed>"
     # Bounded: the agent's channel drops a message over 1 MiB, and this one must arrive.
     channel.get().emit("exc", type=clip(exception_type_name(exc_type), FAULT_FIELD_LIMITS["error_type"]),
-                       msg=clip(str(exc), FAULT_FIELD_LIMITS["message"]),
+                       msg=clip(message, FAULT_FIELD_LIMITS["message"]),
                        tb=clip(text, FAULT_FIELD_LIMITS["traceback"]), fatal=fatal, ready=distributed_ready())
 
 
