@@ -213,3 +213,29 @@ def test_refusals_are_state_errors_the_classifier_stops_on(snap_env: Path, monke
     monkeypatch.setenv("UNICRON_RESTORE_STEP", "2")
     with pytest.raises(unicron.StateError, match=r"^unicron.State: the snapshot of step 2 .* holds \['model'\]"):
         State(net=weights).restore()
+
+
+def test_a_zero_redundancy_optimizer_is_refused_with_its_inner_optimizer_named(tmp_path) -> None:
+    # Its state_dict() consolidates every shard on one rank (a collective; an error elsewhere),
+    # so every commit failed and the job restarted until its budget was spent.
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+import unicron
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+model = torch.nn.Linear(4, 2)
+zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+try:
+    unicron.State(model=model, optimizer=zero)
+except unicron.StateError as err:
+    print("refused:", err)
+state = unicron.State(model=model, optimizer=zero.optim)  # the rank-local shard: accepted
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused: unicron.State(optimizer=...): a ZeroRedundancyOptimizer's state_dict() is a collective" in out.stdout
+    assert "unicron.State(optimizer=optimizer.optim, ...)" in out.stdout

@@ -159,6 +159,12 @@ class State:
                 continue
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"unicron.State({name}=...) needs state_dict() and load_state_dict()")
+            if type(obj).__name__ == "ZeroRedundancyOptimizer":
+                # Its state_dict() gathers every rank's shard on one rank (a collective, and an
+                # error on the others); a snapshot is per rank, and this rank's shard is the inner one.
+                raise StateError(f"unicron.State({name}=...): a ZeroRedundancyOptimizer's state_dict() is a "
+                                 f"collective that consolidates all shards; pass its rank-local optimizer "
+                                 f"instead: unicron.State({name}={name}.optim, ...)")
             self._objects[name] = obj
         if extra is not None and not isinstance(extra, dict):
             raise TypeError("unicron.State(extra=...) must be a dict")
