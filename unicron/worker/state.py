@@ -65,7 +65,9 @@ Usage::
 Misuses a restart would only repeat raise ``unicron.StateError`` (a ``ValueError``; its
 ``SnapshotTypeError`` is also a ``TypeError``), and the job stops on them at any step instead
 of restarting: a step that goes back, a snapshot of other objects than this State holds (names
-must be the same in every attempt), and two States in one process taking turns at one rank's
+must be the same in every attempt), a ``ZeroRedundancyOptimizer`` (its ``state_dict()`` is a
+collective that gathers every shard on one rank: pass ``zero.optim``, this rank's shard, which
+restores bit for bit), and two States in one process taking turns at one rank's
 snapshots (they would overwrite each other's steps: give one State every object).
 
 A failed write (e.g. shared memory full: slot files are ``posix_fallocate``d, so a full tmpfs
