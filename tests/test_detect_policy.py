@@ -22,6 +22,7 @@ KINDS: dict[str, dict[str, object]] = {
     "oom": {"kind": "exception", "error_type": "torch.OutOfMemoryError", "message": "CUDA out of memory"},
     "import": {"kind": "exception", "error_type": "ModuleNotFoundError", "message": "No module named 'x'"},
     "clean": {"kind": "exit", "exitcode": 0},
+    "hang": {"kind": "hang", "rank": None, "message": "no step completed for 4.0 s"},
 }
 
 
@@ -55,6 +56,23 @@ class Job:
         if d.action in (Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE):
             self.attempt += 1
         return d
+
+
+def test_a_hang_is_at_its_culprits_place_and_nowhere_without_one() -> None:
+    # A crash of rank 1, then (after the restart, no step) a hang on the same node: without a
+    # culprit it is not "rank 1 failed again" (it used to stop the job with restarts left).
+    fixed = Job(elastic=False)
+    fixed.fail("crash", 1.0, 50, rank=1)
+    d = fixed.fail("hang", 2.0, 0)
+    assert d.action is Action.RESTART and not d.escalated, d.reason
+    # A hang whose one culprit is rank 1 is at rank 1's place: the restart failed again there.
+    named = Job(elastic=False)
+    named.fail("crash", 1.0, 50, rank=1)
+    spec = dict(KINDS["hang"], culprit_ranks=(1,))
+    fault = Fault(str(spec.pop("kind")), 2.0, node="n1", attempt=1, steps_completed=0, **spec)  # type: ignore[arg-type]
+    d = POLICY.decide(named.history, fault, classify(fault), 2.0, max_restarts=10,
+                      steps_completed_since_last_restart=0, elastic=False)
+    assert d.action is Action.STOP and d.stop is StopReason.CANNOT_RECONFIGURE and "rank 1" in d.reason
 
 
 def test_info_is_not_a_failure_and_spends_nothing() -> None:

@@ -118,7 +118,7 @@ class Decision:
         """The history entry for this decision (append it before the next ``decide``)."""
         return FailureRecord(
             ts=now, attempt=fault.attempt, rule=classification.rule, severity=classification.severity,
-            action=self.action, cause=classification.reason, rank=fault.rank, node=fault.node,
+            action=self.action, cause=classification.reason, rank=place_rank(fault), node=fault.node,
             progress=progress, escalated=self.escalated, error=classification.error,
             reached=reached, restored_from=restored_from, replayed=replayed,
         )
@@ -144,11 +144,21 @@ def _no_progress(progress: int | None) -> bool:
     return progress is not None and progress <= 0
 
 
+def place_rank(fault: Fault) -> int | None:
+    """The rank a fault happened at: its own, or a hang's one named culprit."""
+    if fault.rank is None and len(fault.culprit_ranks) == 1:
+        return fault.culprit_ranks[0]
+    return fault.rank
+
+
 def _same_place(record: FailureRecord, fault: Fault) -> bool:
-    # The same rank when both name one (on a single-node job every rank shares the node, so the
-    # node alone would call any two failures "the same place"); else the same node.
-    if record.rank is not None and fault.rank is not None:
-        return record.rank == fault.rank
+    # The same rank when both name one. When only one names a rank (a hang without one culprit
+    # after a crash, or the reverse) they are not known to be at the same place: on a single-node
+    # job every rank shares the node, and the node alone would call any two failures the same.
+    # Otherwise (node-level faults: a lost node, a GPU) the same node.
+    rank = place_rank(fault)
+    if record.rank is not None or rank is not None:
+        return record.rank == rank
     return bool(record.node) and record.node == fault.node
 
 
