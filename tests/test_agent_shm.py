@@ -34,12 +34,24 @@ def test_only_dead_owners_lose_their_directory(tmp_path) -> None:
     assert os.path.exists(mine) and foreign.exists()
 
 
-def test_work_dirs_of_dead_agents_are_removed_by_the_next_one(tmp_path, monkeypatch) -> None:
+def test_work_dirs_of_dead_agents_are_removed_by_the_next_one(monkeypatch) -> None:
     import tempfile
+    from pathlib import Path
 
+    # A short temp dir of its own: under a long one (pytest-xdist's) the work dir goes to /tmp.
+    tmp_path = Path(tempfile.mkdtemp(prefix="uc-shm-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    try:
+        _check_work_dirs(tmp_path)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_work_dirs(tmp_path) -> None:
     from unicron.agent.shm import make_work_dir
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     created = psutil.Process(dead.pid).create_time()
     dead.wait()
