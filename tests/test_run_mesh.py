@@ -249,6 +249,40 @@ def test_workers_die_with_a_sigkilled_agent(workdir, launch) -> None:
     wait_for(lambda: not shm[0].exists(), 15, "the dead agent's shared memory to be removed")
 
 
+def test_what_a_warm_worker_forks_without_exec_dies_with_a_sigkilled_agent(workdir, launch) -> None:
+    """A warm worker is a fork of the agent's zygote: its /proc/PID/environ, and that of a child
+    it forks without exec (multiprocessing's fork context), is the zygote's. The zygote carries
+    the janitor's marker, so such a child goes with a SIGKILLed agent (it used to stay)."""
+    import psutil
+
+    (workdir / "forks.py").write_text("""
+import multiprocessing, os, sys, time
+import torch.distributed as dist
+
+def linger(path):
+    os.setsid()  # out of the worker's process group, as a daemon would be
+    open(path, "w").write(str(os.getpid()))
+    time.sleep(600)
+
+dist.init_process_group("gloo")
+child = multiprocessing.get_context("fork").Process(target=linger, args=(sys.argv[1] + str(dist.get_rank()),))
+child.start()
+while True:
+    time.sleep(0.1)
+""")
+    item = launch(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "logs"),
+                   str(workdir / "forks.py"), str(workdir / "child")], workdir)
+    paths = [workdir / "child0", workdir / "child1"]
+    wait_for(lambda: all(p.exists() and p.read_text() for p in paths), 60, "the forked children")
+    started = [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"]
+    assert started and started[0]["warm"] == 2, started  # forks of the zygote
+    children = [psutil.Process(int(p.read_text())) for p in paths]
+    item.proc.send_signal(signal.SIGKILL)
+    item.proc.wait(10)
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, f"forked children outlived their agent: {[c.pid for c in alive]}"
+
+
 def _owned_shm_dirs(pid: int) -> list:
     """The shared-memory directories whose owner mark names the agent with ``pid``."""
     from pathlib import Path

@@ -59,6 +59,7 @@ from unicron.errors import (
 from unicron.events import EventLog
 from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
+from unicron.worker.env import AGENT_ADDR
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Agent:
         self.shm_dir = make_shm_dir(s.run_id)
         self.agent_addr = f"ipc://{self.work_dir}/agent.sock"  # the workers' channel; marks their processes
         # removes the directories, and kills what the workers started, if this process dies
-        self.janitor = Janitor([self.shm_dir, self.work_dir], marker=f"UNICRON_AGENT_ADDR={self.agent_addr}")
+        self.janitor = Janitor([self.shm_dir, self.work_dir], marker=f"{AGENT_ADDR}={self.agent_addr}")
         self.stack_dir = os.path.join(self.work_dir, "stacks")
         os.makedirs(self.stack_dir, exist_ok=True)
         self.tee = ConsoleTee()
@@ -100,7 +101,11 @@ class Agent:
         # meanwhile wait for it (``pending_assign``). Started with the workers' OMP_NUM_THREADS
         # (torchrun's rule), so numpy's BLAS starts no threads in it before it forks.
         omp = default_omp_threads(os.environ, s.nproc)
-        self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env={"OMP_NUM_THREADS": omp} if omp else {})
+        # The janitor's marker in the zygote's own environment: /proc/PID/environ of a fork is
+        # its zygote's, so what a warm worker forks without exec carries it too, and a SIGKILLed
+        # agent's janitor finds those as it finds every other process started from a worker.
+        zygote_env = {AGENT_ADDR: self.agent_addr, **({"OMP_NUM_THREADS": omp} if omp else {})}
+        self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env=zygote_env)
                      if s.warm and boot_argv(list(s.cmd), s.cmd[0]) is not None else None)
         if self.pool is not None:
             self.pool.refill()

@@ -9,9 +9,9 @@ The same deaths leave the workers' own children behind: the workers go with the 
 (PDEATHSIG), but what they started (a subprocess, a daemon in a session of its own) is
 adopted by init and runs on. Every process started from a worker's environment carries the
 agent's ``UNICRON_AGENT_ADDR`` (an IPC path unique to the agent), so the janitor kills those.
-Not found that way: children a warm worker forked without exec (their ``/proc/PID/environ`` is
-the zygote's); a data loader's and a process pool's workers end by themselves when their
-parent is gone.
+The zygote is started with it too: a warm worker's ``/proc/PID/environ``, and that of a child it
+forks without exec, is the zygote's. A data loader's and a process pool's workers end by
+themselves when their parent is gone.
 
 So the agent starts this small process (``python -S``, a few standard modules: a few MB) with
 the read end of a pipe. It waits for end of input, which comes when the agent closes the pipe
