@@ -194,6 +194,11 @@ class Encoder:
         return self.encode(k, path)
 
     def _tensor(self, t: torch.Tensor, path: Path) -> dict[str, Any]:
+        if type(t).__name__ == "DTensor":  # FSDP2 (fully_shard), tensor parallel
+            raise SnapshotTypeError(f"unicron.State cannot snapshot {path_text(path)}: a DTensor (FSDP2's fully_shard "
+                                    "or tensor parallel); sharded state is not supported yet: save it with "
+                                    "torch.distributed.checkpoint and resume from TORCHELASTIC_RESTART_COUNT, "
+                                    "as under torchrun")
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided \
                 or t.dtype in _QUANTIZED or t.is_meta or t.is_nested:
             raise SnapshotTypeError(f"unicron.State cannot snapshot {path_text(path)}: {type(t).__qualname__} with layout "

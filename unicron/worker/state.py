@@ -75,7 +75,9 @@ is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr (b
 commit or flush when the background half failed) and training goes on;
 the agent then restores from the newest snapshot that was written. Refused at commit, with the
 path of the offending value: anything the JSON codec (``snapcodec``) cannot give back with its
-exact type (numpy scalars, arbitrary objects, sparse or quantized tensors). Restored tensors are
+exact type (numpy scalars, arbitrary objects, sparse or quantized tensors, and DTensors: the
+sharded state of FSDP2's ``fully_shard`` or tensor parallelism is not supported yet; such a
+script checkpoints with ``torch.distributed.checkpoint`` as under torchrun). Restored tensors are
 CPU tensors (``load_state_dict`` moves them), contiguous unless they were a dense permutation;
 two entries that shared storage come back as two tensors. Not captured: where a data
 loader is inside its epoch; scripts that resume mid-epoch keep their batch index in ``extra``. The global RNG draws
