@@ -100,7 +100,7 @@ if dist.get_rank() == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
                           "ts": time.time()}).encode())
     time.sleep(60)  # stopped by the restart the fault asks for
 dist.barrier()
-print("rank", dist.get_rank(), "done", flush=True)
+print(f"rank {dist.get_rank()} done", flush=True)
 """)
     code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                                   "--grace-period", "2", "--log-dir", str(workdir / "logs"),

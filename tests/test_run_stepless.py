@@ -154,7 +154,7 @@ for _ in range(5):
     opt.zero_grad()
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-print("rank", rank, "done", flush=True)
+print(f"rank {rank} done", flush=True)
 """)
     code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "2",
                                   "--first-step-timeout", "4", "--max-restarts", "1", "--log-dir", str(workdir / "logs"),

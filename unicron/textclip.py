@@ -24,8 +24,9 @@ def clip(text: str, limit: int) -> str:
     return f"{text[:head]} ... [{len(text) - limit} characters left out] ... {text[len(text) - tail:]}"
 
 
-def clip_line(text: str, limit: int = LINE_LIMIT) -> str:
-    """What a console line shows of ``text``: at most ``limit`` characters of it."""
+def clip_line(value: object, limit: int = LINE_LIMIT) -> str:
+    """What a console line shows of ``value`` (as text): at most ``limit`` characters of it."""
+    text = value if isinstance(value, str) else str(value)
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... [{len(text) - limit} more characters]"
