@@ -7,6 +7,7 @@ collective (a plain all_reduce, or DDP's gradient all-reduce inside backward), t
 
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from unicron.detect.stacks import analyze_dump, main_thread, name_culprits, parse_dump
+from unicron.detect.stacks import analyze_dump, annotate_sources, main_thread, name_culprits, parse_dump
 
 CHILD = textwrap.dedent("""\
     import datetime, faulthandler, os, signal, sys, threading, time
@@ -51,6 +52,12 @@ CHILD = textwrap.dedent("""\
         if rank == 0:
             open(os.path.join(workdir, f"ready{rank}"), "w").close()
             dist.all_reduce(torch.ones(16))  # blocks: rank 1 never joins
+        else:
+            sleep_forever()
+    elif mode == "irecv":
+        if rank == 0:
+            open(os.path.join(workdir, f"ready{rank}"), "w").close()
+            dist.irecv(torch.zeros(4), src=1).wait()  # blocks in C++ Work.wait, below this line
         else:
             sleep_forever()
     elif mode == "ddp":
@@ -99,7 +106,7 @@ def _collect(mode: str, workdir: Path) -> dict[int, str]:
         dumps = {1: _request_dump(procs[1], workdir / "rank1.txt")}
         # Rank 0 reaches the collective a moment after saying it is ready: ask until it is inside.
         dumps[0] = _wait_for(
-            lambda: (d := _request_dump(procs[0], workdir / "rank0.txt"))
+            lambda: (d := annotate_sources(_request_dump(procs[0], workdir / "rank0.txt"), linecache.getline))
             and (a := analyze_dump(0, d)) is not None and a.in_collective and d,
             "rank 0 to be seen inside the collective", timeout=60.0)
         for r, text in dumps.items():  # the fixtures, kept next to the run for inspection
@@ -115,6 +122,11 @@ def _collect(mode: str, workdir: Path) -> dict[int, str]:
 @pytest.fixture(scope="module")
 def allreduce_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
     yield _collect("allreduce", tmp_path_factory.mktemp("allreduce"))
+
+
+@pytest.fixture(scope="module")
+def irecv_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+    yield _collect("irecv", tmp_path_factory.mktemp("irecv"))
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +188,27 @@ def test_frame_location_is_never_mistaken_for_a_relative_path() -> None:
     assert Frame("/tmp/accept/train.py", 20, "<module>").short() == "/tmp/accept/train.py:20 in <module>"
     assert Frame("/home/u/proj/pkg/train.py", 7, "main").short() == ".../proj/pkg/train.py:7 in main"
     assert Frame("train.py", 1, "f").short() == "train.py:1 in f"
+
+
+def test_a_rank_waiting_in_work_wait_of_an_irecv_is_inside_with_its_source_line(irecv_dumps: dict[int, str]) -> None:
+    """``dist.irecv(...).wait()`` waits in C++ straight from the script's line: faulthandler
+    shows only that line. With the source line the agent adds, it is a wait, and the sleeper is
+    the culprit; without it, no rank looked inside a collective and nobody was named."""
+    assert "    > dist.irecv(torch.zeros(4), src=1).wait()" in irecv_dumps[0]
+    report = name_culprits(irecv_dumps)
+    assert report.verdict == "culprits" and report.culprits == (1,) and report.in_collective == (0,)
+    bare = {r: "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("> "))
+            for r, text in irecv_dumps.items()}
+    assert name_culprits(bare).verdict == "none_in_collective"
+
+
+def test_source_lines_are_added_under_each_threads_innermost_frame_only() -> None:
+    dump = ('Thread 0x1 (most recent call first):\n  File "/a.py", line 3 in f\n  File "/a.py", line 9 in <module>\n\n'
+            'Current thread 0x2 (most recent call first):\n  File "/b.py", line 1 in g\n')
+    lines = {("/a.py", 3): "    req.wait()\n", ("/a.py", 9): "f()\n"}
+    out = annotate_sources(dump, lambda f, n: lines.get((f, n), ""))
+    assert out.count("    > ") == 1 and "  File \"/a.py\", line 3 in f\n    > req.wait()\n" in out
+    threads = parse_dump(out)
+    assert threads[0].frames[0].source == "req.wait()" and threads[0].frames[1].source == ""
+    assert analyze_dump(0, out) is not None
+    assert annotate_sources(dump, lambda f, n: "") == dump  # nothing readable: unchanged

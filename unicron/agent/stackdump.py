@@ -10,10 +10,12 @@ others all wait in a collective (``unicron.detect.stacks``).
 
 from __future__ import annotations
 
+import linecache
 import os
 import time
 from pathlib import Path
 
+from unicron.detect.stacks import annotate_sources
 from unicron.worker.env import STACK_SIGNAL
 
 STACK_WAIT_S = 1.5
@@ -41,7 +43,10 @@ def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT
         for rank, (path, size) in list(paths.items()):
             if path.exists() and path.stat().st_size > size:
                 time.sleep(0.05)  # let faulthandler finish writing this dump
-                stacks[str(rank)] = path.read_bytes()[size:].decode(errors="replace")[-keep:]
+                # Source lines from this node's files: a wait straight into C++ (Work.wait() of
+                # an irecv) shows only the script's line, which says it waits.
+                text = path.read_bytes()[size:].decode(errors="replace")
+                stacks[str(rank)] = annotate_sources(text, linecache.getline)[-keep:]
                 del paths[rank]
         time.sleep(0.02)
     stacks.update({str(rank): "" for rank in paths})

@@ -9,14 +9,17 @@ Python frames: a collective is recognised by its innermost Python frame (see
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 _THREAD_HEADER = re.compile(
     r"^(Current thread|Thread) (0x[0-9a-fA-F]+)(?: \[[^\]]*\])? \(most recent call first\):\s*$"
 )
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*?)\s*$')
+# A frame's source line, added under it by the agent (``annotate_sources``): faulthandler gives none.
+_SOURCE = re.compile(r"^\s+> (.*?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class Frame:
     filename: str
     lineno: int
     function: str
+    source: str = ""  # the line's text, when the agent could read it
 
     def short(self) -> str:
         parts = self.filename.replace("\\", "/").split("/")
@@ -64,8 +68,11 @@ def parse_dump(text: str) -> list[ThreadStack]:
             header, frames = found, []
         else:
             frame = _FRAME.match(line)
+            source = None if frame else _SOURCE.match(line)
             if frame and header is not None:
                 frames.append(Frame(frame.group(1), int(frame.group(2)), frame.group(3)))
+            elif source and frames:
+                frames[-1] = dataclasses.replace(frames[-1], source=source.group(1))
             # anything else ("<no Python frame>", "...", other output) is skipped
         previous_blank = not line.strip()
     flush()
@@ -108,7 +115,38 @@ def frame_in_collective(frame: Frame) -> bool:
     for fragment, function in COLLECTIVE_FRAMES:
         if fragment in path and (function is None or frame.function == function):
             return True
-    return False
+    return waits_in_cpp(frame.source)
+
+
+def waits_in_cpp(source: str) -> bool:
+    """Whether a script's own line, the innermost Python frame, waits straight in C++: the
+    ``Work.wait()`` of an ``async_op=True`` collective or of ``isend``/``irecv``/
+    ``batch_isend_irecv`` (the pipeline-parallel pattern), a torch ``Future.wait()``. Python-level
+    waits (``threading.Event``, ``subprocess``) have frames of their own below the line."""
+    return ".wait(" in source and "os.wait(" not in source
+
+
+def annotate_sources(text: str, line_of: Callable[[str, int], str]) -> str:
+    """``text`` (faulthandler dumps) with each thread's innermost frame followed by its source
+    line (``    > text``), read with ``line_of(filename, lineno)`` (the agent reads the files
+    of its own node: ``linecache.getline``). A line that cannot be read is left out."""
+    out: list[str] = []
+    innermost = False
+    for line in text.splitlines():
+        out.append(line)
+        if _THREAD_HEADER.match(line):
+            innermost = True
+            continue
+        frame = _FRAME.match(line) if innermost else None
+        if frame:
+            innermost = False
+            try:
+                source = line_of(frame.group(1), int(frame.group(2))).strip()
+            except (OSError, ValueError, UnicodeDecodeError):
+                source = ""
+            if source:
+                out.append(f"    > {source[:200]}")
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 @dataclass(frozen=True)
