@@ -47,6 +47,18 @@ dist.destroy_process_group()
 """
 
 
+# The start of a small DDP script that steps an optimizer (it will report steps).
+DDP_SGD = """import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+
 def _run(workdir, fail: str, *flags: str, iters: int = 200) -> tuple[int, str, str, list[dict]]:
     body = "\n".join("    " + line for line in fail.strip().splitlines())
     (workdir / "loop.py").write_text(MANUAL_LOOP.format(fail=body))
@@ -137,16 +149,7 @@ def test_a_rank_stuck_before_the_first_step_of_the_first_attempt_is_a_hang(workd
     # Both ranks built their optimizer; rank 1 then stalls in its start-up ("reading the dataset
     # index") while rank 0 waits in a broadcast. The first-step allowance (4 s here) applies in
     # the first attempt too: the hang is called, rank 1 named, and the restart trains to the end.
-    (workdir / "stuck_start.py").write_text("""
-import os, time
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-if rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    (workdir / "stuck_start.py").write_text(DDP_SGD + """if rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     time.sleep(3600)
 index = torch.zeros(1)
 dist.broadcast(index, 0)
@@ -204,16 +207,7 @@ for step in range(8):
 def test_rank_finishing_early_is_not_waited_for(workdir) -> None:
     # Rank 1 finishes after 10 steps and exits 0; rank 0 goes on alone for 60 more optimizer
     # steps (~3 s, twice the idle hang threshold): torchrun runs this to the end, so must we.
-    (workdir / "uneven.py").write_text("""
-import time
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(10):
+    (workdir / "uneven.py").write_text(DDP_SGD + """for _ in range(10):
     opt.zero_grad()
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
