@@ -11,7 +11,8 @@ aligned offset in one flat byte buffer and a record ``{"dtype": "float32", "shap
 Plain JSON carries None, bools, ints, finite floats, strings, lists and dicts whose keys are
 strings not starting with ``__``. Everything else is a one-tag object, the tag a key starting
 with ``__``: ``__float__`` (nan/inf), ``__tuple__``, ``__set__``, ``__bytes__``,
-``__bytearray__``, ``__complex__``, ``__dtype__``, ``__device__``, ``__size__``, ``__tensor__``
+``__bytearray__``, ``__complex__``, ``__dtype__``, ``__device__``, ``__size__``, ``__tensor__``,
+``__dtensor__`` (a DTensor's local tensor and global shape: ``LocalShard``)
 and ``__map__`` (a dict with other keys, e.g. an optimizer's int parameter ids, an
 ``OrderedDict`` with the ``_metadata`` that ``Module.load_state_dict`` reads, a ``Counter``).
 Exact types only: a subclass (numpy's float64, an IntEnum) would come back as its base class,
@@ -194,11 +195,11 @@ class Encoder:
         return self.encode(k, path)
 
     def _tensor(self, t: torch.Tensor, path: Path) -> dict[str, Any]:
-        if type(t).__name__ == "DTensor":  # FSDP2 (fully_shard), tensor parallel
-            raise SnapshotTypeError(f"unicron.State cannot snapshot {path_text(path)}: a DTensor (FSDP2's fully_shard "
-                                    "or tensor parallel); sharded state is not supported yet: save it with "
-                                    "torch.distributed.checkpoint and resume from TORCHELASTIC_RESTART_COUNT, "
-                                    "as under torchrun")
+        if type(t).__name__ == "DTensor" and callable(getattr(t, "to_local", None)):
+            # FSDP2 (fully_shard), tensor parallel: this rank's part, and the global shape. The
+            # mesh and placements are the live object's at restore (``unicron.worker.shards``).
+            local = t.to_local()  # type: ignore[attr-defined]
+            return {"__dtensor__": self._tensor(local, (path, "attr", "to_local()")), "shape": list(t.shape)}
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided \
                 or t.dtype in _QUANTIZED or t.is_meta or t.is_nested:
             raise SnapshotTypeError(f"unicron.State cannot snapshot {path_text(path)}: {type(t).__qualname__} with layout "
@@ -207,6 +208,19 @@ class Encoder:
         self.specs.append((t.dtype, t.shape, stride))
         self.tensors.append(t)
         return {"__tensor__": len(self.tensors) - 1}
+
+
+class LocalShard:
+    """A DTensor as a snapshot holds it: this rank's local tensor and the global shape. Made a
+    DTensor again, with the live object's mesh and placements, by ``unicron.worker.shards``."""
+
+    __slots__ = ("local", "shape")
+
+    def __init__(self, local: torch.Tensor, shape: torch.Size) -> None:
+        self.local, self.shape = local, shape
+
+    def __repr__(self) -> str:
+        return f"LocalShard(local={tuple(self.local.shape)}, shape={tuple(self.shape)})"
 
 
 def _flat_metadata(x: Any) -> tuple[Any, ...] | None:
@@ -285,4 +299,6 @@ def decode(obj: Any, load_tensor: Callable[[int], torch.Tensor]) -> Any:
         return torch.device(value)
     if tag == "__size__":
         return torch.Size(value)
+    if tag == "__dtensor__":
+        return LocalShard(decode(value, load_tensor), torch.Size(obj["shape"]))
     raise ValueError(f"unknown tag {tag!r} in snapshot metadata")

@@ -75,9 +75,11 @@ is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr (b
 commit or flush when the background half failed) and training goes on;
 the agent then restores from the newest snapshot that was written. Refused at commit, with the
 path of the offending value: anything the JSON codec (``snapcodec``) cannot give back with its
-exact type (numpy scalars, arbitrary objects, sparse or quantized tensors, and DTensors: the
-sharded state of FSDP2's ``fully_shard`` or tensor parallelism is not supported yet; such a
-script checkpoints with ``torch.distributed.checkpoint`` as under torchrun). Restored tensors are
+exact type (numpy scalars, arbitrary objects, sparse or quantized tensors). A DTensor (FSDP2's
+``fully_shard``, tensor parallelism) is snapshotted as this rank's local tensor and its global
+shape, and restored with the mesh and placements of the live object (``unicron.worker.shards``:
+a module's entry of the same key, an optimizer's state by its parameter), so build and shard the
+model and the optimizer before ``restore()``, as the script does anyway. Restored tensors are
 CPU tensors (``load_state_dict`` moves them), contiguous unless they were a dense permutation;
 two entries that shared storage come back as two tensors. Not captured: where a data
 loader is inside its epoch; scripts that resume mid-epoch keep their batch index in ``extra``. The global RNG draws
@@ -99,7 +101,7 @@ from typing import Any
 
 import torch
 
-from unicron.worker import ddplayout, env, hooks, loaders, snapcodec, snapshot, snapslots, snapwriter
+from unicron.worker import ddplayout, env, hooks, loaders, shards, snapcodec, snapshot, snapslots, snapwriter
 from unicron.worker.errors import StateError
 
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
@@ -229,7 +231,7 @@ class State:
                              f"{sorted(objects)} but this State has {sorted(self._objects)} (the same names "
                              "must be passed to State() in every attempt)")
         for name, obj in self._objects.items():
-            obj.load_state_dict(objects[name])
+            obj.load_state_dict(shards.place_shards(name, objects[name], obj))  # DTensors: placed as the live ones
         self._extra.clear()
         self._extra.update(saved["extra"])
         restore_rng(saved["rng"])
