@@ -240,3 +240,36 @@ dist.destroy_process_group()
     assert out.returncode == 0, out.stderr
     assert "refused: unicron.State(optimizer=...): a ZeroRedundancyOptimizer's state_dict() is a collective" in out.stdout
     assert "unicron.State(optimizer=optimizer.optim, ...)" in out.stdout
+
+
+def test_a_dtensor_shard_is_placed_as_its_live_counterpart_or_refused(tmp_path) -> None:
+    """``worker/shards.py``: a shard takes the live DTensor's mesh and placements when both are
+    shaped alike; another shape (a new mesh, a factored optimizer state) is a StateError, never
+    a tensor placed as something it is not."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from unicron.worker.errors import StateError
+from unicron.worker.shards import place_shards
+from unicron.worker.snapcodec import LocalShard
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+class Live:
+    def state_dict(self):
+        return {{"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]), "n": 3}}
+placed = place_shards("model", {{"w": LocalShard(torch.ones(4, 2), torch.Size([4, 2])), "n": 3}}, Live())
+assert isinstance(placed["w"], DTensor) and placed["w"].placements == (Shard(0),) and placed["n"] == 3
+assert torch.equal(placed["w"].to_local(), torch.ones(4, 2))
+try:
+    place_shards("model", {{"w": LocalShard(torch.ones(4), torch.Size([4]))}}, Live())
+except StateError as err:
+    print("refused:", err)
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused: unicron.State: model['w'] was a DTensor of shape (4,)" in out.stdout

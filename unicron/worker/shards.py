@@ -44,6 +44,12 @@ def _like(where: str, saved: Any, live: Any) -> Any:
         if not callable(getattr(live, "to_local", None)):
             raise StateError(f"unicron.State: {where} was a DTensor when snapshotted but is not one now: build "
                              "and shard the model (fully_shard, parallelize_module) before State.restore()")
+        if tuple(saved.shape) != tuple(live.shape) or tuple(saved.local.shape) != tuple(live.to_local().shape):
+            # Another sharding (a new mesh), or optimizer state shaped unlike its parameter
+            # (a factored second moment): these placements would not be its own.
+            raise StateError(f"unicron.State: {where} was a DTensor of shape {tuple(saved.shape)} (this rank's part "
+                             f"{tuple(saved.local.shape)}); its live counterpart is {tuple(live.shape)} "
+                             f"({tuple(live.to_local().shape)} here): it cannot be placed as that one is")
         return _from_local(saved, live)
     if isinstance(saved, dict):  # dict or OrderedDict (a module's, with its _metadata)
         out: dict[Any, Any] = type(saved)()
