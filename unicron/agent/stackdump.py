@@ -36,6 +36,7 @@ def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT
         except ProcessLookupError:
             pass
     stacks: dict[str, str] = {}
+    linecache.checkcache()  # a script edited since an earlier dump is read again
     # Every rank's dump rides in one message to the coordinator, which has a size limit.
     keep = max(2_000, min(STACK_KEEP_CHARS, STACKS_TOTAL_CHARS // max(1, len(pids))))
     deadline = time.monotonic() + wait_s
