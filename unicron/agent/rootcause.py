@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import socket
-import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from unicron.detect.faults import stderr_summary
+from unicron.smallfile import NotReadable, read_regular
 
 if TYPE_CHECKING:
     from unicron.agent.procs import WorkerProcess
@@ -199,22 +199,11 @@ def read_error_file(path: str, max_bytes: int = ERROR_FILE_MAX_BYTES) -> tuple[s
     a regular file of at most ``max_bytes`` (the worker chose what is there: a FIFO would block
     the read, a device or a huge file would fill memory)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
+        data = read_regular(path, max_bytes)
+        mtime = os.stat(path).st_mtime
+    except (OSError, NotReadable):
         return None, None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
-            return None, None
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(max_bytes + 1)
-    except OSError:
-        return None, None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:  # grew while read
-        return None, None
-    return data.decode("utf-8", errors="replace"), st.st_mtime
+    return data.decode("utf-8", errors="replace"), mtime
 
 
 def build_failure(

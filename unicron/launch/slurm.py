@@ -76,14 +76,22 @@ def _iter_host(pattern: str) -> Iterator[str]:
     """The names of one host pattern, lazily: ``n[1-99999999]`` must not be built in memory
     when only its first name is wanted. Several bracket groups expand as a product, in Slurm's
     order."""
-    parts = _host_parts(pattern)
-    if parts is None:
-        yield pattern
+    groups: list[tuple[str, list[tuple[int, int, int]]]] = []  # each bracket group, parsed once
+    rest: str = pattern
+    while (parts := _host_parts(rest)) is not None:
+        head, ranges, rest = parts
+        groups.append((head, ranges))
+    return _expand(groups, rest)
+
+
+def _expand(groups: list[tuple[str, list[tuple[int, int, int]]]], end: str) -> Iterator[str]:
+    if not groups:
+        yield end
         return
-    head, ranges, tail = parts
+    (head, ranges), inner = groups[0], groups[1:]
     for lo, hi, width in ranges:
         for n in range(lo, hi + 1):
-            for rest in _iter_host(tail) if tail else ("",):
+            for rest in _expand(inner, end):
                 yield f"{head}{str(n).zfill(width)}{rest}"
 
 
