@@ -1,3 +1,3 @@
-from unicron.cli import entrypoint
+from unicron.console import entrypoint
 
 entrypoint()

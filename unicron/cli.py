@@ -54,8 +54,8 @@ def error_line(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _register_all()
     try:
+        _register_all()
         rv = app(args=argv, prog_name="unicron", standalone_mode=False)
     except UnicronError as err:
         error_line(str(err))
@@ -83,6 +83,3 @@ def main(argv: list[str] | None = None) -> int:
         return 70
     return rv if isinstance(rv, int) else 0
 
-
-def entrypoint() -> None:
-    sys.exit(main())

@@ -35,20 +35,18 @@ from __future__ import annotations
 
 import faulthandler
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType, TracebackType
 from typing import IO, Any, NoReturn
 
 from unicron.textclip import FAULT_FIELD_LIMITS, clip
-from unicron.worker import channel, env
+from unicron.worker import channel, env, importwatch
 from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
 from unicron.worker.liveness import FrameWatch
 
@@ -239,56 +237,6 @@ _AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
-class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Hooks ``torch.optim.optimizer`` (step counting) and DDP (bucket layouts) once executed."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _AFTER_IMPORT:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                _hook_after_exec(spec.loader, fullname)
-                return spec
-        return None
-
-
-def _hook_after_exec(loader: Any, name: str) -> None:
-    exec_module = loader.exec_module
-
-    def exec_and_hook(module: ModuleType) -> None:
-        exec_module(module)
-        if all(n in sys.modules for n in _AFTER_IMPORT):
-            _uninstall_watcher()
-        _AFTER_IMPORT[name](module)
-
-    loader.exec_module = exec_and_hook
-
-
-_watcher = _ImportWatcher()
-
-
-def _uninstall_watcher() -> None:
-    if _watcher in sys.meta_path:
-        sys.meta_path.remove(_watcher)
-
-
-def _install_import_hooks() -> None:
-    waiting = False
-    for name, hook in _AFTER_IMPORT.items():
-        module = sys.modules.get(name)
-        if module is not None:  # torch already imported (e.g. a warm interpreter)
-            hook(module)
-        else:
-            waiting = True
-    if waiting and _watcher not in sys.meta_path:
-        sys.meta_path.insert(0, _watcher)
-
-
 # -- exceptions -------------------------------------------------------------------------------
 
 
@@ -418,7 +366,7 @@ def install() -> None:
     sys.excepthook = _excepthook
     threading.excepthook = _threading_excepthook
     os._exit = _os_exit
-    _install_import_hooks()
+    importwatch.after_import(_AFTER_IMPORT)
     try:
         threading.Thread(target=_watch_ready, name="unicron-ready", daemon=True).start()
     except RuntimeError:  # no thread to be had: the agent just knows less
