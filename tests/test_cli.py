@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 from e2e import clean_env, unicron_cmd
@@ -41,3 +42,28 @@ def test_misuse_is_one_line_and_nonzero(args, message) -> None:
 def test_coordinator_without_secret_is_refused() -> None:
     proc = _run("coordinator", "--port", "0")
     assert proc.returncode == 2 and "UNICRON_SECRET" in proc.stderr
+
+
+# Ctrl-C lands while the console script is still importing the CLI (typer, rich, networkx:
+# most of a second): the signal is sent from inside the import of typer, so it always does.
+_CTRL_C_DURING_IMPORT = """
+import builtins, os, signal, sys
+real_import = builtins.__import__
+def ctrl_c_at_typer(name, *args, **kwargs):
+    if name == "typer":
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = ctrl_c_at_typer
+sys.argv = ["unicron", "--version"]
+from unicron.console import entrypoint
+entrypoint()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_importing_is_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_DURING_IMPORT], capture_output=True, text=True,
+                          timeout=60, env=clean_env())
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "unicron: error: interrupted\n", proc.stderr
+    assert proc.stdout == ""
