@@ -343,3 +343,25 @@ def test_build_failure_without_any_files() -> None:
         rank=0, local_rank=0, pid=1, exitcode=-6, exited_at=5.0, error_file=None, stderr_file=None
     )
     assert made.signal_name == "SIGABRT" and made.host and made.timestamp == 5.0
+
+
+def test_a_death_by_signal_is_summarised_by_its_signal_not_by_a_warning_printed_before() -> None:
+    def killed(exitcode: int, stderr: str) -> str:
+        return make_failure(rank=1, local_rank=1, host="h", pid=9, exitcode=exitcode, exited_at=1.0,
+                            stderr_text=stderr).summary
+
+    warning = "/data/train.py:4: UserWarning: this dataset is deprecated\n  warnings.warn('this dataset is deprecated')\n"
+    assert killed(-9, warning) == "signal SIGKILL (9)"
+    glog = "[rank0]:W1206 02:21:13.000 Profiler record function is not supported and will be ignored\n"
+    assert killed(-9, glog) == "signal SIGKILL (9)"
+    assert killed(-9, "step 12 loss 3.2\n") == "signal SIGKILL (9)"
+    assert killed(-9, "") == "signal SIGKILL (9)"
+    # where stderr does say why: the C++ exception before SIGABRT, faulthandler's fatal error
+    assert killed(-6, NCCL_WATCHDOG_ABORT).startswith("signal SIGABRT (6): [PG ID 0 PG GUID 0(default_pg) Rank 0] "
+                                                      "Process group watchdog")
+    segv = ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f3b (most recent call first):\n"
+            '  File "/data/ext.py", line 9 in crash\n\nExtension modules: numpy.core._multiarray_umath, '
+            "torch._C (total: 2)\n")
+    assert killed(-11, segv) == "signal SIGSEGV (11): Fatal Python error: Segmentation fault"
+    # an exit code (no signal): the last line that is not a frame is the error, as before
+    assert killed(3, "step 12 loss 3.2\nconfig error: no such file\n") == "config error: no such file"

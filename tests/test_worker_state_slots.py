@@ -136,11 +136,11 @@ def test_unrepresentable_values_are_refused_with_their_path(make: Any, where: st
 
 
 def test_choose_slot_fills_free_slots_then_evicts_the_oldest() -> None:
-    assert snapslots.choose_slot({}, 3, 1) == 0
-    assert snapslots.choose_slot({0: 5, 2: 7}, 3, 8) == 1
-    assert snapslots.choose_slot({0: 5, 1: 9, 2: 7}, 3, 10) == 0
-    assert snapslots.choose_slot({0: 12, 1: 9, 2: 10}, 3, 13) == 1
-    assert snapslots.choose_slot({0: 12, 1: 9, 2: 10}, 3, 10) == 2  # the same step again: its own slot
+    assert snapslots.choose_slot({}, range(3), 1) == 0
+    assert snapslots.choose_slot({0: 5, 2: 7}, range(3), 8) == 1
+    assert snapslots.choose_slot({0: 5, 1: 9, 2: 7}, range(3), 10) == 0
+    assert snapslots.choose_slot({0: 12, 1: 9, 2: 10}, range(3), 13) == 1
+    assert snapslots.choose_slot({0: 12, 1: 9, 2: 10}, range(3), 10) == 2  # the same step again: its own slot
 
 
 def _markers(directory: Path) -> dict[int, int]:

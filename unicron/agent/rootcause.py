@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from unicron.detect.faults import stderr_summary
+from unicron.detect.faults import signal_cause, stderr_summary
 from unicron.smallfile import NotReadable, read_regular
 
 if TYPE_CHECKING:
@@ -74,9 +74,13 @@ class WorkerFailure:
 
     @property
     def summary(self) -> str:
-        """One line: the exception message, else what stderr says went wrong (``stderr_summary``)."""
+        """One line: the exception message, else what stderr says went wrong (``stderr_summary``);
+        for a death by signal, the signal, and what stderr says only where it reads as its cause."""
         if self.error is not None and self.error.message.strip():
             return self.error.message.strip().splitlines()[0]
+        if self.exitcode < 0:
+            cause = signal_cause(self.stderr_tail)
+            return describe_exit(self.exitcode) + (f": {cause}" if cause else "")
         return stderr_summary(self.stderr_tail)
 
 
@@ -289,6 +293,9 @@ def format_root_cause(failures: Sequence[WorkerFailure]) -> str:
         source = f"traceback (from {first.error_file}):" if first.error_file else "traceback:"
         lines.append(source)
         lines.append(_indent(first.traceback or "<empty>"))
+    elif first.stderr_tail and first.signal_name is not None:
+        lines.append(f"no traceback: the process was killed by {first.signal_name}; the last lines of its stderr:")
+        lines.append(_indent(first.stderr_tail))
     elif first.stderr_tail:
         lines.append("no error file; last lines of its stderr:")
         lines.append(_indent(first.stderr_tail))
@@ -303,7 +310,7 @@ def format_root_cause(failures: Sequence[WorkerFailure]) -> str:
     if len(ordered) > 1:
         lines.append(f"Other failed ranks ({len(ordered) - 1}):")
         for failure in ordered[1:]:
-            summary = failure.summary
+            summary = failure.summary.removeprefix(describe_exit(failure.exitcode)).removeprefix(": ")
             lines.append(
                 f"  rank {failure.rank} (local_rank {failure.local_rank}) on {failure.host}: "
                 f"{describe_exit(failure.exitcode)}, pid {failure.pid}" + (f": {summary}" if summary else "")

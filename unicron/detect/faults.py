@@ -197,8 +197,10 @@ class Classification:
 
 # Lines of a crash report that say where or how to debug, not what went wrong: C++ stack frames
 # (torch's c10::Error dumps them), CUDA's standard hints, indented traceback lines.
+# faulthandler's report of a fatal signal ends in thread headers and the extension module list.
 _NOT_THE_ERROR = re.compile(r"^(frame #\d+:|Exception raised from |Search for `|CUDA kernel errors might|"
-                            r"For debugging consider|Compile with `TORCH_USE_CUDA_DSA`|\s)")
+                            r"For debugging consider|Compile with `TORCH_USE_CUDA_DSA`|Current thread 0x|"
+                            r"Thread 0x|Extension modules:|\s)")
 _CXX_WHAT = re.compile(r"^\s*what\(\):\s*(\S.*)$")  # std::terminate's report of the C++ exception
 
 
@@ -215,3 +217,21 @@ def stderr_summary(tail: str) -> str:
         if not _NOT_THE_ERROR.match(line):
             return line.strip()
     return lines[-1].strip() if lines else ""
+
+
+# What a process prints on its way that is not why a signal killed it: warnings (Python's
+# ``warnings``, glog's W and I lines as torch prints them, ``[rank0]:W1206 ...``).
+_WARNING = re.compile(r"\w*Warning:|^(\[rank\d+\]:)?\[?[WI]\d{4}\b")
+_READS_AS_ERROR = re.compile(r"error|exception|fatal|abort|terminat|fault|what\(\)|out of memory|failed|assert",
+                             re.IGNORECASE)
+
+
+def signal_cause(tail: str) -> str:
+    """Why a process killed by a signal died, if its stderr says: ``stderr_summary`` when that
+    reads as an error (a C++ ``what()`` before SIGABRT, ``Fatal Python error: Segmentation
+    fault``), else "" (a SIGKILL from outside leaves whatever was printed last, a warning or a
+    log line, which is not its cause)."""
+    said = stderr_summary(tail)
+    if not said or _WARNING.search(said) or not _READS_AS_ERROR.search(said):
+        return ""
+    return said

@@ -14,7 +14,8 @@ One rank's directory ``$UNICRON_SNAPSHOT_DIR/rank{R}/`` holds
     agent list as "a complete snapshot of step S".
 
 Commit protocol (one writer: the worker that owns the directory): pick a slot (a free one,
-else the one holding the oldest step); unlink that step's marker *before* touching the slot;
+else the one holding the oldest step; a slot that shared memory has no room for is given up,
+and fewer snapshots are kept); unlink that step's marker *before* touching the slot;
 copy every tensor in; write the marker to ``step{S:010d}.pt.tmp`` and rename it. So a marker
 that exists always describes a slot that holds exactly its data, and a worker killed
 mid-copy leaves a slot no marker points at. tmpfs needs no fsync: the files live as long as
@@ -23,9 +24,10 @@ the machine, not the process, which is all snapshots must outlive.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +42,13 @@ def slot_name(slot: int) -> str:
     return f"slot{slot}.bin"
 
 
-def choose_slot(held: Mapping[int, int], keep: int, step: int) -> int:
+def choose_slot(held: Mapping[int, int], slots: Sequence[int], step: int) -> int:
     """Slot for a snapshot of ``step``: the one already holding ``step`` (committed again), else
-    the lowest free one, else the one holding the oldest step. ``held``: slot -> step."""
+    the first free one of ``slots``, else the one holding the oldest step. ``held``: slot -> step."""
     for slot, held_step in held.items():
         if held_step == step:
             return slot
-    for slot in range(keep):
+    for slot in slots:
         if slot not in held:
             return slot
     return min(held, key=lambda s: (held[s], s))
@@ -67,6 +69,8 @@ class SlotStore:
         self.directory = directory
         self.keep = keep
         self._held: dict[int, int] = {}  # slot -> step of the live marker pointing at it
+        self._usable = list(range(keep))  # slots not given up for want of shared memory
+        self.notice: str | None = None  # for the user, once: fewer snapshots kept than asked
         self._maps: dict[int, torch.Tensor] = {}  # slot -> uint8 view of its mapped file
         self._views: dict[int, tuple[snapcodec.Layout, list[torch.Tensor]]] = {}  # slot -> its views
         self._layout: snapcodec.Layout | None = None  # of the last commit: reused while specs match
@@ -111,10 +115,7 @@ class SlotStore:
         layout = self._layout
         if layout is None or layout.specs != encoder.specs:
             layout = self._layout = snapcodec.Layout(encoder.specs)
-        slot = choose_slot(self._held, self.keep, step)
-        if slot in self._held:  # its data is about to be overwritten: no marker may point at it
-            _unlink(self.directory / snapshot.snapshot_name(self._held.pop(slot)))
-        views = self._slot_views(slot, layout)
+        slot, views = self._take_slot(step, layout)
         if slot not in self._pin_tried and views and any(t.is_cuda for t in encoder.tensors):
             self._pin(slot)
         now, later = _split(len(encoder.tensors), deferred) if views else ([], [])
@@ -123,6 +124,31 @@ class SlotStore:
         text = f'{head[:-1]},"tensors":{layout.records_json},"tree":{tree_json}}}'
         return PendingSnapshot(self, step, slot, layout.nbytes, text,
                                [views[i] for i in later], [encoder.tensors[i] for i in later])
+
+    @property
+    def held_steps(self) -> list[int]:
+        return sorted(self._held.values())
+
+    def _take_slot(self, step: int, layout: snapcodec.Layout) -> tuple[int, list[torch.Tensor]]:
+        """A slot for ``step``, mapped for ``layout``. A slot whose pages shared memory cannot
+        reserve is given up, and the snapshot goes to the oldest slot left: fewer snapshots
+        kept, each still complete (two alternate, so a kill mid-copy leaves the step before),
+        rather than every later commit failing at the same full slot."""
+        while True:
+            slot = choose_slot(self._held, self._usable, step)
+            if slot in self._held:  # its data is about to be overwritten: no marker may point at it
+                _unlink(self.directory / snapshot.snapshot_name(self._held.pop(slot)))
+            try:
+                return slot, self._slot_views(slot, layout)
+            except OSError as err:
+                self._unmap(slot)  # free what it holds: the slot has no marker now
+                _unlink(self.directory / slot_name(slot))
+                if err.errno != errno.ENOSPC or len(self._usable) == 1:
+                    raise
+                self._usable.remove(slot)
+                self.notice = (f"shared memory has room for only {len(self._usable)} of this rank's "
+                               f"{self.keep} snapshots ({layout.nbytes / 1e6:.1f} MB each): keeping "
+                               f"{len(self._usable)}")
 
     def _publish(self, step: int, slot: int, text: str) -> None:
         final = self.directory / snapshot.snapshot_name(step)

@@ -276,6 +276,9 @@ class State:
             if not self._store.prepared:  # restore() was not called: nothing to continue from
                 self._store.prepare(newest_kept=0)
             pending = self._store.stage(step, tree, encoder, later)
+            if self._store.notice:
+                print(f"unicron: rank {self._rank}: {self._store.notice}", file=sys.stderr, flush=True)
+                self._store.notice = None
             if not background:
                 self._finish(pending)
                 return
@@ -322,7 +325,11 @@ class State:
             return
         text = f"{type(err).__name__}: {err}"
         if text != self._last_error:  # once per distinct error: training goes on
-            print(f"unicron: snapshot write failed: {text}", file=sys.stderr, flush=True)
+            # Said once, so say what it costs until commits succeed again.
+            held = self._store.held_steps
+            back = f"step {held[-1]}" if held else "the script's own start"
+            print(f"unicron: snapshot write failed: {text}; until a snapshot is written again, "
+                  f"a restart goes back to {back}", file=sys.stderr, flush=True)
             self._last_error = text
 
     def flush(self, timeout: float | None = None) -> bool:

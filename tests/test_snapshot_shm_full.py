@@ -1,0 +1,85 @@
+"""Shared memory too small for every snapshot a rank keeps: the store keeps as many as fit,
+each one complete, and says so once, instead of failing every commit after the first that
+found no room (which froze restores at step 1 or 2 for the rest of the run).
+
+Each case runs in a child of its own mount namespace with a tmpfs of a given size, so the
+shortage is real (``posix_fallocate`` failing with ENOSPC) and nothing outside is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1 << 20
+
+CHILD = r"""
+import errno, json, sys
+from pathlib import Path
+import torch
+from unicron.worker import snapcodec, snapslots
+store = snapslots.SlotStore(Path(sys.argv[1]) / "rank0", keep=3)
+store.prepare(newest_kept=0)
+tensor = torch.zeros(1 << 18)  # 1 MiB of float32
+notices, error = [], None
+for step in range(1, 8):
+    tensor.fill_(step)
+    encoder = snapcodec.Encoder()
+    tree = encoder.encode({"t": tensor}, "state")
+    try:
+        store.write(step, tree, encoder)
+    except OSError as err:
+        error = errno.errorcode.get(err.errno)
+        break
+    if store.notice:
+        notices.append(store.notice)
+        store.notice = None
+    for held in store.held_steps:  # every snapshot kept is whole, and of its own step
+        back = snapslots.read(store.directory, held)
+        assert torch.equal(back["t"], torch.full_like(tensor, held)), held
+print(json.dumps({"held": store.held_steps, "notices": notices, "error": error}))
+"""
+
+
+def _run_in_tmpfs(tmp_path: Path, size_k: int) -> dict[str, object]:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs in a private mount namespace")
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    mount = f'mount -t tmpfs -o size={size_k}k tmpfs "$0" && exec "$1" -c "$2" "$0"'
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount,
+                           str(mnt), sys.executable, CHILD], capture_output=True, text=True, timeout=100)
+    if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("size_k, held, kept", [
+    (4 * 1024, [5, 6, 7], None),   # room for all three
+    (2700, [6, 7], 2),             # room for two: they alternate, the newest two are kept
+    (1500, [7], 1),                # room for one: it is rewritten every step
+])
+def test_fewer_slots_when_shared_memory_is_short(tmp_path: Path, size_k: int, held: list[int], kept: int | None) -> None:
+    result = _run_in_tmpfs(tmp_path, size_k)
+    assert result["error"] is None
+    assert result["held"] == held
+    if kept is None:
+        assert result["notices"] == []
+    else:
+        notices = result["notices"]
+        assert isinstance(notices, list) and len(notices) == 1, notices
+        assert f"room for only {kept} of this rank's 3 snapshots (1.0 MB each): keeping {kept}" in notices[0]
+
+
+def test_no_room_for_one_snapshot_is_an_error(tmp_path: Path) -> None:
+    result = _run_in_tmpfs(tmp_path, 512)
+    assert result["error"] == "ENOSPC" and result["held"] == []
