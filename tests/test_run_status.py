@@ -74,3 +74,20 @@ def test_status_without_runs_is_a_clear_error(workdir) -> None:
                           timeout=30)
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "unicron: error:" in proc.stderr
+
+
+def test_a_run_trains_when_the_runs_dir_cannot_be_used(workdir) -> None:
+    """The registry only serves `unicron status`: a run whose runs directory is unusable (here a
+    file; read-only or someone else's alike) says so in one line and trains anyway."""
+    taken = workdir / "a-file"
+    taken.write_text("")
+    script = workdir / "ok.py"
+    script.write_text("import os\nprint(f\"rank {os.environ['RANK']} done\")\n")
+    env = clean_env(UNICRON_RUNS_DIR=str(taken))
+    proc = subprocess.run(unicron_cmd("run", "--standalone", "--nproc-per-node", "2", str(script)), cwd=workdir,
+                          env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout
+    warned = [line for line in proc.stderr.splitlines() if "cannot use" in line]
+    assert len(warned) == 1 and f"UNICRON_RUNS_DIR: cannot use {taken}" in warned[0], proc.stderr
+    assert "`unicron status` will not find this run" in warned[0] and "Traceback" not in proc.stderr

@@ -6,9 +6,11 @@ removes it when it stops. Entries whose pid is gone are ignored and cleaned.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,19 +49,38 @@ def _entry(job: str) -> Path:
 
 
 def register_run(info: RunInfo) -> Path:
+    """Write the run's entry. ``ConfigError`` naming the directory when it cannot be written."""
     path = _entry(info.job)
     tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(asdict(info), fh)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(asdict(info), fh)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):  # a partial entry, if one was made
+            tmp.unlink()
+        source = "UNICRON_RUNS_DIR" if os.environ.get("UNICRON_RUNS_DIR") else "the runs directory"
+        raise ConfigError(f"{source}: cannot use {path.parent} as the directory of live runs: "
+                          f"{err.strerror or err}") from None
     return path
+
+
+def register_run_or_warn(info: RunInfo, warn: Callable[[str], object]) -> bool:
+    """``register_run`` for a launcher: a run trains without its entry, so a directory that
+    cannot be used is a warning (``unicron status`` then needs ``--endpoint``), not a stop."""
+    try:
+        register_run(info)
+    except ConfigError as err:
+        warn(f"{err}; `unicron status` will not find this run without --endpoint")
+        return False
+    return True
 
 
 def unregister_run(job: str) -> None:
     try:
         _entry(job).unlink()
-    except (FileNotFoundError, ConfigError):  # never registered
+    except (OSError, ConfigError):  # never registered (the directory could not be used)
         pass
 
 

@@ -23,7 +23,7 @@ from unicron.coord.decide import DetectDecider
 from unicron.coord.server import CoordinatorServer
 from unicron.errors import UsageError
 from unicron.events import EVENTS_FILE, EventLog
-from unicron.runs import RunInfo, register_run, unregister_run
+from unicron.runs import RunInfo, register_run_or_warn, unregister_run
 
 # How long to keep trying to host the coordinator while its port is taken but nobody listens.
 _HOST_RACE_S = 2.0
@@ -64,8 +64,9 @@ def run_agent(s: AgentSettings) -> int:
             server, endpoint = _coordinator(s, events, ui.warn)
             if server is not None:
                 secret_file = s.secret_file or _write_secret(events_dir, s.secret)
-                register_run(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}", pid=os.getpid(),
-                                     secret_file=secret_file, log_dir=events_dir, started_at=time.time()))
+                register_run_or_warn(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}",
+                                             pid=os.getpid(), secret_file=secret_file, log_dir=events_dir,
+                                             started_at=time.time()), ui.warn)
                 server.start()
                 ui.info(f"coordinator for job {s.run_id} on port {server.port}; events in {events.path}")
                 if s.metrics_port is not None:

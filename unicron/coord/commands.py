@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         from unicron.coord.decide import DetectDecider
         from unicron.coord.server import CoordinatorServer
         from unicron.events import EVENTS_FILE, EventLog
-        from unicron.runs import RunInfo, register_run, unregister_run
+        from unicron.runs import RunInfo, register_run_or_warn, unregister_run
 
         if not 0 <= port <= 65535:
             raise UsageError(f"--port: {port} is not a TCP port")
@@ -47,10 +47,12 @@ def register(app: typer.Typer) -> None:
                 safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
                 logs[job] = EventLog(base / safe / EVENTS_FILE, job=job, node=socket.gethostname())
                 # Its decisions on this console (no agent's console shows them: none hosts it).
-                logs[job].listeners.append(AgentUI("never", name="unicron coordinator", label=f"job {job!r}: ").on_event)
+                console = AgentUI("never", name="unicron coordinator", label=f"job {job!r}: ")
+                logs[job].listeners.append(console.on_event)
                 sfile = secret_file or _write_secret(base, secret)
-                register_run(RunInfo(job=job, endpoint=f"{_shown(host)}:{server.port}", pid=os.getpid(),
-                                     secret_file=sfile, log_dir=str(base / safe), started_at=time.time()))
+                register_run_or_warn(RunInfo(job=job, endpoint=f"{_shown(host)}:{server.port}", pid=os.getpid(),
+                                             secret_file=sfile, log_dir=str(base / safe), started_at=time.time()),
+                                     console.warn)
                 registered.append(job)
             return logs[job]
 
