@@ -55,6 +55,16 @@ class HealthWatch:
                 kept.append(fault)
         return report, kept
 
+    def with_oom_kills_now(self) -> dict[str, Any] | None:
+        """The last reading with the kernel's OOM-kill count read again now (a few microseconds);
+        None before the first reading. A SIGKILLed worker is seen within milliseconds, its
+        OOM kill only at the next reading, up to ``HEALTH_EVERY_S`` later: after the decision."""
+        if not self.reading or "oom_kills" not in self.reading:
+            return None
+        from unicron.detect.health import read_oom_kills
+
+        return dict(self.reading, oom_kills=read_oom_kills(), ts=time.time())
+
     def take_evidence(self) -> list[dict[str, Any]]:
         evidence, self.evidence = self.evidence, []
         return evidence

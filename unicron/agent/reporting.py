@@ -4,6 +4,7 @@ explain them) and heartbeats that carry its ranks' activity."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from typing import Any
 
@@ -50,6 +51,10 @@ class Reporter:
 
     def report(self, fault: dict[str, Any], group: WorkerGroup | None) -> None:
         attempt = group.spec.attempt if group is not None else -1
+        if fault.get("kind") == "exit" and fault.get("exitcode") == -signal.SIGKILL:
+            reading = self.health.with_oom_kills_now()  # was it the OOM killer? (the classifier asks)
+            if reading is not None:
+                self._check_health(reading, group)
         if fault.get("kind") in ("exit", "exception") and self.health.evidence:
             # Recent health changes travel with the failure they may explain.
             for item in self.health.take_evidence():
