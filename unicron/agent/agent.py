@@ -39,6 +39,7 @@ from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import Helpers
 from unicron.agent.pace import LoopPace
+from unicron.agent.ranks import GroupSpec
 from unicron.agent.rejoin import Rejoiner
 from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
@@ -96,6 +97,9 @@ class Agent:
                                  heartbeat_interval_s=s.heartbeat_interval_s, events=events, ui=ui)
         self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
+        # The latest attempt's time to every local rank's first step, and its world size: a
+        # restart of the same layout is held to it (detect.hang: first_step_allowance_s).
+        self.startup: tuple[float, int] | None = None
         # A zygote with torch imported forks every worker, so no start (first or restart) pays
         # for interpreter start and imports. It imports while the job forms; attempts assigned
         # meanwhile wait for it (``pending_assign``). Started with the workers' OMP_NUM_THREADS
@@ -318,7 +322,7 @@ class Agent:
         env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
                                      shm_dir=self.shm_dir)
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
-                            tee=self.tee, host=self.host, hang=hang_detector(self.s), role=self.s.role,
+                            tee=self.tee, host=self.host, hang=hang_detector(self.s, self._startup_hint(spec)), role=self.s.role,
                             stack_dir=self.stack_dir, pool=self.pool, expect_steps=self.steps_seen)
         self.group = group
         self.last_attempt = spec.attempt
@@ -340,6 +344,13 @@ class Agent:
                          restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts)
         for warning in inject_warnings(spec):
             self.ui.warn(warning)
+
+    def _startup_hint(self, spec: GroupSpec) -> float | None:
+        """The start-up an attempt of ``spec``'s layout took before; None after a change of layout
+        (new nodes start cold, and their ranks' peers wait for them)."""
+        if self.startup is None or self.startup[1] != spec.world_size:
+            return None
+        return self.startup[0]
 
     def _on_stop(self, body: dict[str, Any]) -> None:
         # Answer at once: the coordinator then knows this node is alive and busy stopping (it
@@ -408,6 +419,9 @@ class Agent:
             return
         self.group = None
         self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
+        startup = group.hang.stats.startup_s()
+        if startup is not None:
+            self.startup = (startup, group.spec.world_size)
         # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,

@@ -27,10 +27,11 @@ def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
                      restore_note=body.get("restore_note", ""))
 
 
-def hang_detector(s: AgentSettings) -> HangDetector:
+def hang_detector(s: AgentSettings, startup_hint_s: float | None = None) -> HangDetector:
+    """``startup_hint_s``: how long an earlier attempt on this node took to its ranks' first step."""
     return HangDetector(k=s.hang_factor, floor_s=s.hang_floor_s, warmup_steps=s.hang_warmup_steps,
                         first_step_timeout_s=s.first_step_timeout_s, busy_k=s.hang_busy_factor,
-                        busy_floor_s=s.hang_busy_floor_s)
+                        busy_floor_s=s.hang_busy_floor_s, startup_hint_s=startup_hint_s)
 
 
 def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, stack_dir: str,

@@ -97,8 +97,14 @@ class DetectDecider:
         if error is not None and classification.rule == "hang":
             # The one false positive a torchrun user can meet: a pause between steps that is
             # expected (rank 0 uploading metrics while the others wait) and longer than the floor.
-            detail = (f"{detail}\nif a pause this long between steps is expected, raise --hang-floor "
-                      "(or --hang-busy-floor for busy ranks) above it; see docs/failures.md").lstrip()
+            if "warm-up allowance" in cause.message:
+                hint = ("if a start-up this long with every rank waiting is expected, raise --first-step-timeout "
+                        "(a restarted attempt whose ranks all wait is held to 5 x the earlier start-up, at least a tenth "
+                        "of it)")
+            else:
+                hint = ("if a pause this long between steps is expected, raise --hang-floor "
+                        "(or --hang-busy-floor for busy ranks) above it")
+            detail = f"{detail}\n{hint}; see docs/failures.md".lstrip()
         return Decision(action=decision.action.value, backoff_s=decision.backoff_s,
                         reason=reason if error is None else f"{reason}\n{detail}".rstrip(),
                         severity=decision.severity.value, rule=classification.rule,

@@ -222,7 +222,7 @@ def stderr_summary(tail: str) -> str:
 # What a process prints on its way that is not why a signal killed it: warnings (Python's
 # ``warnings``, glog's W and I lines as torch prints them, ``[rank0]:W1206 ...``).
 _WARNING = re.compile(r"\w*Warning:|^(\[rank\d+\]:)?\[?[WI]\d{4}\b")
-_READS_AS_ERROR = re.compile(r"error|exception|fatal|abort|terminat|fault|what\(\)|out of memory|failed|assert",
+_READS_AS_ERROR = re.compile(r"error|exception|fatal|abort|terminat|what\(\)|out of memory|failed|assert",
                              re.IGNORECASE)
 
 
