@@ -341,3 +341,17 @@ def test_watch_reads_how_a_gone_run_ended_from_its_event_log(runs_dir: Path, tmp
         proc.wait()
     assert code == 0
     assert out.splitlines()[-1] == "run gpt-demo ended (done, exit 0: all workers finished successfully)"
+
+
+def test_two_runs_of_one_job_id_keep_their_own_entries(tmp_path: Path, runs_dir: Path) -> None:
+    """The same --rdzv-id at two endpoints on one machine: both are listed, and the first to end
+    removes only its own entry (it used to overwrite the other's, then delete it)."""
+    from unicron.runs import list_runs, unregister_run
+
+    register_local(tmp_path, "127.0.0.1:1001", os.getpid())
+    register_local(tmp_path, "127.0.0.1:1002", os.getppid())
+    assert sorted(r.endpoint for r in list_runs() if r.job == JOB) == ["127.0.0.1:1001", "127.0.0.1:1002"]
+    unregister_run(JOB, os.getppid())
+    assert [r.endpoint for r in list_runs() if r.job == JOB] == ["127.0.0.1:1001"]
+    unregister_run(JOB)  # this process's own
+    assert [r for r in list_runs() if r.job == JOB] == []

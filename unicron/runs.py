@@ -1,6 +1,6 @@
 """Registry of the unicron runs alive on this machine, so `unicron status` finds them.
 
-Each coordinator writes ``<runs dir>/<job>.json`` (mode 0600, it names the secret file) and
+Each coordinator writes ``<runs dir>/<job>.<pid>.json`` (mode 0600, it names the secret file) and
 removes it when it stops. Entries whose pid is gone are ignored and cleaned.
 """
 
@@ -43,14 +43,16 @@ def runs_dir() -> Path:
     return path
 
 
-def _entry(job: str) -> Path:
+def _entry(job: str, pid: int) -> Path:
+    # Keyed by the process too: two runs that share a job id (the same --rdzv-id at two
+    # endpoints) each keep their own entry, and the first to end removes only its own.
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
-    return runs_dir() / f"{safe}.json"
+    return runs_dir() / f"{safe}.{pid}.json"
 
 
 def register_run(info: RunInfo) -> Path:
     """Write the run's entry. ``ConfigError`` naming the directory when it cannot be written."""
-    path = _entry(info.job)
+    path = _entry(info.job, info.pid)
     tmp = path.with_suffix(".tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -77,9 +79,10 @@ def register_run_or_warn(info: RunInfo, warn: Callable[[str], object]) -> bool:
     return True
 
 
-def unregister_run(job: str) -> None:
+def unregister_run(job: str, pid: int | None = None) -> None:
+    """Remove the entry this process (or ``pid``) wrote for ``job``."""
     try:
-        _entry(job).unlink()
+        _entry(job, os.getpid() if pid is None else pid).unlink()
     except (OSError, ConfigError):  # never registered (the directory could not be used)
         pass
 
