@@ -214,8 +214,9 @@ def test_warm_worker_is_indistinguishable_from_cold(tmp_path: Path, mode: str, s
 
 SEEDS = """
     import random, sys
+    preloaded = "unicron.worker.state" in sys.modules
     import numpy, torch
-    print(torch.initial_seed(), numpy.random.randint(2**62), random.getrandbits(64))
+    print(torch.initial_seed(), numpy.random.randint(2**62), random.getrandbits(64), preloaded)
 """
 
 
@@ -232,6 +233,9 @@ def test_forked_workers_draw_their_own_default_seeds(tmp_path: Path, subreaper: 
         started.extend(w for w in workers if w is not None)
         assert [finish(w) for w in workers if w is not None] == [0, 0, 0]
     seeds = [Path(plan.stdout_path or "").read_text().split() for plan in plans]
+    # unicron's worker API came with the fork: the zygote's version of all of it (an upgrade
+    # under a running job never mixes its old modules with new ones read from disk)
+    assert [line.pop() for line in seeds] == ["True"] * 3
     for column in zip(*seeds, strict=True):  # torch, numpy, random: no two workers alike
         assert len(set(column)) == 3, seeds
 

@@ -64,8 +64,11 @@ from typing import IO, Any
 from unicron.worker import boot, cudadriver
 
 # torch._dynamo is what the first optimizer construction imports (about 1.5 s): preloading it
-# makes a warm worker's first step as fast as its later ones.
-PRELOAD = ("numpy", "torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel", "zmq")
+# makes a warm worker's first step as fast as its later ones. unicron's worker API last: a
+# worker forked after unicron was upgraded under a running job uses the zygote's version of
+# all of it, never its old snapshot code beside a new ``unicron.State`` read from disk.
+PRELOAD = ("numpy", "torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel", "zmq",
+           "unicron.worker.state")
 EXIT_PRELOAD_FAILED = 3  # before ready: the pool stops using zygotes
 REPARENT_NAP_S = 0.0005
 REPARENT_TIMEOUT_S = 5.0
