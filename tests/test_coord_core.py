@@ -425,7 +425,7 @@ def test_a_coordinator_that_was_itself_stopped_does_not_count_the_silence() -> N
 def test_a_join_timeout_shorter_than_the_last_call_starts_with_the_nodes_there() -> None:
     """MIN nodes are there, the last call (5 s) waits for more, the join timeout (2 s) ends the
     wait: the job starts with what it has rather than failing with enough nodes."""
-    core = JobCore(JobSpec("job", 1, 3, max_restarts=0, last_call_s=5, heartbeat_timeout_s=3, join_timeout_s=2),
+    core = JobCore(JobSpec("job", 1, 3, max_restarts=3, last_call_s=5, heartbeat_timeout_s=3, join_timeout_s=2),
                    ScriptedDecider(), now=0)
     core.on_join("a", join("a", mn=1, mx=3), 0)
     assert not core.tick(1.9)
@@ -545,3 +545,14 @@ def test_a_node_with_other_hang_settings_is_refused_with_the_flags_named() -> No
     assert told["reason"] == ("hang settings differ from the job's (give every node the same): this node has "
                               "--hang-floor 10.0, the job's 1.5") and "wait" not in told
     assert sends(core.on_join("b", {**join("b"), "hang": dict(hang)}, 1), "welcome")
+
+
+def test_a_node_with_another_restart_budget_is_refused() -> None:
+    """Restarts are counted job-wide: a node that asked for --max-restarts 0 in a job started
+    with 3 would otherwise see the job restart with no word of whose budget was used."""
+    core = JobCore(JobSpec("job", 2, 2, max_restarts=3), ScriptedDecider(), now=0)
+    assert sends(core.on_join("a", {**join("a"), "max_restarts": 3}, 0), "welcome")
+    told = sends(core.on_join("b", {**join("b"), "max_restarts": 0}, 0), "reject")["b"]
+    assert told["reason"] == ("--max-restarts mismatch: this node says 0, the job's is 3 (restarts are counted "
+                              "job-wide: give every node the same)") and "wait" not in told
+    assert sends(core.on_join("b", {**join("b"), "max_restarts": 3}, 1), "welcome")

@@ -51,6 +51,24 @@ def test_two_agents_on_loopback_form_one_job(workdir, launch) -> None:
     assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
 
 
+def test_rdzv_conf_is_host_picks_the_node_that_hosts_the_coordinator(workdir, launch) -> None:
+    """torchrun's is_host: the node started first with is_host=0 joins, and waits, rather than
+    binding the endpoint as the first to come otherwise would; the one with is_host=1 hosts."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    guest = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="last_call_timeout=1,is_host=0"),
+                   workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start"], 60,
+             "the guest agent to start")
+    assert socket.socket().connect_ex(("127.0.0.1", port)) != 0  # nobody listens: it did not host
+    host = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="last_call_timeout=1,is_host=1"),
+                  workdir, env)
+    results = {name: item.wait(90) for name, item in (("guest", guest), ("host", host))}
+    for code, _out, err in results.values():
+        assert code == 0, err
+    assert "coordinator for job" in results["host"][2] and "coordinator for job" not in results["guest"][2]
+
+
 def ipv6_loopback_port() -> int:
     try:
         with socket.socket(socket.AF_INET6) as s:

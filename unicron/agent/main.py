@@ -105,7 +105,7 @@ def _coordinator(s: AgentSettings, events: EventLog,
     """Host the coordinator here if this node owns the endpoint; return it and where to join."""
     if s.coordinator:
         return None, _tcp(s.coordinator)
-    if not s.embed_coordinator or not _is_local(s.rdzv_host):
+    if not s.embed_coordinator or s.is_host is False or (s.is_host is None and not _is_local(s.rdzv_host)):
         return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
     host = _display_host(s)
     deadline = time.monotonic() + _HOST_RACE_S
@@ -121,7 +121,10 @@ def _coordinator(s: AgentSettings, events: EventLog,
         # EADDRINUSE alone does not prove another agent hosts it: two agents started at the same
         # instant can both lose, because with SO_REUSEADDR Linux lets both bind and then fails
         # both listen() calls. Only a listener is proof; without one, try again shortly.
-        if _listening(host, s.rdzv_port) or time.monotonic() > deadline:
+        if s.is_host and time.monotonic() > deadline:  # told to host: another listener is an error
+            raise UsageError(f"--rdzv-conf is_host=1: cannot host the rendezvous on port {s.rdzv_port}: "
+                             "another process listens there")
+        if not s.is_host and (_listening(host, s.rdzv_port) or time.monotonic() > deadline):
             return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
         time.sleep(random.uniform(0.005, 0.05))
 

@@ -47,5 +47,8 @@ class AgentSettings:
     #  role_rank, role_world_size, master_addr, master_port, restart_count, error_file) -> env
     worker_env: Callable[..., Mapping[str, str]]
     warm: bool = True
+    # --rdzv-conf is_host: host the embedded coordinator (True: even where the endpoint's name
+    # does not look like this machine), never (False), or whoever binds the port first (None)
+    is_host: bool | None = None
     signals: tuple[int, ...] = (15, 2, 1, 3)  # SIGTERM, SIGINT, SIGHUP, SIGQUIT (torchrun's default)
     warnings: tuple[str, ...] = ()

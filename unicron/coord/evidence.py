@@ -65,6 +65,9 @@ def join_mismatch(spec: JobSpec, body: dict[str, Any]) -> str | None:
     if body["min_nodes"] != spec.min_nodes or body["max_nodes"] != spec.max_nodes:
         return (f"--nnodes mismatch: this node says {body['min_nodes']}:{body['max_nodes']}, "
                 f"the job is {spec.min_nodes}:{spec.max_nodes}")
+    if body["max_restarts"] != spec.max_restarts:  # one budget counts the whole job's restarts
+        return (f"--max-restarts mismatch: this node says {body['max_restarts']}, the job's is "
+                f"{spec.max_restarts} (restarts are counted job-wide: give every node the same)")
     theirs = body.get("hang") or {}
     differ = [f"{flag} {theirs.get(flag)!r}, the job's {value!r}" for flag, value in spec.hang.items()
               if theirs.get(flag) != value]

@@ -78,6 +78,7 @@ def settings_from_config(cfg: LaunchConfig) -> AgentSettings:
         metrics_port=cfg.metrics_port,
         worker_env=env_for,
         warm=cfg.warm,
+        is_host=cfg.rdzv_conf.is_host,
         signals=tuple(_signum(name) for name in cfg.signals_to_handle),
         warnings=cfg.warnings,
     )
