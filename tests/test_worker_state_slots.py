@@ -296,3 +296,31 @@ def test_memoized_module_metadata_is_reused_only_while_equal(tmp_path: Path) -> 
         assert snapcodec.Encoder(memo).encode({"a": 1, "b": 2}, "x") == {"a": 1, "b": 2}
         assert "__map__" in snapcodec.Encoder(memo).encode({1: "a", 2: "b"}, "x")
         assert "__map__" in snapcodec.Encoder(memo).encode({"__x": 1}, "x")
+
+
+def test_a_snapshot_directory_removed_under_the_job_is_made_again(tmp_path: Path) -> None:
+    """A cleanup script or another job's epilog removes the agent's directory in /dev/shm while
+    the job runs: the next commit makes it again, private, and snapshots go on (they used to
+    fail at every step from then on, and a restart went back to the script's start)."""
+    store = snapslots.SlotStore(tmp_path / "shm" / "rank0", keep=3)
+    store.prepare(newest_kept=0)
+    tensor = torch.zeros(1000)
+
+    def commit(step: int) -> None:
+        tensor.fill_(step)
+        encoder = snapcodec.Encoder()
+        store.write(step, encoder.encode({"t": tensor}, "state"), encoder)
+
+    commit(1)
+    commit(2)
+    import shutil
+
+    shutil.rmtree(tmp_path / "shm")
+    commit(3)
+    assert store.notice is not None and "was removed while the job ran" in store.notice
+    assert "steps 1-2 are gone" in store.notice
+    assert store.held_steps == [3] and snapshot.list_steps(store.directory) == [3]
+    assert torch.equal(snapslots.read(store.directory, 3)["t"], torch.full_like(tensor, 3))
+    assert os.stat(tmp_path / "shm").st_mode & 0o777 == 0o700
+    commit(4)
+    assert store.held_steps == [3, 4]

@@ -115,6 +115,8 @@ class SlotStore:
         layout = self._layout
         if layout is None or layout.specs != encoder.specs:
             layout = self._layout = snapcodec.Layout(encoder.specs)
+        if not self.directory.is_dir():  # removed under the running job (a cleanup script, an epilog)
+            self._recreate()
         slot, views = self._take_slot(step, layout)
         if slot not in self._pin_tried and views and any(t.is_cuda for t in encoder.tensors):
             self._pin(slot)
@@ -124,6 +126,19 @@ class SlotStore:
         text = f'{head[:-1]},"tensors":{layout.records_json},"tree":{tree_json}}}'
         return PendingSnapshot(self, step, slot, layout.nbytes, text,
                                [views[i] for i in later], [encoder.tensors[i] for i in later])
+
+    def _recreate(self) -> None:
+        """Make the directory again and forget what it held: the slots mapped still exist, but
+        the agent can no longer find them, so they are dropped and written afresh."""
+        lost = self.held_steps
+        for slot in list(self._maps):
+            self._unmap(slot)
+        self._held.clear()
+        self._usable = list(range(self.keep))
+        for directory in (self.directory.parent, self.directory):  # private, as the agent made them
+            directory.mkdir(mode=0o700, exist_ok=True)
+        gone = f" (the snapshots of steps {lost[0]}-{lost[-1]} are gone)" if lost else ""
+        self.notice = f"{self.directory} was removed while the job ran; made it again{gone}"
 
     @property
     def held_steps(self) -> list[int]:

@@ -71,9 +71,11 @@ restores bit for bit), and two States in one process taking turns at one rank's
 snapshots (they would overwrite each other's steps: give one State every object).
 
 A failed write (e.g. shared memory full: slot files are ``posix_fallocate``d, so a full tmpfs
-is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr (by the next
-commit or flush when the background half failed) and training goes on;
-the agent then restores from the newest snapshot that was written. Refused at commit, with the
+is an error at sizing, never a SIGBUS on a mapped page) is reported on stderr once per kind of
+error (by the next commit or flush when the background half failed), saying which step a
+restart would go back to, and training goes on; the agent then restores from the newest
+snapshot that was written. Shared memory with room for fewer than ``keep`` snapshots keeps as
+many as fit (said once); a rank directory removed under the running job is made again. Refused at commit, with the
 path of the offending value: anything the JSON codec (``snapcodec``) cannot give back with its
 exact type (numpy scalars, arbitrary objects, sparse or quantized tensors). A DTensor (FSDP2's
 ``fully_shard``, tensor parallelism) is snapshotted as this rank's local tensor and its global
@@ -324,13 +326,14 @@ class State:
         if err is None:
             return
         text = f"{type(err).__name__}: {err}"
-        if text != self._last_error:  # once per distinct error: training goes on
+        kind = f"{type(err).__name__} {getattr(err, 'errno', '')}"  # not the text: it names each step's file
+        if kind != self._last_error:  # once per kind of error: training goes on
             # Said once, so say what it costs until commits succeed again.
             held = self._store.held_steps
             back = f"step {held[-1]}" if held else "the script's own start"
             print(f"unicron: snapshot write failed: {text}; until a snapshot is written again, "
                   f"a restart goes back to {back}", file=sys.stderr, flush=True)
-            self._last_error = text
+            self._last_error = kind
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the last commit's snapshot is complete; False if ``timeout`` s passed first.
