@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from unicron.agent.attempt import (
+    EarlierAttempts,
     attempt_line,
     group_spec,
     hang_detector,
@@ -39,14 +40,12 @@ from unicron.agent.link import CoordinatorLink
 from unicron.agent.logs import RunLogDir
 from unicron.agent.orphans import Helpers
 from unicron.agent.pace import LoopPace
-from unicron.agent.ranks import GroupSpec
 from unicron.agent.rejoin import Rejoiner
 from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir, scan_snapshots
 from unicron.agent.tee import ConsoleTee
-from unicron.agent.warm import READY_WAIT_S, WarmPool
-from unicron.agent.warmspec import boot_argv
+from unicron.agent.warm import READY_WAIT_S, warm_pool
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
 from unicron.detect.stall import StallWatch
@@ -58,7 +57,6 @@ from unicron.errors import (
     WorkerFailedError,
 )
 from unicron.events import EventLog
-from unicron.launch.workerenv import default_omp_threads
 from unicron.proto.messages import Codec
 from unicron.worker.env import AGENT_ADDR
 
@@ -96,23 +94,10 @@ class Agent:
         self.reporter = Reporter(self.codec, node_id=self.node_id, host=self.host,
                                  heartbeat_interval_s=s.heartbeat_interval_s, events=events, ui=ui)
         self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
-        self.steps_seen = False  # some attempt's workers reported steps: the script steps
-        # The latest attempt's time to every local rank's first step, and its world size: a
-        # restart of the same layout is held to it (detect.hang: first_step_allowance_s).
-        self.startup: tuple[float, int] | None = None
-        # A zygote with torch imported forks every worker, so no start (first or restart) pays
-        # for interpreter start and imports. It imports while the job forms; attempts assigned
-        # meanwhile wait for it (``pending_assign``). Started with the workers' OMP_NUM_THREADS
-        # (torchrun's rule), so numpy's BLAS starts no threads in it before it forks.
-        omp = default_omp_threads(os.environ, s.nproc)
-        # The janitor's marker in the zygote's own environment: /proc/PID/environ of a fork is
-        # its zygote's, so what a warm worker forks without exec carries it too, and a SIGKILLed
-        # agent's janitor finds those as it finds every other process started from a worker.
-        zygote_env = {AGENT_ADDR: self.agent_addr, **({"OMP_NUM_THREADS": omp} if omp else {})}
-        self.pool = (WarmPool(s.nproc, python=s.cmd[0], base_env=zygote_env)
-                     if s.warm and boot_argv(list(s.cmd), s.cmd[0]) is not None else None)
-        if self.pool is not None:
-            self.pool.refill()
+        self.earlier = EarlierAttempts()  # what this node's attempts so far showed of the script
+        # A zygote with torch imported forks every worker: it imports while the job forms, and
+        # attempts assigned meanwhile wait for it (``pending_assign``).
+        self.pool = warm_pool(s, self.agent_addr)
         self.helpers = Helpers(self.pool, self.janitor)
         self.pending_assign: dict[str, Any] | None = None
         self.joining = JoinState(endpoint, s.join_timeout_s, time.monotonic(), gone_after_s=self.link.lost_after_s)
@@ -322,8 +307,9 @@ class Agent:
         env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
                                      shm_dir=self.shm_dir)
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
-                            tee=self.tee, host=self.host, hang=hang_detector(self.s, self._startup_hint(spec)), role=self.s.role,
-                            stack_dir=self.stack_dir, pool=self.pool, expect_steps=self.steps_seen)
+                            tee=self.tee, host=self.host, hang=hang_detector(self.s, self.earlier.startup_hint(spec)),
+                            role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,
+                            expect_steps=self.earlier.steps_seen)
         self.group = group
         self.last_attempt = spec.attempt
         self.link.new_attempt()
@@ -344,13 +330,6 @@ class Agent:
                          restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts)
         for warning in inject_warnings(spec):
             self.ui.warn(warning)
-
-    def _startup_hint(self, spec: GroupSpec) -> float | None:
-        """The start-up an attempt of ``spec``'s layout took before; None after a change of layout
-        (new nodes start cold, and their ranks' peers wait for them)."""
-        if self.startup is None or self.startup[1] != spec.world_size:
-            return None
-        return self.startup[0]
 
     def _on_stop(self, body: dict[str, Any]) -> None:
         # Answer at once: the coordinator then knows this node is alive and busy stopping (it
@@ -418,10 +397,7 @@ class Agent:
         if group is None:
             return
         self.group = None
-        self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
-        startup = group.hang.stats.startup_s()
-        if startup is not None:
-            self.startup = (startup, group.spec.world_size)
+        self.earlier.ended(group)
         # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,

@@ -38,6 +38,7 @@ from typing import Any
 
 from unicron.agent.logs import RankLogs
 from unicron.agent.procs import ERROR_FILE_ENV, WorkerProcess
+from unicron.agent.settings import AgentSettings
 from unicron.agent.signals import is_child_subreaper
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.warmspec import (
@@ -46,6 +47,8 @@ from unicron.agent.warmspec import (
     shadowed_preloads,
     spec_line,
 )
+from unicron.launch.workerenv import default_omp_threads
+from unicron.worker.env import AGENT_ADDR
 
 ZYGOTE_MODULE = "unicron.worker.zygote"
 SPEC_PIPE_BYTES = 1 << 20  # room for the largest environment, so writing a spec never blocks
@@ -348,3 +351,18 @@ def _workdir(cwd: str | None) -> str | None:
     except OSError:  # the agent's own directory was removed
         return None
     return path if os.path.isdir(path) else None
+
+
+def warm_pool(s: AgentSettings, agent_addr: str) -> WarmPool | None:
+    """The agent's pool, its zygote starting; None with ``--no-warm`` or a command that is not
+    the boot command (workers then start cold)."""
+    if not s.warm or boot_argv(list(s.cmd), s.cmd[0]) is None:
+        return None
+    # The workers' OMP_NUM_THREADS (torchrun's rule): numpy's BLAS starts no threads in the
+    # zygote before it forks. The janitor's marker in the zygote's own environment:
+    # /proc/PID/environ of a fork is its zygote's, so what a warm worker forks without exec
+    # carries it too, and a SIGKILLed agent's janitor finds those with the rest.
+    omp = default_omp_threads(os.environ, s.nproc)
+    pool = WarmPool(s.nproc, python=s.cmd[0], base_env={AGENT_ADDR: agent_addr, **({"OMP_NUM_THREADS": omp} if omp else {})})
+    pool.refill()
+    return pool
