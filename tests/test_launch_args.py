@@ -123,6 +123,10 @@ def test_standalone_like_torchrun(script: str) -> None:
     assert (cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.standalone) == ("c10d", "localhost:0", True)
     assert cfg.rdzv_id != "x" and any("ignored with --standalone" in w for w in cfg.warnings)
     assert parse(["--standalone", "--nnodes", "1", script]).max_nodes == 1
+    # a range that allows one node runs on this one, as torchrun runs it (no secret needed)
+    ranged = parse(["--standalone", "--nnodes", "1:4", script])
+    assert (ranged.min_nodes, ranged.max_nodes) == (1, 1)
+    assert "--standalone runs a single node: --nnodes 1:4 runs as 1" in ranged.warnings
 
 
 def test_static_endpoint_is_master_addr_and_port(script: str) -> None:
@@ -332,7 +336,6 @@ BAD_FLAGS = [
     (["--rdzv-conf", "last_call_timeout=-1"], "--rdzv-conf: last_call_timeout: must be > 0"),
     (["--rdzv-conf", "is_host=maybe"], "is_host: not a boolean"),
     (["--standalone", "--nnodes", "2"], "--standalone runs a single node; it contradicts --nnodes 2:2"),
-    (["--standalone", "--nnodes", "1:4"], "contradicts --nnodes 1:4"),
     (["--max-restarts", "-1"], "--max-restarts: must be >= 0, got -1"),
     (["--max-restarts", "x"], "--max-restarts: not an integer: 'x'"),
     (["--monitor-interval", "0"], "--monitor-interval: must be > 0"),

@@ -210,9 +210,13 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
     # Rendezvous, with torchrun's rewrites.
     backend, endpoint, rdzv_id = v["rdzv_backend"], v["rdzv_endpoint"].strip(), v["rdzv_id"]
     if v["standalone"]:
-        if max_nodes > 1:
+        if min_nodes > 1:  # torchrun would wait for nodes that cannot come, until its join timeout
             raise UsageError(f"{label['standalone']} runs a single node; it contradicts "
                              f"{label['nnodes']} {min_nodes}:{max_nodes}")
+        if max_nodes > 1:  # torchrun runs a range that allows one node on this one alone
+            warnings.append(f"{label['standalone']} runs a single node: {label['nnodes']} {min_nodes}:{max_nodes} "
+                            "runs as 1")
+            max_nodes = 1
         for dest in ("rdzv_backend", "rdzv_endpoint", "rdzv_id"):
             if r.ranks[dest] != DEFAULT:
                 warnings.append(f"{label[dest]} is ignored with {label['standalone']} (as in torchrun)")
