@@ -228,7 +228,10 @@ def test_budget_is_job_wide_and_counts_every_action() -> None:
     assert d.stop is StopReason.BUDGET and d.restarts_used == 3
     assert "3 of 3 restarts used job-wide" in d.reason
     assert isinstance(d.to_error(), RestartBudgetExceeded)
-    assert Job(max_restarts=0).fail("crash", 1.0, 5).stop is StopReason.BUDGET
+    none = Job(max_restarts=0).fail("crash", 1.0, 5)
+    assert none.stop is StopReason.BUDGET
+    # torchrun's default: nothing was tried, and the line does not read as if restarts had been
+    assert "restart budget spent: none allowed (--max-restarts 0" in none.reason and "0 of 0" not in none.reason
 
 
 def test_backoff_sequence_and_reset_after_progress() -> None:

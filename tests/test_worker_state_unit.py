@@ -215,6 +215,19 @@ def test_refusals_are_state_errors_the_classifier_stops_on(snap_env: Path, monke
         State(net=weights).restore()
 
 
+def test_a_snapshot_that_no_longer_fits_the_model_is_a_state_error_naming_the_mismatch(
+        snap_env: Path, monkeypatch) -> None:
+    """The script changed between attempts (a layer widened): every restart would fail the same
+    way in load_state_dict, so it is a StateError the job stops on, with torch's reason in one line."""
+    State(model=torch.nn.Sequential(torch.nn.Linear(4, 8))).commit(3)
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    with pytest.raises(unicron.StateError) as refused:
+        State(model=torch.nn.Sequential(torch.nn.Linear(4, 16))).restore()
+    text = str(refused.value)
+    assert text.startswith("unicron.State: the snapshot of step 3 does not fit 'model' as it is now")
+    assert "size mismatch for 0.weight" in text and "\n" not in text
+
+
 def test_a_zero_redundancy_optimizer_is_refused_with_its_inner_optimizer_named(tmp_path) -> None:
     # Its state_dict() consolidates every shard on one rank (a collective; an error elsewhere),
     # so every commit failed and the job restarted until its budget was spent.

@@ -350,7 +350,7 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()} lost its connection to a peer ({_error_summary(f, ev)})", victim=True),
     Rule("oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGKILL and any(
         h.error_type == "oom_kill" for h in ev.health),
-         lambda f, _ev: f"{f.where()} was killed by the kernel OOM killer (host memory exhausted)"),
+         lambda f, _ev: f"{f.where()} was killed by the kernel OOM killer (out of memory: the host's, or its cgroup's limit)"),
     Rule("sigkill", Severity.SEV2, _signal_in(frozenset({_signal.SIGKILL})),
          lambda f, _ev: f"{f.where()} was killed by SIGKILL (from outside, or by the kernel OOM killer)"),
     Rule("crash-signal", Severity.SEV2, _signal_in(CRASH_SIGNALS),

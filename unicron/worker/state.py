@@ -233,7 +233,14 @@ class State:
                              f"{sorted(objects)} but this State has {sorted(self._objects)} (the same names "
                              "must be passed to State() in every attempt)")
         for name, obj in self._objects.items():
-            obj.load_state_dict(shards.place_shards(name, objects[name], obj))  # DTensors: placed as the live ones
+            try:
+                obj.load_state_dict(shards.place_shards(name, objects[name], obj))  # DTensors: placed as the live ones
+            except StateError:
+                raise
+            except (RuntimeError, ValueError, KeyError, TypeError) as err:  # every restart would fail the same way
+                said = " ".join(str(err).split())
+                raise StateError(f"unicron.State: the snapshot of step {step} does not fit {name!r} as it is now "
+                                 f"(was the script changed between attempts?): {said[:600]}") from err
         self._extra.clear()
         self._extra.update(saved["extra"])
         restore_rng(saved["rng"])
