@@ -129,11 +129,18 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+# Above any real duration, rate or weight; finite inputs beyond it overflow the reward's products
+# (1e308 s x a throughput is inf, and the plan's JSON would carry -Infinity).
+NUMBER_MAX = 1e15
+
+
 def _num(value: Any, path: str, *, minimum: float = 0.0, strict: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InputError(f"{path}: expected a number, got {value!r}")
     if value < minimum or (strict and value == minimum):
         raise InputError(f"{path}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    if value > NUMBER_MAX:
+        raise InputError(f"{path}: must be <= {NUMBER_MAX:g}, got {value!r}")
     return float(value)
 
 
