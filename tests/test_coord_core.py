@@ -103,7 +103,7 @@ def test_fault_stops_everyone_then_restarts_with_restore_step() -> None:
     core = JobCore(spec(), decider, now=0)
     core.on_join("a", join("a"), 0)
     core.on_join("b", join("b"), 0)
-    started(core, 1)
+    assert not [a for a in started(core, 1).values() if "why" in a]  # the first attempt follows no decision
     outs = core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 3, "exitcode": -9, "ts": 2}}, 2)
     assert set(sends(outs, "stop")) == {"a", "b"} and core.phase is Phase.STOPPING
     # A second (victim) report is kept for root-cause analysis, not acted on twice.
@@ -118,6 +118,8 @@ def test_fault_stops_everyone_then_restarts_with_restore_step() -> None:
     assert {a["restart_count"] for a in assigns.values()} == {1}
     assert {a["inject"] for a in assigns.values()} == {False}
     assert core.restarts_used == 1
+    # Every node's console is told why (only the node hosting the coordinator sees its events).
+    assert {a["why"] for a in assigns.values()} == {"SEV2 restart: restart it"}
 
 
 def test_all_finished_ends_the_job() -> None:

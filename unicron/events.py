@@ -11,11 +11,19 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 EVENTS_FILE = "events.jsonl"
+
+
+def decision_line(event: Mapping[str, Any]) -> str:
+    """A ``decision`` event as the console says it: ``SEV2 restart (culprit rank 1): why``."""
+    culprits = event.get("culprits") or []
+    blame = f" (culprit rank {', '.join(map(str, culprits))})" if culprits else ""
+    reason = str(event.get("reason", "")).splitlines()
+    return f"{event.get('severity')} {event.get('action')}{blame}: {reason[0] if reason else ''}"
 
 
 class EventLog:

@@ -315,6 +315,8 @@ class Agent:
         self.link.new_attempt()
         self.pace.watch_now()
         # Said before the workers start: what they print (an ImportError's traceback) comes after.
+        if body.get("why") and not self.hosts_coordinator:  # the host's console showed it as it was decided
+            self.ui.warn(body["why"])
         nproc = spec.local_world_sizes[spec.node_rank]
         self.ui.info(attempt_line(spec, [spec.rank_offset + lr for lr in range(nproc)]))
         try:

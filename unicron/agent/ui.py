@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
+from unicron.events import decision_line
 from unicron.textclip import clip_line
 
 
@@ -55,10 +56,7 @@ class AgentUI:
         """Show the coordinator's decisions as they happen (the JSONL log has the details)."""
         kind = event.get("kind")
         if kind == "decision":
-            culprits = event.get("culprits") or []
-            blame = f" (culprit rank {', '.join(map(str, culprits))})" if culprits else ""
-            reason = str(event.get("reason", "")).splitlines()[0]
-            self.warn(f"{event.get('severity')} {event.get('action')}{blame}: {reason}")
+            self.warn(decision_line(event))
         elif kind == "join_refused":
             say = self.info if event.get("waits") else self.warn
             say(f"node {event.get('host')} refused: {event.get('reason')}")

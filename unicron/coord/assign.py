@@ -20,10 +20,11 @@ class Placed(Protocol):
 
 def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restarts_used: int,
                      master_addr: str, master_port: int, restore_step: int | None,
-                     restore_note: str = "") -> list[Out]:
+                     restore_note: str = "", why: str = "") -> list[Out]:
     """The event that opens attempt ``number`` on ``nodes`` (in node-rank order), then one
     ``assign`` per node: its node rank, the global rank of its first worker, the world's sizes,
-    the store, the step every rank restores."""
+    the store, the step every rank restores, and ``why`` (the decision that led to it, for the
+    console of every node: only the one hosting the coordinator sees its events)."""
     sizes = [n.nproc for n in nodes]
     world = sum(sizes)
     note: dict[str, Any] = {"restore_note": restore_note} if restore_note else {}
@@ -41,6 +42,7 @@ def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restar
             "node_rank": node.node_rank, "nnodes": len(nodes), "rank_offset": offset,
             "world_size": world, "local_world_sizes": sizes, "master_addr": master_addr,
             "master_port": master_port, "restore_step": restore_step, **note,
+            **({"why": why} if why else {}),
             # faults are injected into the first attempt only (a restart must be able to heal)
             "inject": number == 0, "restarts_used": restarts_used,
             "nodes": [[n.node_id, n.host] for n in nodes]}))

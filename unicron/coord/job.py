@@ -23,6 +23,7 @@ from unicron.coord.restore import Holdings, choose_restore, finished_ranks
 from unicron.coord.resume import take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
+from unicron.events import decision_line
 
 
 class JobCore:
@@ -40,6 +41,7 @@ class JobCore:
         self.restarts_used = 0
         self.restore_step: int | None = None
         self.restore_note = ""  # why the attempt restores nothing though snapshots were kept
+        self.why_next = ""  # the decision that the next attempt carries out, as the console says it
         self.holdings: Holdings | None = None  # the snapshots nodes hold since the last stop
         self.history: list[Decision] = []
         self.restarts: list[dict[str, Any]] = []
@@ -304,9 +306,10 @@ class JobCore:
         if self._down_since is not None:
             self.downtime_s += now - self._down_since
             self._down_since = None
+        why, self.why_next = self.why_next, ""
         return attempt_messages(number, nodes, epoch=self.members.epoch, restarts_used=self.restarts_used,
                                 master_addr=master_addr, master_port=master_port,
-                                restore_step=self.restore_step, restore_note=self.restore_note)
+                                restore_step=self.restore_step, restore_note=self.restore_note, why=why)
 
     def fail(self, reason: str, now: float, exit_code: int = 1) -> list[Out]:
         """The shell could not do what the job needs (e.g. open a store), or the coordinator's
@@ -375,10 +378,11 @@ class JobCore:
                                            finished=finished_ranks(attempt.stopped.values()),
                                            spent=self.restarts_used)
             self.history.append(decision)
-        out.append(Emit("decision", {"attempt": attempt.number, "action": decision.action,
-                                     "severity": decision.severity, "rule": decision.rule,
-                                     "reason": decision.reason, "backoff_s": decision.backoff_s,
-                                     "culprits": decision.culprits}))
+        event = {"attempt": attempt.number, "action": decision.action, "severity": decision.severity,
+                 "rule": decision.rule, "reason": decision.reason, "backoff_s": decision.backoff_s,
+                 "culprits": decision.culprits}
+        out.append(Emit("decision", event))
+        self.why_next = decision_line(event)  # for every node's console, with the next attempt's assign
         if decision.action in ("stop", "none"):
             return out + self._finish(decision.exit_code or 1, decision.reason, now)
         if attempt.faults:

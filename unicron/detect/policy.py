@@ -304,9 +304,9 @@ class RestartPolicy:
             notes.append("the restart failed again in the same place without progress: escalated to reconfigure")
 
         if used >= max(max_restarts, 0):
-            spent = (f"{used} of {max_restarts} restarts used job-wide" if max_restarts > 0
-                     else "none allowed (--max-restarts 0, torchrun's default)")
-            return stop(StopReason.BUDGET, f"restart budget spent: {spent}; last cause: {cause}", escalated)
+            used_text = (f"{used} of {max_restarts} restarts used job-wide" if max_restarts > 0
+                         else "none allowed (--max-restarts 0, torchrun's default)")
+            return stop(StopReason.BUDGET, f"restart budget spent: {used_text}; last cause: {cause}", escalated)
 
         backoff = self.backoff(self._backoff_streak(history, progress))
         text = "; ".join([cause, *notes]) + (f"; backing off {backoff:g}s" if backoff else "")

@@ -39,6 +39,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "rank_offset": int, "world_size": int, "local_world_sizes": list,
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
                "restore_note?": str,  # why nothing is restored though snapshots were kept
+               "why?": str,  # the decision this attempt carries out, as the console says it
                "inject": bool,
                # every node of the attempt in node-rank order ([node id, host]) and the restarts
                # spent: what a restarted coordinator needs to take the attempt back
