@@ -358,11 +358,16 @@ CONNECTION_LOST = {"kind": "exception", "rank": 0, "error_type": "RuntimeError",
                               "Connection closed by peer [127.0.0.1]:29500"}
 
 
-def test_a_rank_that_left_early_is_named_when_its_peers_lost_it() -> None:
+def test_a_rank_that_left_early_is_named_when_its_peers_lost_it_and_the_job_stops() -> None:
+    """Ranks that end at different steps: a restart either repeats it (uneven inputs) or, restoring
+    the step where the finished rank chose to stop, runs steps its script never would. torchrun
+    fails such a job too; unicron says why at once instead of spending the budget."""
     decision = DetectDecider().decide([CONNECTION_LOST], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,
                                       finished=[(1, 10)])
-    assert decision.action == "reattempt"
-    assert "rank 1 after step 10 had already exited with code 0" in decision.reason, decision.reason
+    assert (decision.action, decision.severity, decision.exit_code) == ("stop", "FATAL", 1)
+    assert decision.reason.startswith("rank 1 after step 10 exited with code 0 while rank 0 still trained, which "
+                                      "then lost its peer (RuntimeError: "), decision.reason
+    assert "make every rank run the same steps" in decision.reason.splitlines()[0]
     # A rank that finished says nothing about a failure of its own kind (a crash, an exception).
     crash = {"kind": "exit", "rank": 0, "exitcode": -11, "ts": 1.0, "progress": 9}
     decision = DetectDecider().decide([crash], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,

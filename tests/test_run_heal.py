@@ -384,15 +384,19 @@ print("done", rank, flush=True)
 
 @pytest.mark.parametrize("how", ["os._exit", "sys.exit"])
 def test_a_rank_that_exits_0_early_is_named_as_why_its_peer_failed(workdir, how) -> None:
-    """Rank 1 ends cleanly mid-job; rank 0 then loses its peer. torchrun blames rank 0; unicron
-    still classifies rank 0's failure, and says that rank 1 had left. With ``sys.exit(0)`` its
-    sockets close while its interpreter still tears down: it is named all the same."""
+    """Rank 1 ends cleanly mid-job; rank 0 then loses its peer. torchrun blames rank 0 and fails
+    the job once its restarts repeat it; unicron stops at once and leads with the rank that left
+    (a restart that restored its last step would run steps its script chose not to run). With
+    ``sys.exit(0)`` its sockets close while its interpreter still tears down: it is named all the same."""
     (workdir / "early.py").write_text(LEAVES_EARLY.replace("EXIT", how))
     code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
                                   "--log-dir", str(workdir / "logs"), str(workdir / "early.py")], workdir, timeout=90)
-    assert code == 0, out + err
+    assert code == 1, out + err
     decision = next(e for e in read_events(workdir / "logs") if e["kind"] == "decision")
-    assert "rank 1 after step 10 had already exited with code 0" in decision["reason"], decision
+    assert decision["action"] == "stop" and decision["severity"] == "FATAL", decision
+    assert decision["reason"].startswith("rank 1 after step 10 exited with code 0 while rank 0"), decision
+    assert "FATAL stop: rank 1 after step 10 exited with code 0" in err, err
+    assert len([e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]) == 1
 
 
 def test_a_launcher_stalled_for_seconds_keeps_its_job(workdir) -> None:

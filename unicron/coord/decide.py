@@ -12,8 +12,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from unicron.detect.classify import classify, is_victim, root_cause
-from unicron.detect.faults import Fault
-from unicron.detect.policy import FailureRecord, RestartPolicy, replayed_only
+from unicron.detect.faults import Action, Fault, Severity
+from unicron.detect.policy import Decision as PolicyDecision
+from unicron.detect.policy import FailureRecord, RestartPolicy, StopReason, replayed_only
 from unicron.detect.stacks import name_culprits
 
 _FAULT_FIELDS = {f.name for f in fields(Fault)}
@@ -75,21 +76,21 @@ class DetectDecider:
         progress = _highest(faults, "progress")
         reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
         replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress)
-        decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
-                                      steps_completed_since_last_restart=progress,
-                                      elastic=active_nodes >= min_nodes and active_nodes > 0
-                                      and (max_nodes is None or min_nodes < max_nodes)
-                                      and any(f.kind == "node_lost" for f in parsed),
-                                      replayed=replayed, fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes),
-                                      spent=spent)
+        if finished and is_victim(cause, classification):
+            # torchrun, too, fails the job; a restart would run steps the finished rank's script chose not to.
+            decision = PolicyDecision(Action.STOP, 0.0, _uneven_end(finished, cause, classification), False,
+                                      Severity.FATAL, StopReason.FATAL, spent)
+        else:
+            decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
+                                          steps_completed_since_last_restart=progress,
+                                          elastic=active_nodes >= min_nodes and active_nodes > 0
+                                          and (max_nodes is None or min_nodes < max_nodes)
+                                          and any(f.kind == "node_lost" for f in parsed),
+                                          replayed=replayed, fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes),
+                                          spent=spent)
         self.history.append(decision.record(cause, classification, progress, now, reached=reached,
                                             restored_from=restored_from, replayed=replayed))
         reason = decision.reason
-        if finished and is_victim(cause, classification):
-            # torchrun, too, would blame the rank that lost its peer; the peer that left is why.
-            left = ", ".join(f"rank {rank}" + (f" after step {step}" if step else "") for rank, step in finished[:4])
-            reason += (f" [{left} had already exited with code 0: a rank that ends while the others "
-                       "still train leaves them without a peer]")
         if report_text:
             reason += f" [{report_text}]"
         error = decision.to_error()
@@ -109,6 +110,17 @@ class DetectDecider:
                         reason=reason if error is None else f"{reason}\n{detail}".rstrip(),
                         severity=decision.severity.value, rule=classification.rule,
                         exit_code=error.exit_code if error is not None else 0, culprits=culprits)
+
+
+def _uneven_end(finished: Sequence[tuple[int, int | None]], victim: Fault, classification: Any) -> str:
+    """Why a job whose rank ended cleanly while its peers trained on is stopped, leading with it."""
+    left = ", ".join(f"rank {rank}" + (f" after step {step}" if step else "") for rank, step in finished[:4])
+    said = classification.error or victim.message
+    return (f"{left} exited with code 0 while {victim.where()} still trained, which then lost its peer"
+            + (f" ({said.splitlines()[0][:200]})" if said else "")
+            + ": ranks that end at different steps (uneven inputs, an early stop decided on one rank) are not "
+            "healed by a restart, which would run steps the finished rank's script chose not to run; make every "
+            "rank run the same steps")
 
 
 def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None) -> str:
