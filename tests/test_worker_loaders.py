@@ -17,6 +17,7 @@ def _clean() -> None:
     loaders._armed.clear()
     loaders._latest.clear()
     loaders._first.clear()
+    loaders._epochs.clear()
 
 
 def _epoch(persistent: bool = False, workers: int = 0) -> DataLoader[torch.Tensor]:
@@ -108,3 +109,31 @@ def test_a_restored_record_not_replayed_yet_goes_into_the_next_snapshot_once() -
     next(again)
     after = loaders.mid_epoch()
     assert len(after) == 1 and torch.equal(after[0]["rng"], records[0]["rng"])  # replayed, not doubled
+
+
+def test_a_persistent_loader_restored_after_its_first_epoch_is_said_not_bit_exact(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Its worker processes are new after a restore and draw from their seed again, where the
+    interrupted ones had drawn through every earlier epoch (random transforms): said at the
+    restore, never silently. Restored in its first epoch it is exact, and nothing is said."""
+    torch.manual_seed(3)
+    loader = _epoch(persistent=True, workers=1)
+    for _ in range(3):  # epochs 1 and 2 done, epoch 3 begun
+        it = iter(loader)
+    next(it)
+    records = loaders.mid_epoch()
+    assert [r["epochs"] for r in records] == [3]
+    del it, loader
+    loaders._latest.clear()
+
+    loaders.arm(records)
+    resumed = _epoch(persistent=True, workers=1)
+    next(iter(resumed))
+    err = capsys.readouterr().err
+    assert "persistent_workers was restored in its epoch 3" in err and "persistent_workers=False" in err
+    assert [r["epochs"] for r in loaders.mid_epoch()] == [3]  # the count goes on from the interrupted run
+
+    loaders._latest.clear()
+    loaders.arm([dict(records[0], epochs=1)])
+    next(iter(_epoch(persistent=True, workers=1)))
+    assert "persistent_workers" not in capsys.readouterr().err

@@ -21,7 +21,11 @@ exactly what the interrupted one drew, and training continues from the restored 
 A loader with ``persistent_workers`` makes its iterator once and resets it each epoch (no new
 worker seed): it is always saved, and its replay is of the state before its *first* iterator,
 which gives the same worker seed and, with a sampler that draws nothing from the global RNG
-(``DistributedSampler``, ``SequentialSampler``, a seeded generator), the same epoch. A
+(``DistributedSampler``, ``SequentialSampler``, a seeded generator), the same epoch. Its
+worker processes, though, are new: restored after its first epoch, they draw from their seed
+again where the interrupted ones had drawn through every earlier epoch, so random transforms in
+the dataset differ from then on; a warning says so at the restore (``persistent_workers=False``
+makes new workers every epoch, as the restored run does, and is bit-exact). A
 ``RandomSampler`` that shuffles from the global RNG under ``persistent_workers`` gets another
 order after a restore; give the loader ``generator=`` and keep its state in ``State(extra=...)``. Where the batches of the epoch come from
 is the script's business (it skips what it consumed, e.g. with a batch index in
@@ -32,6 +36,7 @@ training process draws them again as the script skips, and is not bit-exact afte
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from typing import Any
 
@@ -39,7 +44,8 @@ import torch
 
 _latest: dict[int, tuple[weakref.ref[Any], torch.Tensor, list[Any]]] = {}  # loader -> its iterator
 _first: dict[int, torch.Tensor] = {}  # loader -> the RNG state before its first iterator
-_armed: list[tuple[torch.Tensor, list[Any]]] = []  # restored: (RNG state, fingerprint)
+_armed: list[tuple[torch.Tensor, list[Any], int]] = []  # restored: (RNG state, fingerprint, epochs)
+_epochs: dict[int, int] = {}  # loader -> iterators made (a persistent loader's: epochs begun)
 _count = 0
 _installed = False
 
@@ -74,8 +80,12 @@ def install() -> None:
             before = torch.get_rng_state()
         except Exception:  # noqa: BLE001 - bookkeeping must never stop a training loop
             return original(self)
-        replay = _take(mark)
+        taken = _take(mark)
+        replay = taken[0] if taken is not None else None
         made_under = before if replay is None else replay  # what this iterator draws from
+        _epochs[key] = taken[1] if taken is not None else _epochs.get(key, 0) + 1
+        if taken is not None and mark[-1] and taken[1] > 1:
+            _warn_persistent(taken[1])
         if replay is None:
             it = original(self)
         else:
@@ -121,12 +131,21 @@ def _next_key() -> int:
     return _count
 
 
-def _take(mark: list[Any]) -> torch.Tensor | None:
-    for i, (state, armed_mark) in enumerate(_armed):
+def _take(mark: list[Any]) -> tuple[torch.Tensor, int] | None:
+    for i, (state, armed_mark, epochs) in enumerate(_armed):
         if armed_mark == mark:
             del _armed[i]
-            return state
+            return state, epochs
     return None
+
+
+def _warn_persistent(epoch: int) -> None:
+    # Its worker processes are new: they start again from their seed, where the interrupted
+    # ones had drawn through every earlier epoch (random transforms in the dataset).
+    print(f"unicron: a DataLoader with persistent_workers was restored in its epoch {epoch}: its new worker "
+          "processes start from their seed, so random numbers they draw (random transforms) differ from the "
+          "run before the restart; for a bit-exact restore use persistent_workers=False", file=sys.stderr,
+          flush=True)
 
 
 def mid_epoch() -> list[dict[str, Any]]:
@@ -146,10 +165,10 @@ def mid_epoch() -> list[dict[str, Any]]:
         # A persistent loader's iterator is made once in a run without faults: any iterator a
         # restored worker makes is one more, whatever the epoch.
         if mark[-1] or (yielded > 0 and (total is None or yielded < total)):
-            out.append({"rng": state, "fingerprint": mark})
+            out.append({"rng": state, "fingerprint": mark, "epochs": _epochs.get(key, 1)})
     # Restored records whose loader has not made its iterator yet (a commit came first): the
     # next restore still owes it that draw.
-    out.extend({"rng": state, "fingerprint": mark} for state, mark in _armed)
+    out.extend({"rng": state, "fingerprint": mark, "epochs": epochs} for state, mark, epochs in _armed)
     return out
 
 
@@ -161,4 +180,5 @@ def arm(records: Any) -> None:
     for record in records:
         if isinstance(record, dict) and isinstance(record.get("rng"), torch.Tensor) \
                 and isinstance(record.get("fingerprint"), list):
-            _armed.append((record["rng"], record["fingerprint"]))
+            epochs = record.get("epochs")
+            _armed.append((record["rng"], record["fingerprint"], epochs if type(epochs) is int else 1))
