@@ -286,3 +286,24 @@ dist.destroy_process_group()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "refused: unicron.State: model['w'] was a DTensor of shape (4,)" in out.stdout
+
+
+def test_random_generators_the_script_owns_are_snapshotted_and_restored(snap_env: Path, monkeypatch) -> None:
+    """A torch.Generator for sampling, numpy's default_rng for augmentation, a random.Random:
+    no state_dict() of their own, passed by name they are restored with the rest, bit for bit."""
+    gen, rng, py = torch.Generator().manual_seed(7), np.random.default_rng(7), random.Random(7)
+    state = State(gen=gen, rng=rng, py=py)
+    for step in range(3):
+        torch.randn(4, generator=gen), rng.random(5), py.random()
+        state.commit(step + 1)
+    assert state.flush(30)
+    expected = (torch.randn(4, generator=gen), rng.random(5), py.random(), py.gauss(0, 1))
+
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    gen2, rng2, py2 = torch.Generator().manual_seed(99), np.random.default_rng(99), random.Random(99)
+    assert State(gen=gen2, rng=rng2, py=py2).restore() == 3
+    again = (torch.randn(4, generator=gen2), rng2.random(5), py2.random(), py2.gauss(0, 1))
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
+    assert expected[2:] == again[2:]
+    with pytest.raises(TypeError, match=r"needs state_dict\(\) and load_state_dict\(\), or a torch, numpy or python"):
+        State(thing=object())

@@ -12,7 +12,9 @@ Usage::
 
 ``State(extra=None, keep=3, background=None, **objects)``
     ``objects``: anything with ``state_dict()`` / ``load_state_dict()`` (model, optimizer, LR
-    scheduler, GradScaler, ...), by name; ``None`` values are ignored. ``extra``: a dict of
+    scheduler, GradScaler, ...), or a random generator the script owns (``torch.Generator``,
+    ``numpy.random.Generator``, ``random.Random``: ``unicron.worker.generators``), by name;
+    ``None`` values are ignored. ``extra``: a dict of
     tensors, python scalars/strings and lists/tuples/dicts of them; it is held live, so
     ``state.extra`` (the same dict) shows restored values after ``restore()``. ``background``:
     whether commits finish in the background (below); ``None`` (default): when the state is
@@ -103,7 +105,18 @@ from typing import Any
 
 import torch
 
-from unicron.worker import ddplayout, env, hooks, loaders, shards, snapcodec, snapshot, snapslots, snapwriter
+from unicron.worker import (
+    ddplayout,
+    env,
+    generators,
+    hooks,
+    loaders,
+    shards,
+    snapcodec,
+    snapshot,
+    snapslots,
+    snapwriter,
+)
 from unicron.worker.errors import StateError
 
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
@@ -166,7 +179,10 @@ class State:
             if obj is None:
                 continue
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"unicron.State({name}=...) needs state_dict() and load_state_dict()")
+                obj = generators.as_stateful(obj)  # a random generator the script owns
+                if obj is None:
+                    raise TypeError(f"unicron.State({name}=...) needs state_dict() and load_state_dict(), "
+                                    "or a torch, numpy or python random generator")
             if type(obj).__name__ == "ZeroRedundancyOptimizer":
                 # Its state_dict() gathers every rank's shard on one rank (a collective, and an
                 # error on the others); a snapshot is per rank, and this rank's shard is the inner one.
