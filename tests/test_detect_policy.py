@@ -305,3 +305,25 @@ def test_policy_invariants(events: list[tuple[str, float, int | None, int]], max
                 assert d.backoff_s >= streak_backoffs[-1]
             streak_backoffs.append(d.backoff_s)
         assert d.to_error() is None
+
+
+def test_the_same_start_up_error_on_another_rank_stops_like_on_the_same_rank(monkeypatch) -> None:
+    """Every rank fails alike before its first step: which rank is seen first is chance, and the
+    job used to be restarted 1 to 3 times depending on it."""
+    monkeypatch.setitem(KINDS, "value", {"kind": "exception", "error_type": "ValueError",
+                                         "message": "ValueError: bad shard spec"})
+    for first, second in ((1, 1), (1, 0), (0, 1)):
+        job = Job(max_restarts=6)
+        assert job.fail("value", 1.0, 0, rank=first).action is Action.RESTART
+        d = job.fail("value", 2.0, 0, rank=second)
+        assert d.stop is StopReason.CANNOT_RECONFIGURE, (first, second, d)
+        assert "after a restart without completing a step" in d.reason
+        assert ("failed again" in d.reason) == (first == second)
+    # Another error on another rank is another failure: restarted
+    job = Job(max_restarts=6)
+    job.fail("value", 1.0, 0, rank=1)
+    assert job.fail("oom", 2.0, 0, rank=0).action is Action.RESTART
+    # Without a message to compare (a signal), only the same rank is the same failure
+    job = Job(max_restarts=6)
+    job.fail("crash", 1.0, 0, rank=1)
+    assert job.fail("crash", 2.0, 0, rank=0).action is Action.RESTART

@@ -289,14 +289,21 @@ class RestartPolicy:
         ):
             action, escalated = Action.RESTART, True
             notes.append(f"the reattempt failed again within {now - last.ts:.1f}s: escalated to restart")
+        # The same error before any step, twice, on another rank is the same failure too: when
+        # every rank fails alike at start-up, which one is seen first is chance, and must not
+        # decide whether the job stops.
+        same_error = (last is not None and bool(last.error) and last.error == classification.error
+                      and last.rule == classification.rule and _no_progress(last.progress))
         if (
             last is not None and action is Action.RESTART and last.action is Action.RESTART
-            and _no_progress(progress) and _same_place(last, fault)
+            and _no_progress(progress) and (_same_place(last, fault) or same_error)
         ):
             if not elastic:
+                again = (f"{fault.where()} failed again" if _same_place(last, fault)
+                         else f"the same error came back ({fault.where()})")
                 return stop(
                     StopReason.CANNOT_RECONFIGURE,
-                    f"{fault.where()} failed again after a restart without completing a step, and the job "
+                    f"{again} after a restart without completing a step, and the job "
                     f"is not elastic, so the node cannot be excluded (use --nnodes MIN:MAX); last cause: {cause}",
                     escalated=True,
                 )
