@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import zmq
@@ -32,6 +33,8 @@ from unicron.proto.messages import Codec, Message
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the pace while a job forms or restarts
+STORE_TRIES = 3  # attempts at opening an attempt's TCPStore
+STORE_OPEN_TIMEOUT_S = 30.0  # each one's bound
 IDLE_WAKE_S = 0.5  # the longest sleep between messages
 MAX_PEERS_WARNED = 8  # misconfigured peers named on the console; the rest are only counted
 
@@ -343,14 +346,21 @@ class CoordinatorServer:
 
     def _open_store(self, job_id: str, slot: JobSlot, attempt: int) -> None:
         """A fresh TCPStore per attempt: restarted workers can never read stale keys."""
-        try:
-            from torch.distributed import TCPStore
+        error = ""
+        for _ in range(STORE_TRIES):
+            try:
+                from torch.distributed import TCPStore
 
-            store = TCPStore("0.0.0.0", 0, None, True, wait_for_workers=False)
-        except Exception as err:  # reported as the job's failure, in the loop thread
-            self._stores_ready.put((job_id, attempt, None, f"cannot open the workers' store: {err}"))
+                # Its own client connects to it at once: a bounded wait (torch's default is 300 s,
+                # and the job would wait that long without a word), then a fresh port.
+                store = TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=STORE_OPEN_TIMEOUT_S),
+                                 wait_for_workers=False)
+            except Exception as err:  # noqa: BLE001 - reported as the job's failure, in the loop thread
+                error = str(err)
+                continue
+            self._stores_ready.put((job_id, attempt, store, ""))
             return
-        self._stores_ready.put((job_id, attempt, store, ""))
+        self._stores_ready.put((job_id, attempt, None, f"cannot open the workers' store: {error}"))
 
     def _start_ready_attempts(self) -> None:
         while True:
@@ -365,10 +375,14 @@ class CoordinatorServer:
             if store is None:
                 self._run(job_id, slot, slot.core.fail(error, now))
                 continue
-            slot.stores[attempt] = store
-            for old in [a for a in slot.stores if a < attempt - 1]:
-                del slot.stores[old]
-            self._run(job_id, slot, slot.core.start_attempt(self.advertise_addr, int(store.port), now))
+            try:
+                slot.stores[attempt] = store
+                for old in [a for a in slot.stores if a < attempt - 1]:
+                    del slot.stores[old]
+                self._run(job_id, slot, slot.core.start_attempt(self.advertise_addr, int(store.port), now))
+            except Exception as err:  # as in _tick: this job ends with its cause; the thread serves on
+                log.exception("error starting attempt %s of job %s", attempt, job_id)
+                self._run(job_id, slot, slot.core.fail(f"coordinator error: {type(err).__name__}: {err}", now))
 
 
 def _preload_store() -> None:
