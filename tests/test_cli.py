@@ -48,6 +48,9 @@ def test_coordinator_without_secret_is_refused() -> None:
 # most of a second): the signal is sent from inside the import of typer, so it always does.
 _CTRL_C_DURING_IMPORT = """
 import builtins, os, signal, sys
+# As at a terminal: a test run in the background inherits SIGINT ignored, and Python then never
+# raises KeyboardInterrupt at all.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 real_import = builtins.__import__
 def ctrl_c_at_typer(name, *args, **kwargs):
     if name == "typer":
