@@ -358,16 +358,20 @@ CONNECTION_LOST = {"kind": "exception", "rank": 0, "error_type": "RuntimeError",
                               "Connection closed by peer [127.0.0.1]:29500"}
 
 
-def test_a_rank_that_left_early_is_named_when_its_peers_lost_it_and_the_job_stops() -> None:
-    """Ranks that end at different steps: a restart either repeats it (uneven inputs) or, restoring
-    the step where the finished rank chose to stop, runs steps its script never would. torchrun
-    fails such a job too; unicron says why at once instead of spending the budget."""
-    decision = DetectDecider().decide([CONNECTION_LOST], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,
-                                      finished=[(1, 10)])
-    assert (decision.action, decision.severity, decision.exit_code) == ("stop", "FATAL", 1)
+def test_a_rank_that_left_early_is_named_when_its_peers_lost_it_and_a_repeat_stops_the_job() -> None:
+    """Ranks that end at different steps: the first time it may be a one-off (a rank preempted
+    that saved and left) and is restarted, leading with the rank that left; the same again after
+    the restart is the script's own logic (uneven inputs), and the job stops as a user error."""
+    decider = DetectDecider()
+    decision = decider.decide([CONNECTION_LOST], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,
+                              finished=[(1, 10)])
+    assert (decision.action, decision.severity, decision.rule) == ("restart", "SEV2", "uneven-end")
     assert decision.reason.startswith("rank 1 after step 10 exited with code 0 while rank 0 still trained, which "
                                       "then lost its peer (RuntimeError: "), decision.reason
-    assert "make every rank run the same steps" in decision.reason.splitlines()[0]
+    again = decider.decide([dict(CONNECTION_LOST, attempt=1)], {}, 4.0, max_restarts=3, active_nodes=1, min_nodes=1,
+                           finished=[(1, 10)])
+    assert (again.action, again.severity, again.exit_code) == ("stop", "FATAL", 1)
+    assert "again after a restart: ranks that end at different steps" in again.reason.splitlines()[0]
     # A rank that finished says nothing about a failure of its own kind (a crash, an exception).
     crash = {"kind": "exit", "rank": 0, "exitcode": -11, "ts": 1.0, "progress": 9}
     decision = DetectDecider().decide([crash], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,

@@ -384,19 +384,32 @@ print("done", rank, flush=True)
 
 @pytest.mark.parametrize("how", ["os._exit", "sys.exit"])
 def test_a_rank_that_exits_0_early_is_named_as_why_its_peer_failed(workdir, how) -> None:
-    """Rank 1 ends cleanly mid-job; rank 0 then loses its peer. torchrun blames rank 0 and fails
-    the job once its restarts repeat it; unicron stops at once and leads with the rank that left
-    (a restart that restored its last step would run steps its script chose not to run). With
-    ``sys.exit(0)`` its sockets close while its interpreter still tears down: it is named all the same."""
+    """Rank 1 ends cleanly mid-job (in the first attempt only, as a preempted rank that saved and
+    left); rank 0 then loses its peer. torchrun blames rank 0; unicron leads with rank 1, and
+    restarts. With ``sys.exit(0)`` its sockets close while its interpreter still tears down: it is
+    named all the same."""
     (workdir / "early.py").write_text(LEAVES_EARLY.replace("EXIT", how))
     code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
                                   "--log-dir", str(workdir / "logs"), str(workdir / "early.py")], workdir, timeout=90)
-    assert code == 1, out + err
+    assert code == 0, out + err
     decision = next(e for e in read_events(workdir / "logs") if e["kind"] == "decision")
-    assert decision["action"] == "stop" and decision["severity"] == "FATAL", decision
+    assert decision["rule"] == "uneven-end" and decision["action"] == "restart", decision
     assert decision["reason"].startswith("rank 1 after step 10 exited with code 0 while rank 0"), decision
+    assert "SEV2 restart: rank 1 after step 10 exited with code 0" in err, err
+
+
+def test_ranks_that_end_unevenly_in_every_attempt_stop_after_one_restart(workdir) -> None:
+    """The uneven end of the script's own logic (uneven inputs): the same after the restart, so the
+    job stops as a user error, leading with the rank that left, rather than spending its budget
+    (torchrun restarts until the budget is spent, then fails)."""
+    (workdir / "early.py").write_text(LEAVES_EARLY.replace("EXIT", "os._exit").replace("if first and", "if"))
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "5",
+                                  "--log-dir", str(workdir / "logs"), str(workdir / "early.py")], workdir, timeout=90)
+    assert code == 1, out + err
+    decisions = [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    assert [(d["action"], d["severity"]) for d in decisions] == [("restart", "SEV2"), ("stop", "FATAL")], decisions
+    assert "again after a restart: ranks that end at different steps" in decisions[1]["reason"]
     assert "FATAL stop: rank 1 after step 10 exited with code 0" in err, err
-    assert len([e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]) == 1
 
 
 def test_a_launcher_stalled_for_seconds_keeps_its_job(workdir) -> None:

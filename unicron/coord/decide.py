@@ -76,9 +76,15 @@ class DetectDecider:
         progress = _highest(faults, "progress")
         reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
         replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress)
-        if finished and is_victim(cause, classification):
-            # torchrun, too, fails the job; a restart would run steps the finished rank's script chose not to.
-            decision = PolicyDecision(Action.STOP, 0.0, _uneven_end(finished, cause, classification), False,
+        uneven = bool(finished) and is_victim(cause, classification)
+        if uneven:  # the rank that left is why: lead with it (and the rule the history keeps is its own)
+            classification = replace(classification, severity=Severity.SEV2, action=Action.RESTART,
+                                      reason=_uneven_end(finished, cause, classification), rule=UNEVEN_END)
+        if uneven and self.history and self.history[-1].rule == UNEVEN_END:
+            # Again after a restart: the ranks end at different steps by the script's own logic.
+            decision = PolicyDecision(Action.STOP, 0.0, f"{classification.reason}, again after a restart: ranks that "
+                                      "end at different steps (uneven inputs, an early stop decided on one rank) "
+                                      "are not healed by restarting; make every rank run the same steps", False,
                                       Severity.FATAL, StopReason.FATAL, spent)
         else:
             decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
@@ -112,15 +118,16 @@ class DetectDecider:
                         exit_code=error.exit_code if error is not None else 0, culprits=culprits)
 
 
+UNEVEN_END = "uneven-end"  # a rank exited 0 while its peers trained on, and they then lost it
+
+
 def _uneven_end(finished: Sequence[tuple[int, int | None]], victim: Fault, classification: Any) -> str:
-    """Why a job whose rank ended cleanly while its peers trained on is stopped, leading with it."""
+    """What happened when a rank ended cleanly while its peers trained on, leading with that rank
+    (the victim's error last: its message is long, and the console shows one line)."""
     left = ", ".join(f"rank {rank}" + (f" after step {step}" if step else "") for rank, step in finished[:4])
     said = classification.error or victim.message
     return (f"{left} exited with code 0 while {victim.where()} still trained, which then lost its peer"
-            + (f" ({said.splitlines()[0][:200]})" if said else "")
-            + ": ranks that end at different steps (uneven inputs, an early stop decided on one rank) are not "
-            "healed by a restart, which would run steps the finished rank's script chose not to run; make every "
-            "rank run the same steps")
+            + (f" ({said.splitlines()[0][:200]})" if said else ""))
 
 
 def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None) -> str:
