@@ -417,7 +417,8 @@ class Agent:
 
     def _heartbeat(self, *, at_once: bool = False) -> None:
         if self.joining.welcomed:  # not a member (yet, or again): the coordinator would refuse it
-            self.reporter.heartbeat(self.group, epoch=self.epoch, at_once=at_once)
+            self.reporter.heartbeat(self.group, epoch=self.epoch, at_once=at_once,
+                                    starting=self.pending_assign is not None)
 
     def _send(self, kind: str, body: dict[str, Any]) -> None:
         self.reporter.send(kind, body)

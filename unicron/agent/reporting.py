@@ -68,12 +68,16 @@ class Reporter:
         self.send("fault", {"node_id": self.node_id, "attempt": attempt, "fault": fault})
 
     def heartbeat(self, group: WorkerGroup | None, *, epoch: int, now: float | None = None,
-                  at_once: bool = False) -> None:
-        """Send a heartbeat if one is due, the ranks' activity changed, or ``at_once``."""
+                  at_once: bool = False, starting: bool = False) -> None:
+        """Send a heartbeat if one is due, the ranks' activity changed, or ``at_once``.
+        ``starting``: an attempt is assigned and its workers wait for the zygote's imports: BUSY,
+        since the other nodes' ranks wait for this node's (an idle verdict would blame them)."""
         now = time.monotonic() if now is None else now
         # A group that finished or reported a hang samples no more: its last level is stale.
         running = group is not None and not group.finished_reported and not group.hang_reported
         level = group.level if running and group is not None else Activity.IDLE
+        if starting:
+            level = max(level, Activity.BUSY)
         done = group is not None and group.past_last_step()
         # A change of activity goes out at once: other agents' hang thresholds depend on it; and
         # a rank past its last step, which ends their hang calls.
