@@ -28,9 +28,6 @@ parser.add_argument("--no-state", action="store_true")
 parser.add_argument("--pause", default="")
 # --fail-after-restore RANK: that rank raises right after restoring, in the first restart only
 parser.add_argument("--fail-after-restore", type=int, default=-1)
-# --hang-after-restore RANK: that rank sleeps right after restoring, in the first restart only
-# (its peers wait in the first step's all_reduce: every rank idle before the attempt's first step)
-parser.add_argument("--hang-after-restore", type=int, default=-1)
 # --raise-after-step RANK:STEP: that rank raises after STEP's optimizer step, before its commit,
 # in every attempt (a loss check that fails the same way after each exact restore)
 parser.add_argument("--raise-after-step", default="")
@@ -86,8 +83,6 @@ start = state.restore() if state is not None else 0
 print(f"rank {rank} starts at step {start} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')})", flush=True)
 if rank == args.fail_after_restore and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
     raise RuntimeError(f"failing on purpose right after restoring step {start}")
-if rank == args.hang_after_restore and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
-    time.sleep(3600)
 for step in range(start, args.steps):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 8, generator=g)

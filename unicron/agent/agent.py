@@ -307,7 +307,7 @@ class Agent:
         env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
                                      shm_dir=self.shm_dir)
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
-                            tee=self.tee, host=self.host, hang=hang_detector(self.s, self.earlier.startup_hint(spec)),
+                            tee=self.tee, host=self.host, hang=hang_detector(self.s),
                             role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,
                             expect_steps=self.earlier.steps_seen)
         self.group = group
