@@ -372,6 +372,12 @@ def test_a_rank_that_left_early_is_named_when_its_peers_lost_it_and_a_repeat_sto
                            finished=[(1, 10)])
     assert (again.action, again.severity, again.exit_code) == ("stop", "FATAL", 1)
     assert "again after a restart: ranks that end at different steps" in again.reason.splitlines()[0]
+    # Another rank, or another step, after the restart: another one-off (a second preemption)
+    other = DetectDecider()
+    other.decide([CONNECTION_LOST], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1, finished=[(1, 10)])
+    later = other.decide([dict(CONNECTION_LOST, attempt=1)], {}, 4.0, max_restarts=3, active_nodes=1, min_nodes=1,
+                         finished=[(1, 146)])
+    assert (later.action, later.rule) == ("restart", "uneven-end"), later
     # A rank that finished says nothing about a failure of its own kind (a crash, an exception).
     crash = {"kind": "exit", "rank": 0, "exitcode": -11, "ts": 1.0, "progress": 9}
     decision = DetectDecider().decide([crash], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,

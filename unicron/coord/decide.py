@@ -56,6 +56,7 @@ class DetectDecider:
     def __init__(self, policy: RestartPolicy | None = None) -> None:
         self.policy = policy or RestartPolicy()
         self.history: list[FailureRecord] = []
+        self._last_uneven: tuple[tuple[int, int | None], ...] | None = None  # who left, after which step
 
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = None,
@@ -80,8 +81,12 @@ class DetectDecider:
         if uneven:  # the rank that left is why: lead with it (and the rule the history keeps is its own)
             classification = replace(classification, severity=Severity.SEV2, action=Action.RESTART,
                                       reason=_uneven_end(finished, cause, classification), rule=UNEVEN_END)
-        if uneven and self.history and self.history[-1].rule == UNEVEN_END:
-            # Again after a restart: the ranks end at different steps by the script's own logic.
+        left = tuple(sorted(finished)) if uneven else None
+        repeat = uneven and self.history and self.history[-1].rule == UNEVEN_END and left == self._last_uneven
+        self._last_uneven = left
+        if repeat:
+            # The same ranks left after the same steps, again after a restart: the script's own logic
+            # (uneven inputs). Another rank or step (a second preemption) is another one-off.
             decision = PolicyDecision(Action.STOP, 0.0, f"{classification.reason}, again after a restart: ranks that "
                                       "end at different steps (uneven inputs, an early stop decided on one rank) "
                                       "are not healed by restarting; make every rank run the same steps", False,
