@@ -305,5 +305,21 @@ def test_random_generators_the_script_owns_are_snapshotted_and_restored(snap_env
     again = (torch.randn(4, generator=gen2), rng2.random(5), py2.random(), py2.gauss(0, 1))
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
     assert expected[2:] == again[2:]
-    with pytest.raises(TypeError, match=r"needs state_dict\(\) and load_state_dict\(\), or a torch, numpy or python"):
-        State(thing=object())
+    # Any numpy bit generator (their states hold arrays) and the legacy RandomState too
+    mt, sfc = np.random.Generator(np.random.MT19937(3)), np.random.Generator(np.random.SFC64(5))
+    philox, legacy = np.random.Generator(np.random.Philox(7)), np.random.RandomState(11)
+    state = State(mt=mt, sfc=sfc, philox=philox, legacy=legacy)
+    mt.random(3), sfc.random(3), philox.random(3), legacy.rand(3)
+    state.commit(4)
+    assert state.flush(30)
+    want = (mt.random(4), sfc.random(4), philox.random(4), legacy.rand(4))
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "4")
+    mt2, sfc2 = np.random.Generator(np.random.MT19937(0)), np.random.Generator(np.random.SFC64(0))
+    philox2, legacy2 = np.random.Generator(np.random.Philox(0)), np.random.RandomState(0)
+    assert State(mt=mt2, sfc=sfc2, philox=philox2, legacy=legacy2).restore() == 4
+    got = (mt2.random(4), sfc2.random(4), philox2.random(4), legacy2.rand(4))
+    assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
+    # What has no state to restore is refused at once, as a StateError (the job stops, never restarted)
+    for odd in (object(), random.SystemRandom(), 3):
+        with pytest.raises(unicron.StateError, match=r"^unicron.State\(odd=...\) needs an object with state_dict"):
+            State(odd=odd)

@@ -13,7 +13,7 @@ Usage::
 ``State(extra=None, keep=3, background=None, **objects)``
     ``objects``: anything with ``state_dict()`` / ``load_state_dict()`` (model, optimizer, LR
     scheduler, GradScaler, ...), or a random generator the script owns (``torch.Generator``,
-    ``numpy.random.Generator``, ``random.Random``: ``unicron.worker.generators``), by name;
+    ``numpy.random.Generator`` or ``RandomState``, ``random.Random``: ``unicron.worker.generators``), by name;
     ``None`` values are ignored. ``extra``: a dict of
     tensors, python scalars/strings and lists/tuples/dicts of them; it is held live, so
     ``state.extra`` (the same dict) shows restored values after ``restore()``. ``background``:
@@ -117,7 +117,7 @@ from unicron.worker import (
     snapslots,
     snapwriter,
 )
-from unicron.worker.errors import StateError
+from unicron.worker.errors import SnapshotTypeError, StateError
 
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
 
@@ -179,10 +179,13 @@ class State:
             if obj is None:
                 continue
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                obj = generators.as_stateful(obj)  # a random generator the script owns
-                if obj is None:
-                    raise TypeError(f"unicron.State({name}=...) needs state_dict() and load_state_dict(), "
-                                    "or a torch, numpy or python random generator")
+                wrapped = generators.as_stateful(obj)  # a random generator the script owns
+                if wrapped is None:  # a StateError: the job stops at once, a restart would only repeat it
+                    raise SnapshotTypeError(f"unicron.State({name}=...) needs an object with state_dict() and "
+                                            "load_state_dict() (a model, an optimizer, a scheduler), or a random "
+                                            "generator (torch.Generator, numpy.random.Generator or RandomState, "
+                                            f"random.Random); got {type(obj).__qualname__}")
+                obj = wrapped
             if type(obj).__name__ == "ZeroRedundancyOptimizer":
                 # Its state_dict() gathers every rank's shard on one rank (a collective, and an
                 # error on the others); a snapshot is per rank, and this rank's shard is the inner one.
