@@ -378,6 +378,14 @@ def test_a_rank_that_left_early_is_named_when_its_peers_lost_it_and_a_repeat_sto
     later = other.decide([dict(CONNECTION_LOST, attempt=1)], {}, 4.0, max_restarts=3, active_nodes=1, min_nodes=1,
                          finished=[(1, 146)])
     assert (later.action, later.rule) == ("restart", "uneven-end"), later
+    # A connection error that is not torch.distributed's (an upload server down after the last
+    # step) is not a lost peer: no uneven end, whoever exited 0 before it.
+    upload = {"kind": "exception", "rank": 0, "error_type": "ConnectionRefusedError", "ts": 1.0, "progress": 10,
+              "message": "ConnectionRefusedError: [Errno 111] Connection refused",
+              "traceback": 'File "/usr/lib/python3/urllib/request.py", line 1348, in do_open'}
+    plain = DetectDecider().decide([upload], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,
+                                   finished=[(1, 10)])
+    assert plain.rule != "uneven-end" and "exited with code 0" not in plain.reason, plain
     # A rank that finished says nothing about a failure of its own kind (a crash, an exception).
     crash = {"kind": "exit", "rank": 0, "exitcode": -11, "ts": 1.0, "progress": 9}
     decision = DetectDecider().decide([crash], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,

@@ -77,7 +77,7 @@ class DetectDecider:
         progress = _highest(faults, "progress")
         reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
         replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress)
-        uneven = bool(finished) and is_victim(cause, classification)
+        uneven = bool(finished) and is_victim(cause, classification) and _in_collective(cause)
         if uneven:  # the rank that left is why: lead with it (and the rule the history keeps is its own)
             classification = replace(classification, severity=Severity.SEV2, action=Action.RESTART,
                                       reason=_uneven_end(finished, cause, classification), rule=UNEVEN_END)
@@ -122,6 +122,14 @@ class DetectDecider:
 
 
 UNEVEN_END = "uneven-end"  # a rank exited 0 while its peers trained on, and they then lost it
+_COLLECTIVE_MARKS = ("gloo", "nccl", "processgroup", "c10d", "torch/distributed", "torch.distributed")
+
+
+def _in_collective(fault: Fault) -> bool:
+    """The failure came out of torch.distributed (a collective, the store), not any socket: a
+    rank whose upload server refuses it after the last step did not lose a peer."""
+    text = f"{fault.message}\n{fault.traceback}\n{fault.stderr_tail[-4000:]}".lower()
+    return any(mark in text for mark in _COLLECTIVE_MARKS)
 
 
 def _uneven_end(finished: Sequence[tuple[int, int | None]], victim: Fault, classification: Any) -> str:
