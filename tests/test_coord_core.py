@@ -382,7 +382,8 @@ def test_a_rank_that_left_early_is_named_when_its_peers_lost_it_and_a_repeat_sto
     # step) is not a lost peer: no uneven end, whoever exited 0 before it.
     upload = {"kind": "exception", "rank": 0, "error_type": "ConnectionRefusedError", "ts": 1.0, "progress": 10,
               "message": "ConnectionRefusedError: [Errno 111] Connection refused",
-              "traceback": 'File "/usr/lib/python3/urllib/request.py", line 1348, in do_open'}
+              "traceback": 'File "/usr/lib/python3/urllib/request.py", line 1348, in do_open',
+              "stderr_tail": "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"}
     plain = DetectDecider().decide([upload], {}, 2.0, max_restarts=3, active_nodes=1, min_nodes=1,
                                    finished=[(1, 10)])
     assert plain.rule != "uneven-end" and "exited with code 0" not in plain.reason, plain
