@@ -22,7 +22,6 @@ from typing import Any
 import zmq
 
 from unicron.agent.attempt import (
-    EarlierAttempts,
     attempt_line,
     group_spec,
     hang_detector,
@@ -94,7 +93,7 @@ class Agent:
         self.reporter = Reporter(self.codec, node_id=self.node_id, host=self.host,
                                  heartbeat_interval_s=s.heartbeat_interval_s, events=events, ui=ui)
         self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
-        self.earlier = EarlierAttempts()  # what this node's attempts so far showed of the script
+        self.steps_seen = False  # some attempt's workers reported steps: the script steps
         # A zygote with torch imported forks every worker: it imports while the job forms, and
         # attempts assigned meanwhile wait for it (``pending_assign``).
         self.pool = warm_pool(s, self.agent_addr)
@@ -309,7 +308,7 @@ class Agent:
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
                             tee=self.tee, host=self.host, hang=hang_detector(self.s),
                             role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,
-                            expect_steps=self.earlier.steps_seen)
+                            expect_steps=self.steps_seen)
         self.group = group
         self.last_attempt = spec.attempt
         self.link.new_attempt()
@@ -399,7 +398,7 @@ class Agent:
         if group is None:
             return
         self.group = None
-        self.earlier.ended(group)
+        self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
         # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,

@@ -27,16 +27,6 @@ def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
                      restore_note=body.get("restore_note", ""))
 
 
-class EarlierAttempts:
-    """What this node's attempts so far showed of the script, for the next one's hang detector."""
-
-    def __init__(self) -> None:
-        self.steps_seen = False  # some attempt's workers reported steps: the script steps
-
-    def ended(self, group: WorkerGroup) -> None:
-        self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
-
-
 def hang_detector(s: AgentSettings) -> HangDetector:
     return HangDetector(k=s.hang_factor, floor_s=s.hang_floor_s, warmup_steps=s.hang_warmup_steps,
                         first_step_timeout_s=s.first_step_timeout_s, busy_k=s.hang_busy_factor,
