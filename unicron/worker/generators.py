@@ -11,32 +11,23 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
-class _TorchGenerator:
-    def __init__(self, gen: torch.Generator) -> None:
-        self.gen = gen
+class _GetSet:
+    """``state_dict()`` / ``load_state_dict()`` over a generator's own get and set of its state."""
+
+    def __init__(self, get: Callable[[], Any], put: Callable[[Any], Any]) -> None:
+        self._get, self._put = get, put
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": self.gen.get_state()}
+        return {"state": self._get()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.gen.set_state(saved["state"])
-
-
-class _PythonRandom:
-    def __init__(self, gen: random.Random) -> None:
-        self.gen = gen
-
-    def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = self.gen.getstate()
-        return {"version": version, "internal": list(internal), "gauss": gauss}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.gen.setstate((saved["version"], tuple(saved["internal"]), saved["gauss"]))
+        self._put(saved["state"])
 
 
 def _plain(x: Any) -> Any:
@@ -65,39 +56,18 @@ def _numpy(x: Any) -> Any:
     return x
 
 
-class _NumpyGenerator:
-    def __init__(self, gen: Any) -> None:
-        self.gen = gen
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"state": _plain(self.gen.bit_generator.state)}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.gen.bit_generator.state = _numpy(saved["state"])
-
-
-class _NumpyRandomState:
-    def __init__(self, gen: Any) -> None:
-        self.gen = gen
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"state": _plain(self.gen.get_state(legacy=False))}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.gen.set_state(_numpy(saved["state"]))
-
-
 def as_stateful(obj: Any) -> Any | None:
     """``obj`` wrapped with ``state_dict()`` / ``load_state_dict()`` if it is a random generator
     of torch, numpy (``Generator`` of any bit generator, the legacy ``RandomState``) or python;
     None otherwise. ``random.SystemRandom`` has no state: None."""
     if isinstance(obj, torch.Generator):
-        return _TorchGenerator(obj)
+        return _GetSet(obj.get_state, obj.set_state)
     if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
-        return _PythonRandom(obj)
+        return _GetSet(obj.getstate, obj.setstate)  # a tuple of ints: the codec gives tuples back
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.random.Generator):
-        return _NumpyGenerator(obj)
+        bits = obj.bit_generator
+        return _GetSet(lambda: _plain(bits.state), lambda state: setattr(bits, "state", _numpy(state)))
     if numpy is not None and isinstance(obj, numpy.random.RandomState):
-        return _NumpyRandomState(obj)
+        return _GetSet(lambda: _plain(obj.get_state(legacy=False)), lambda state: obj.set_state(_numpy(state)))
     return None
