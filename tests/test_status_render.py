@@ -7,18 +7,8 @@ import json
 
 from rich.console import Console
 
-from unicron.status.render import (
-    event_details,
-    fmt_age,
-    fmt_bytes,
-    fmt_duration,
-    fmt_iter_time,
-    min_step,
-    render_runs,
-    render_status,
-    sparkline,
-    steps_per_second,
-)
+from unicron.status.fmt import event_details, fmt_age, fmt_bytes, fmt_duration, fmt_iter_time, sparkline
+from unicron.status.render import min_step, render_runs, render_status, steps_per_second
 from unicron.status.samples import failing_snapshot, healed_snapshot
 from unicron.status.statusline import format_status_line
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,41 @@ class RankState:
     bye_at: float | None = None  # (monotonic) its script ended cleanly; the interpreter may still tear down
     closed: bool = False  # destroyed its default process group (since its last step): past its collectives
     lingering_named: bool = False  # said to have outlived its script (WorkerGroup.lingering_notices)
+
+    def note(self, t: Any, msg: dict[str, Any], at: float) -> bool:
+        """Apply what a channel message of type ``t`` says of this rank, sent at ``at`` (the
+        worker's clock). True when it completed a step."""
+        if t == "hello":
+            self.hooked = True
+        elif t == "ready":
+            self.ready_at = self.ready_at or at
+        elif t == "optim":
+            self.steps_expected = True
+        elif t in ("closed", "opened"):
+            self.closed = t == "closed"
+        elif t == "bye":
+            self.bye_at = time.monotonic()
+        elif t == "exiting" and isinstance(msg.get("code"), int):
+            self.exiting_code, self.exiting_at = (msg["code"] or None), at
+            if msg.get("ready") is True:
+                self.ready_at = self.ready_at or at
+        elif t == "exc":
+            # The worker's text, whatever it sent (a script can write to the channel): strings only.
+            self.exception = {k: v if isinstance(v := msg.get(k), str) else "" for k in ("type", "msg", "tb")}
+            if msg.get("ready") is True:
+                self.ready_at = self.ready_at or at
+        elif t == "step" and isinstance(msg.get("step"), int):
+            if self.last_step_at is not None and msg["step"] > self.step:
+                self.iter_times.append(max(0.0, at - self.last_step_at) / (msg["step"] - self.step))
+            if msg["step"] != self.step:
+                self.steps_in_attempt += 1
+            self.step = msg["step"]
+            self.last_step_at = at
+            self.closed = False  # a new process group after all
+            if isinstance(msg.get("snap"), int):
+                self.snapshot_step = msg["snap"]
+            return True
+        return False
 
 
 @dataclass(frozen=True)

@@ -121,37 +121,12 @@ class WorkerGroup:
         t = msg.get("t")
         if t == "hello":
             self.saw_hello = True
-            r.hooked = True
-        elif t == "ready":
-            r.ready_at = r.ready_at or at
-        elif t == "optim":
-            r.steps_expected = True
-        elif t in ("closed", "opened"):
-            r.closed = t == "closed"
-        elif t == "bye":
-            r.bye_at = time.monotonic()
-            self.hang.remove(r.rank)  # its script is done: no more steps to wait for
-        elif t == "exiting" and isinstance(msg.get("code"), int):
-            r.exiting_code, r.exiting_at = (msg["code"] or None), at
-            if msg.get("ready") is True:
-                r.ready_at = r.ready_at or at
-        elif t == "step" and isinstance(msg.get("step"), int):
-            if r.last_step_at is not None and msg["step"] > r.step:
-                r.iter_times.append(max(0.0, at - r.last_step_at) / (msg["step"] - r.step))
-            if msg["step"] != r.step:
-                r.steps_in_attempt += 1
-            r.step = msg["step"]
-            r.last_step_at = at
-            r.closed = False  # a new process group after all
-            if isinstance(msg.get("snap"), int):
-                r.snapshot_step = msg["snap"]
+        if r.note(t, msg, at):
             self.stepped_at = max(at_m, self.stepped_at or at_m)
             self.hang.observe(r.rank, r.step, at_m)
-        elif t == "exc":
-            # The worker's text, whatever it sent (a script can write to the channel): strings only.
-            r.exception = {k: v if isinstance(v := msg.get(k), str) else "" for k in ("type", "msg", "tb")}
-            if msg.get("ready") is True:
-                r.ready_at = r.ready_at or at
+        if t == "bye":
+            self.hang.remove(r.rank)  # its script is done: no more steps to wait for
+        elif t == "exc" and r.exception is not None:
             if msg.get("fatal") is False:
                 return None  # a background thread died; the process goes on (kept for its exit)
             if r.rank not in self.reported_exc:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
+from unicron.coord.records import Attempt, JobSpec
+from unicron.coord.restore import finished_ranks
 from unicron.detect.classify import classify, is_victim, root_cause
 from unicron.detect.faults import Action, Fault, Severity
 from unicron.detect.policy import Decision as PolicyDecision
@@ -35,6 +37,17 @@ class Decider(Protocol):
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = ...,
                finished: Sequence[tuple[int, int | None]] = ..., spent: int = ...) -> Decision: ...
+
+
+def decide_attempt(decider: Decider, attempt: Attempt, spec: JobSpec, stacks: dict[int, str], now: float, *,
+                   active_nodes: int, spent: int) -> Decision:
+    """What follows a stopped attempt. One stopped without a fault was a planned re-formation (a
+    late joiner): restarted at once, and no budget is spent."""
+    if not attempt.faults:
+        return Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up" if attempt.scale_up else "re-form", 0)
+    return decider.decide(attempt.faults, stacks, now, max_restarts=spec.max_restarts, max_nodes=spec.max_nodes,
+                          active_nodes=active_nodes, min_nodes=spec.min_nodes,
+                          finished=finished_ranks(attempt.stopped.values()), spent=spent)
 
 
 def to_fault(raw: dict[str, Any]) -> Fault:

@@ -14,12 +14,12 @@ from collections import deque
 from typing import Any
 
 from unicron.coord.assign import attempt_messages
-from unicron.coord.decide import Decider, Decision
+from unicron.coord.decide import Decider, Decision, decide_attempt
 from unicron.coord.evidence import job_activity, join_mismatch, past_last_step, silent_nodes
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
-from unicron.coord.restore import Holdings, choose_restore, finished_ranks
+from unicron.coord.restore import Holdings, choose_restore
 from unicron.coord.resume import take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
@@ -364,19 +364,13 @@ class JobCore:
         attempt = self.attempt
         assert attempt is not None
         out: list[Out] = []
-        stacks = {int(r): s for body in attempt.stopped.values() for r, s in body.get("stacks", {}).items()}
+        stacks = attempt.stacks()
         if stacks:
             out.append(Emit("stacks", {"attempt": attempt.number, "ranks": sorted(r for r, s in stacks.items() if s)}))
         active = len(self.members.active())
-        if not attempt.faults:  # a planned re-formation (late joiner): no fault, no budget spent
-            decision = Decision("restart", 0.0, attempt.stop_reason, "INFO",
-                                "scale-up" if attempt.scale_up else "re-form", 0)
-        else:
-            decision = self.decider.decide(attempt.faults, stacks, now, max_restarts=self.spec.max_restarts,
-                                           max_nodes=self.spec.max_nodes,
-                                           active_nodes=active, min_nodes=self.spec.min_nodes,
-                                           finished=finished_ranks(attempt.stopped.values()),
-                                           spent=self.restarts_used)
+        decision = decide_attempt(self.decider, attempt, self.spec, stacks, now, active_nodes=active,
+                                  spent=self.restarts_used)
+        if attempt.faults:
             self.history.append(decision)
         event = {"attempt": attempt.number, "action": decision.action, "severity": decision.severity,
                  "rule": decision.rule, "reason": decision.reason, "backoff_s": decision.backoff_s,

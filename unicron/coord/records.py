@@ -53,6 +53,10 @@ class Attempt:
     stop_sent_at: float | None = None
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure
 
+    def stacks(self) -> dict[int, str]:
+        """Every rank's stack dump that came with the nodes' ``stopped`` reports."""
+        return {int(r): s for body in self.stopped.values() for r, s in body.get("stacks", {}).items()}
+
     def note_steps(self, workers: Any, now: float) -> None:
         """Each rank's steps from a heartbeat's ``workers`` (malformed entries skipped)."""
         for w in workers if isinstance(workers, list) else []:

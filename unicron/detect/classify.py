@@ -13,10 +13,16 @@ import signal as _signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from unicron.detect.faults import DEFAULT_ACTION, Classification, Fault, Severity, stderr_summary
-
-# Health faults this close (seconds) to a worker fault on the same node are evidence about it.
-HEALTH_EVIDENCE_WINDOW_S = 30.0
+from unicron.detect.evidence import (
+    FRAME_FILE,
+    Evidence,
+    error_summary,
+    gather,
+    short,
+    signal_name,
+    strip_prefixes,
+)
+from unicron.detect.faults import DEFAULT_ACTION, Classification, Fault, Severity
 
 # Xid codes that mean the GPU or its links are broken (NVIDIA's Xid catalogue): exclude the node.
 HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 94, 95, 119, 120, 140})
@@ -27,27 +33,9 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 69})
 CRASH_SIGNALS = frozenset({_signal.SIGSEGV, _signal.SIGBUS, _signal.SIGABRT, _signal.SIGILL, _signal.SIGFPE})
 TERMINATION_SIGNALS = frozenset({_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP, _signal.SIGQUIT})
 
-_EXCEPTION_LINE = re.compile(
-    r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning))(?::\s*(.*))?$", re.MULTILINE
-)
-# torch (and torchrun --tee) prefix every line a rank writes with "[rank0]: " / "[default0]:".
-_LINE_PREFIX = re.compile(r"^\[[\w.\-]{1,40}\]:[ ]?", re.MULTILINE)
-_FRAME_FILE = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
-_FRAME_LINE = re.compile(r'^(\s*)File "[^"]*", line \d+')
 _XID_WORD = re.compile(r"\bXid\b[^\n]*")
 # "Xid 79", "Xid: 79" and the kernel's "NVRM: Xid (PCI:0000:3b:00): 79, pid=..."
 _XID_CODE = re.compile(r"\bXid\b(?:\s*\([^)]*\))?\s*:?\s*(\d{1,3})\b")
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """What every rule may look at, computed once per fault."""
-
-    text: str  # error_type, message, traceback and stderr tail, joined
-    exception_type: str  # short name of the final exception ("" if none)
-    exception_message: str
-    signal: int | None  # resolved from signal, a negative exit code, or a 128+n exit code
-    health: tuple[Fault, ...]  # health faults on the same node near the fault's time
 
 
 @dataclass(frozen=True)
@@ -57,89 +45,6 @@ class Rule:
     matches: Callable[[Fault, Evidence], bool]
     reason: Callable[[Fault, Evidence], str]
     victim: bool = False  # a victim's failure is caused by another rank's fault
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return _signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-def _resolve_signal(fault: Fault) -> int | None:
-    if fault.signal is not None:
-        return fault.signal
-    code = fault.exitcode
-    if code is None:
-        return None
-    if code < 0:
-        return -code  # subprocess.Popen's convention
-    if 128 < code <= 128 + 64:
-        return code - 128  # a shell (or torchrun's error file) reports death by signal n as 128+n
-    return None
-
-
-def _strip_prefixes(text: str) -> str:
-    return _LINE_PREFIX.sub("", text)
-
-
-def _without_source(text: str) -> str:
-    """A traceback without the source lines (and ``^^^`` markers) it quotes under each frame.
-
-    The rules look for error text; a script's own code is not evidence. A comment or a string
-    literal such as ``# avoid a device-side assert`` in a quoted line must not make an
-    ordinary ValueError a CUDA error.
-    """
-    out: list[str] = []
-    frame_indent: int | None = None
-    for line in text.splitlines():
-        found = _FRAME_LINE.match(line)
-        if found:
-            frame_indent = len(found.group(1))
-        elif frame_indent is not None and line.strip() and len(line) - len(line.lstrip()) > frame_indent:
-            continue  # quoted source of the frame above
-        else:
-            frame_indent = None
-        out.append(line)
-    return "\n".join(out)
-
-
-def _final_exception(fault: Fault) -> tuple[str, str]:
-    if fault.error_type:
-        return fault.error_type.rsplit(".", 1)[-1], fault.message
-    for text in (fault.traceback, _strip_prefixes(fault.stderr_tail)):
-        found = list(_EXCEPTION_LINE.finditer(text))
-        if found:
-            last = found[-1]
-            return last.group(1).rsplit(".", 1)[-1], (last.group(2) or "").strip()
-    return "", fault.message
-
-
-def _evidence(fault: Fault, health: Sequence[Fault]) -> Evidence:
-    exc_type, exc_msg = _final_exception(fault)
-    parts = (fault.error_type, fault.message, _without_source(fault.traceback),
-             _without_source(_strip_prefixes(fault.stderr_tail)))
-    text = "\n".join(p for p in parts if p)
-    near = tuple(
-        h
-        for h in health
-        if h.kind == "health"
-        and abs(h.ts - fault.ts) <= HEALTH_EVIDENCE_WINDOW_S
-        and (h.node == fault.node or h.host and h.host == fault.host)
-    )
-    return Evidence(text, exc_type, exc_msg, _resolve_signal(fault), near)
-
-
-def _short(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _error_summary(fault: Fault, ev: Evidence) -> str:
-    if ev.exception_type:
-        msg = _short(ev.exception_message)
-        return f"{ev.exception_type}: {msg}" if msg else ev.exception_type
-    return _short(fault.message) or _short(stderr_summary(_strip_prefixes(fault.stderr_tail)))
 
 
 def _has(*needles: str, case: bool = True) -> Callable[[Fault, Evidence], bool]:
@@ -218,7 +123,7 @@ def _missing_script(fault: Fault, ev: Evidence) -> bool:
         return False
     # Only when no frame of the user's code ran: the launcher's own frames (runpy, the boot
     # module) failed to open the script. A data file missing inside the script is not this.
-    frames = _FRAME_FILE.findall(fault.traceback or _strip_prefixes(fault.stderr_tail))
+    frames = FRAME_FILE.findall(fault.traceback or strip_prefixes(fault.stderr_tail))
     launcher = ("runpy.py", "<frozen runpy>")
     return bool(frames) and all(f.endswith(launcher) or "/unicron/worker/" in f for f in frames)
 
@@ -267,101 +172,101 @@ RULES: tuple[Rule, ...] = (
     Rule("clean-exit", Severity.INFO, lambda f, _ev: _clean_exit(f),
          lambda f, _ev: f"{f.where()} exited cleanly"),
     Rule("startup-failed", Severity.FATAL, lambda f, _ev: f.kind == "startup",
-         lambda f, _ev: f"{f.where()} could not be started: {_short(f.message) or 'no detail'}"),
+         lambda f, _ev: f"{f.where()} could not be started: {short(f.message) or 'no detail'}"),
     Rule("node-lost", Severity.SEV1, lambda f, _ev: f.kind == "node_lost",
          lambda f, _ev: f"node {f.node or f.host} " + (f.message if f.message.startswith("left: ")
                                                         else "stopped answering heartbeats")),
     Rule("health-xid-hardware", Severity.SEV1, _hardware_xid,
-         lambda f, _ev: f"{f.where()} reported a hardware Xid ({_short(f.message)}): the GPU is faulty"),
+         lambda f, _ev: f"{f.where()} reported a hardware Xid ({short(f.message)}): the GPU is faulty"),
     Rule("health-ecc-uncorrectable", Severity.SEV1, _health("ecc_uncorrectable"),
          lambda f, _ev: f"{f.where()} has new uncorrectable ECC errors: its memory cannot be trusted"),
     Rule("health-gpu-lost", Severity.SEV1, _health("gpu_lost"),
          lambda f, _ev: f"{f.where()} disappeared from the driver (fallen off the bus?)"),
     Rule("health-xid-other", Severity.INFO, _health("xid"),
-         lambda f, _ev: f"{f.where()} reported {_short(f.message)} (an application or unknown Xid: recorded)"),
+         lambda f, _ev: f"{f.where()} reported {short(f.message)} (an application or unknown Xid: recorded)"),
     Rule("health-oom-kill", Severity.INFO, _health("oom_kill"),
          lambda f, _ev: f"the kernel OOM killer killed a process on {f.node or f.host or 'this node'}"),
     Rule("health-memory-pressure", Severity.INFO, _health("memory_pressure"),
-         lambda f, _ev: f"memory pressure on {f.node or f.host or 'this node'}: {_short(f.message)}"),
+         lambda f, _ev: f"memory pressure on {f.node or f.host or 'this node'}: {short(f.message)}"),
     Rule("health-throttle", Severity.INFO, _health("gpu_throttle"),
-         lambda f, _ev: f"{f.where()} is throttled: {_short(f.message)}"),
+         lambda f, _ev: f"{f.where()} is throttled: {short(f.message)}"),
     Rule("health-other", Severity.INFO, lambda f, _ev: f.kind == "health",
-         lambda f, _ev: f"health reading on {f.where()}: {f.error_type} {_short(f.message)}"),
+         lambda f, _ev: f"health reading on {f.where()}: {f.error_type} {short(f.message)}"),
     Rule("hang", Severity.SEV2, lambda f, _ev: f.kind == "hang",
-         lambda f, _ev: f"hang: {_short(f.message) or 'no step completed in time'}"
+         lambda f, _ev: f"hang: {short(f.message) or 'no step completed in time'}"
          + (f"; culprit rank(s) {', '.join(map(str, f.culprit_ranks))}" if f.culprit_ranks else "")),
     # User errors: only before the first step, where restarting replays the same failure.
     Rule("user-import-error", Severity.FATAL, _user_error(IMPORT_ERRORS),
-         lambda f, ev: f"{f.where()} failed to import before the first step ({_error_summary(f, ev)}): fix the environment"),
+         lambda f, ev: f"{f.where()} failed to import before the first step ({error_summary(f, ev)}): fix the environment"),
     Rule("user-syntax-error", Severity.FATAL, _user_error(SYNTAX_ERRORS),
-         lambda f, ev: f"{f.where()}: the script does not parse ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()}: the script does not parse ({error_summary(f, ev)})"),
     Rule("user-name-error", Severity.FATAL, _user_error(NAME_ERRORS),
-         lambda f, ev: f"{f.where()}: a bug in the script before the first step ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()}: a bug in the script before the first step ({error_summary(f, ev)})"),
     Rule("user-missing-script", Severity.FATAL, _missing_script,
-         lambda f, ev: f"{f.where()}: the training script cannot be opened ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()}: the training script cannot be opened ({error_summary(f, ev)})"),
     Rule("user-usage-error", Severity.FATAL, _usage_error,
          lambda f, ev: f"{f.where()}: the script rejected its arguments (argparse usage error, exit code 2)"),
     Rule("user-state-error", Severity.FATAL, _state_misuse,
-         lambda f, ev: f"{f.where()}: {_error_summary(f, ev)} (a restart would repeat it)"),
+         lambda f, ev: f"{f.where()}: {error_summary(f, ev)} (a restart would repeat it)"),
     Rule("user-gpu-shared", Severity.FATAL, lambda f, ev: _failed_process(f) and bool(_SHARED_GPU.search(ev.text)),
-         lambda f, ev: f"{f.where()}: two ranks share one GPU (NCCL: {_short(_first_match(_SHARED_GPU, ev.text))}): "
+         lambda f, ev: f"{f.where()}: two ranks share one GPU (NCCL: {short(_first_match(_SHARED_GPU, ev.text))}): "
          "give each local rank its own device (torch.cuda.set_device(int(os.environ['LOCAL_RANK']))) and start "
          "no more ranks per node than it has GPUs"),
     Rule("user-error-unknown-progress", Severity.SEV2, _user_error_unknown_progress,
-         lambda f, ev: f"{f.where()} raised {_error_summary(f, ev)} past start-up (the script reports no steps, "
+         lambda f, ev: f"{f.where()} raised {error_summary(f, ev)} past start-up (the script reports no steps, "
          "so its progress is unknown); the same error again after the restart stops the job"),
     # Hardware named in the error text: the node (or its GPU) must be excluded.
     Rule("gpu-xid", Severity.SEV1, lambda f, ev: _failed_process(f) and bool(_XID_WORD.search(ev.text)),
-         lambda f, ev: f"{f.where()} hit a GPU Xid error: {_short(_first_match(_XID_WORD, ev.text))}"),
+         lambda f, ev: f"{f.where()} hit a GPU Xid error: {short(_first_match(_XID_WORD, ev.text))}"),
     Rule("gpu-ecc", Severity.SEV1, lambda f, ev: _failed_process(f) and _has(
         "uncorrectable ECC", "ECC error", "ECC uncorrectable", "cudaErrorECCUncorrectable", case=False)(f, ev),
-         lambda f, ev: f"{f.where()} hit an uncorrectable ECC error ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()} hit an uncorrectable ECC error ({error_summary(f, ev)})"),
     Rule("gpu-nvlink", Severity.SEV1, lambda f, ev: _failed_process(f) and bool(_NVLINK_ERROR.search(ev.text)),
-         lambda f, ev: f"{f.where()} hit an NVLink error ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()} hit an NVLink error ({error_summary(f, ev)})"),
     Rule("gpu-lost", Severity.SEV1, lambda f, ev: _failed_process(f) and _has(
         "fallen off the bus", "GPU is lost", "cudaErrorDevicesUnavailable")(f, ev),
-         lambda f, ev: f"{f.where()} lost its GPU ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()} lost its GPU ({error_summary(f, ev)})"),
     Rule("health-evidence-hardware", Severity.SEV1,
          lambda f, ev: _failed_process(f) and any(_sev1_health(h) for h in ev.health),
-         lambda f, ev: f"{f.where()} failed ({_error_summary(f, ev) or 'exit'}) while its node reported "
-         + "; ".join(_short(h.message) or h.error_type for h in ev.health if _sev1_health(h))),
+         lambda f, ev: f"{f.where()} failed ({error_summary(f, ev) or 'exit'}) while its node reported "
+         + "; ".join(short(h.message) or h.error_type for h in ev.health if _sev1_health(h))),
     Rule("out-of-memory", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         ev.exception_type in ("OutOfMemoryError", "MemoryError")
         or _has("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "std::bad_alloc")(f, ev)),
-         lambda f, ev: f"{f.where()} ran out of memory ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()} ran out of memory ({error_summary(f, ev)})"),
     Rule("cuda-error", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         ev.exception_type == "AcceleratorError" or _has(
             "CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS_", "CUDNN_STATUS_",
             "cuDNN error")(f, ev)),
-         lambda f, ev: f"{f.where()} hit a CUDA error ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()} hit a CUDA error ({error_summary(f, ev)})"),
     Rule("nccl-remote", Severity.SEV3, lambda f, ev: _failed_process(f) and _has(
         "ncclRemoteError", "Connection closed by remote peer", "remote process exited")(f, ev),
-         lambda f, ev: f"{f.where()} lost an NCCL peer ({_error_summary(f, ev)})", victim=True),
+         lambda f, ev: f"{f.where()} lost an NCCL peer ({error_summary(f, ev)})", victim=True),
     Rule("nccl-error", Severity.SEV2, lambda f, ev: _failed_process(f) and _has(
         "NCCL error", "ncclInternalError", "ncclSystemError", "ncclUnhandledCudaError", "ncclInvalidUsage",
         "unhandled system error")(f, ev),
-         lambda f, ev: f"{f.where()} hit an NCCL error ({_error_summary(f, ev)})"),
+         lambda f, ev: f"{f.where()} hit an NCCL error ({error_summary(f, ev)})"),
     Rule("collective-timeout", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         _has("Watchdog caught collective operation timeout")(f, ev)
         or bool(re.search(r"Timed out waiting \d+ms for (recv|send)", ev.text))),
-         lambda f, ev: f"{f.where()} timed out waiting in a collective for a peer ({_error_summary(f, ev)})",
+         lambda f, ev: f"{f.where()} timed out waiting in a collective for a peer ({error_summary(f, ev)})",
          victim=True),
     Rule("peer-connection-lost", Severity.SEV3, lambda f, ev: _failed_process(f) and _peer_connection_lost(ev),
-         lambda f, ev: f"{f.where()} lost its connection to a peer ({_error_summary(f, ev)})", victim=True),
+         lambda f, ev: f"{f.where()} lost its connection to a peer ({error_summary(f, ev)})", victim=True),
     Rule("oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGKILL and any(
         h.error_type == "oom_kill" for h in ev.health),
          lambda f, _ev: f"{f.where()} was killed by the kernel OOM killer (out of memory: the host's, or its cgroup's limit)"),
     Rule("sigkill", Severity.SEV2, _signal_in(frozenset({_signal.SIGKILL})),
          lambda f, _ev: f"{f.where()} was killed by SIGKILL (from outside, or by the kernel OOM killer)"),
     Rule("crash-signal", Severity.SEV2, _signal_in(CRASH_SIGNALS),
-         lambda f, ev: f"{f.where()} crashed with {_signal_name(ev.signal or 0)}"),
+         lambda f, ev: f"{f.where()} crashed with {signal_name(ev.signal or 0)}"),
     Rule("terminated", Severity.SEV2, _signal_in(TERMINATION_SIGNALS),
-         lambda f, ev: f"{f.where()} was terminated by {_signal_name(ev.signal or 0)} from outside unicron"),
+         lambda f, ev: f"{f.where()} was terminated by {signal_name(ev.signal or 0)} from outside unicron"),
     Rule("other-signal", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal is not None,
-         lambda f, ev: f"{f.where()} died of {_signal_name(ev.signal or 0)}"),
+         lambda f, ev: f"{f.where()} died of {signal_name(ev.signal or 0)}"),
     Rule("uncaught-exception", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         f.kind == "exception" or bool(ev.exception_type)),
-         lambda f, ev: f"{f.where()} raised {_error_summary(f, ev) or 'an exception'}"),
+         lambda f, ev: f"{f.where()} raised {error_summary(f, ev) or 'an exception'}"),
     Rule("nonzero-exit", Severity.SEV2, lambda f, _ev: f.kind == "exit" and f.exitcode not in (None, 0),
          lambda f, _ev: f"{f.where()} exited with code {f.exitcode}"),
     Rule("unknown", Severity.SEV2, lambda _f, _ev: True,
@@ -375,11 +280,11 @@ VICTIM_RULES = frozenset(rule.name for rule in RULES if rule.victim)
 
 def classify(fault: Fault, evidence: Sequence[Fault] = ()) -> Classification:
     """Classify one fault; ``evidence`` is recent health faults (any node: filtered here)."""
-    ev = _evidence(fault, evidence)
+    ev = gather(fault, evidence)
     for rule in RULES:
         if rule.matches(fault, ev):
             return Classification(rule.severity, DEFAULT_ACTION[rule.severity], rule.reason(fault, ev), rule.name,
-                                  error=_error_summary(fault, ev))
+                                  error=error_summary(fault, ev))
     raise AssertionError("the 'unknown' rule matches everything")  # pragma: no cover
 
 

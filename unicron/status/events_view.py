@@ -15,7 +15,8 @@ from rich.text import Text
 
 from unicron.errors import InputError, UsageError
 from unicron.events import EVENTS_FILE
-from unicron.status.render import event_details, event_style
+from unicron.status.fmt import event_details
+from unicron.status.render import event_style
 
 _RELATIVE = re.compile(r"^-?\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)(?:\s+ago)?$", re.IGNORECASE)
 _UNIT_S = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}

@@ -9,7 +9,7 @@ view degrades to "-" instead of raising.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich import box
@@ -18,109 +18,21 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-SPARK_CHARS = "▁▂▃▄▅▆▇█"
-SPARK_WIDTH = 12
+from unicron.status.fmt import (
+    event_details,
+    fmt_age,
+    fmt_bytes,
+    fmt_iter_time,
+    num,
+    short_value,
+    sparkline,
+)
 
 JOB_STATE_STYLE = {"running": "bold green", "waiting": "bold cyan", "restarting": "bold yellow",
                    "done": "bold blue", "failed": "bold red"}
 NODE_STATE_STYLE = {"healthy": "green", "lost": "bold red", "left": "dim"}
 WORKER_STATE_STYLE = {"running": "green", "exited": "dim", "failed": "bold red", "hung": "bold magenta"}
 SEVERITY_STYLE = {"SEV3": "cyan", "SEV2": "yellow", "SEV1": "bold yellow", "FATAL": "bold red"}
-# Fields every event carries that the "details" column need not repeat.
-EVENT_HEADER_FIELDS = ("ts", "kind", "job")
-DETAIL_FIRST = ("rank", "ranks", "fault_kind", "action", "severity", "exitcode", "signal", "error_type", "message",
-                "reason", "cause", "attempt", "step", "restore_step", "exit_code")
-
-
-# -- small value formatters --------------------------------------------------------------------
-
-def num(value: Any) -> float | None:
-    """A number from a JSON value, or None (bool is not a number here)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def fmt_duration(seconds: float | None) -> str:
-    """Compact duration: 0.4s, 12s, 3m05s, 2h10m, 3d04h."""
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    if seconds < 10:
-        return f"{seconds:.1f}s"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def fmt_age(ts: Any, now: float) -> str:
-    """How long ago ``ts`` was; "-" for a missing or zero timestamp."""
-    t = num(ts)
-    if not t:
-        return "-"
-    return fmt_duration(now - t)
-
-
-def fmt_iter_time(seconds: Any) -> str:
-    s = num(seconds)
-    if s is None:
-        return "-"
-    if s < 1:
-        return f"{s * 1000:.0f}ms" if s >= 0.01 else f"{s * 1000:.1f}ms"
-    return f"{s:.2f}s"
-
-
-def fmt_bytes(n: Any) -> str:
-    value = num(n)
-    if value is None:
-        return "-"
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(value) < 1024 or unit == "T":
-            return f"{value:.0f}{unit}" if unit == "B" or value >= 10 else f"{value:.1f}{unit}"
-        value /= 1024
-    return "-"  # unreachable; keeps mypy happy
-
-
-def sparkline(values: Iterable[Any], width: int = SPARK_WIDTH) -> str:
-    """Block-character sparkline of the last ``width`` numbers, scaled between their min and max."""
-    nums = [v for v in (num(x) for x in values) if v is not None][-width:]
-    if not nums:
-        return ""
-    lo, hi = min(nums), max(nums)
-    if hi - lo <= 1e-12:
-        return SPARK_CHARS[len(SPARK_CHARS) // 2 - 1] * len(nums)
-    top = len(SPARK_CHARS) - 1
-    return "".join(SPARK_CHARS[round((v - lo) / (hi - lo) * top)] for v in nums)
-
-
-def short_value(value: Any, limit: int = 48) -> str:
-    """One-line rendering of any JSON value for a details column."""
-    if isinstance(value, float):
-        text = f"{value:.4g}"
-    elif isinstance(value, list):
-        text = ",".join(short_value(v, 12) for v in value[:6]) + (",…" if len(value) > 6 else "")
-        text = f"[{text}]"
-    elif isinstance(value, dict):
-        text = "{" + " ".join(f"{k}={short_value(v, 12)}" for k, v in list(value.items())[:4])
-        text += " …}" if len(value) > 4 else "}"
-    else:
-        text = str(value)
-    text = " ".join(text.split())  # tracebacks and messages stay on one line
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def event_details(event: Mapping[str, Any], *, skip: Iterable[str] = EVENT_HEADER_FIELDS) -> str:
-    """``key=value`` pairs of an event beyond its header fields, the telling ones first
-    (a narrow column cuts the end), the emitting host last."""
-    skipped = set(skip)
-    keys = [k for k in event if k not in skipped]
-    keys.sort(key=lambda k: (DETAIL_FIRST.index(k) if k in DETAIL_FIRST else len(DETAIL_FIRST), k == "node"))
-    return " ".join(f"{k}={short_value(event[k])}" for k in keys)
 
 
 # -- snapshot accessors ----------------------------------------------------------------------------

@@ -20,17 +20,8 @@ from rich.live import Live
 from rich.text import Text
 
 from unicron.errors import UsageError
-from unicron.status.render import (
-    JOB_STATE_STYLE,
-    fmt_age,
-    fmt_iter_time,
-    job_of,
-    min_step,
-    num,
-    short_value,
-    steps_per_second,
-    workers_of,
-)
+from unicron.status.fmt import fmt_age, fmt_iter_time, num, short_value
+from unicron.status.render import JOB_STATE_STYLE, job_of, min_step, steps_per_second, workers_of
 
 MODES = ("auto", "always", "never")
 PREFIX = "unicron: "

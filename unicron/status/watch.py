@@ -21,7 +21,8 @@ from rich.text import Text
 
 from unicron.errors import EndpointUnreachableError
 from unicron.status.client import Target, WatchState, fetch_snapshot, poll_targets, resolve_targets
-from unicron.status.render import fmt_duration, render_runs, render_status
+from unicron.status.fmt import fmt_duration
+from unicron.status.render import render_runs, render_status
 from unicron.status.statusline import format_status_line, line_signature
 
 

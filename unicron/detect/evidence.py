@@ -1,0 +1,117 @@
+"""What a classifier rule looks at: one fault's text boiled down once (the final exception,
+its message, the error text without quoted source lines, the signal it died of) and the health
+readings of its node near its time. Pure."""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from unicron.detect.faults import Fault, stderr_summary
+
+# Health faults this close (seconds) to a worker fault on the same node are evidence about it.
+HEALTH_EVIDENCE_WINDOW_S = 30.0
+
+_EXCEPTION_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning))(?::\s*(.*))?$", re.MULTILINE
+)
+# torch (and torchrun --tee) prefix every line a rank writes with "[rank0]: " / "[default0]:".
+_LINE_PREFIX = re.compile(r"^\[[\w.\-]{1,40}\]:[ ]?", re.MULTILINE)
+FRAME_FILE = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
+_FRAME_LINE = re.compile(r'^(\s*)File "[^"]*", line \d+')
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What every rule may look at, computed once per fault."""
+
+    text: str  # error_type, message, traceback and stderr tail, joined
+    exception_type: str  # short name of the final exception ("" if none)
+    exception_message: str
+    signal: int | None  # resolved from signal, a negative exit code, or a 128+n exit code
+    health: tuple[Fault, ...]  # health faults on the same node near the fault's time
+
+
+def signal_name(num: int) -> str:
+    try:
+        return _signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def resolve_signal(fault: Fault) -> int | None:
+    if fault.signal is not None:
+        return fault.signal
+    code = fault.exitcode
+    if code is None:
+        return None
+    if code < 0:
+        return -code  # subprocess.Popen's convention
+    if 128 < code <= 128 + 64:
+        return code - 128  # a shell (or torchrun's error file) reports death by signal n as 128+n
+    return None
+
+
+def strip_prefixes(text: str) -> str:
+    return _LINE_PREFIX.sub("", text)
+
+
+def without_source(text: str) -> str:
+    """A traceback without the source lines (and ``^^^`` markers) it quotes under each frame.
+
+    The rules look for error text; a script's own code is not evidence. A comment or a string
+    literal such as ``# avoid a device-side assert`` in a quoted line must not make an
+    ordinary ValueError a CUDA error.
+    """
+    out: list[str] = []
+    frame_indent: int | None = None
+    for line in text.splitlines():
+        found = _FRAME_LINE.match(line)
+        if found:
+            frame_indent = len(found.group(1))
+        elif frame_indent is not None and line.strip() and len(line) - len(line.lstrip()) > frame_indent:
+            continue  # quoted source of the frame above
+        else:
+            frame_indent = None
+        out.append(line)
+    return "\n".join(out)
+
+
+def final_exception(fault: Fault) -> tuple[str, str]:
+    if fault.error_type:
+        return fault.error_type.rsplit(".", 1)[-1], fault.message
+    for text in (fault.traceback, strip_prefixes(fault.stderr_tail)):
+        found = list(_EXCEPTION_LINE.finditer(text))
+        if found:
+            last = found[-1]
+            return last.group(1).rsplit(".", 1)[-1], (last.group(2) or "").strip()
+    return "", fault.message
+
+
+def gather(fault: Fault, health: Sequence[Fault]) -> Evidence:
+    exc_type, exc_msg = final_exception(fault)
+    parts = (fault.error_type, fault.message, without_source(fault.traceback),
+             without_source(strip_prefixes(fault.stderr_tail)))
+    text = "\n".join(p for p in parts if p)
+    near = tuple(
+        h
+        for h in health
+        if h.kind == "health"
+        and abs(h.ts - fault.ts) <= HEALTH_EVIDENCE_WINDOW_S
+        and (h.node == fault.node or h.host and h.host == fault.host)
+    )
+    return Evidence(text, exc_type, exc_msg, resolve_signal(fault), near)
+
+
+def short(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def error_summary(fault: Fault, ev: Evidence) -> str:
+    if ev.exception_type:
+        msg = short(ev.exception_message)
+        return f"{ev.exception_type}: {msg}" if msg else ev.exception_type
+    return short(fault.message) or short(stderr_summary(strip_prefixes(fault.stderr_tail)))
