@@ -318,3 +318,38 @@ def test_ranks_stepping_unevenly_is_progress_lockstep_one_ahead_is_not() -> None
     assert not uneven_progress({0: (25, 8.0), 1: (20, 7.0)}, 10.5, 1.0)  # ... but it stopped too
     assert not uneven_progress({0: (25, 10.4)}, 10.5, 1.0)  # one rank alone: nothing to compare
     assert uneven_progress({"a": (5, 3.0), "b": (3, 1.0), "c": (4, 2.0)}, 3.5, 1.0)
+
+
+def test_startup_is_the_time_to_the_last_ranks_first_step() -> None:
+    stats = StepStats()
+    stats.start(100.0, [0, 1])
+    stats.observe(0, 1, 102.0)
+    assert stats.startup_s() is None  # rank 1 has not stepped yet
+    stats.observe(1, 1, 104.5)
+    stats.observe(0, 2, 105.0)
+    assert stats.startup_s() == pytest.approx(4.5)
+
+
+def test_a_restarted_attempt_whose_ranks_all_wait_is_hung_after_k_times_the_earlier_startup() -> None:
+    # The first attempt took 8 s to every rank's first step; the restart's idle ranks get 5 x 8 s.
+    det = HangDetector(k=3.0, floor_s=1.0, first_step_timeout_s=300.0, startup_hint_s=8.0)
+    det.start(0.0, [0, 1])
+    det.observe(0, 20, 3.0)  # rank 0 restored and stepped; rank 1 is stuck in its restore
+    assert det.threshold_s() == (40.0, True)
+    assert det.check(39.0) is None
+    verdict = det.check(41.0)
+    assert verdict is not None and verdict.warmup and verdict.stalled_ranks == (1,)
+    # A rank that burns CPU (compiling, say) keeps the whole first-step allowance.
+    assert det.threshold_s(busy=True) == (300.0, True)
+    assert det.check(41.0, busy=True) is None
+    # A quick start-up still gets the floor; the user's --first-step-timeout stays the ceiling.
+    quick = HangDetector(first_step_timeout_s=300.0, startup_hint_s=0.5)
+    quick.start(0.0, [0])
+    assert quick.threshold_s() == (30.0, True)
+    short = HangDetector(first_step_timeout_s=12.0, startup_hint_s=8.0)
+    short.start(0.0, [0])
+    assert short.threshold_s() == (12.0, True)
+    # Without an earlier start-up (a first attempt), the first-step timeout applies as before.
+    first = HangDetector(first_step_timeout_s=300.0)
+    first.start(0.0, [0])
+    assert first.threshold_s() == (300.0, True)

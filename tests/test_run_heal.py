@@ -437,3 +437,37 @@ def test_a_launcher_stalled_for_seconds_keeps_its_job(workdir) -> None:
         job.kill()
     assert code == 0, out + err
     assert not [e for e in read_events(logs) if e["kind"] in ("node_lost", "fault")]
+
+
+def test_a_hang_before_a_restarts_first_step_is_found_from_the_earlier_startup(workdir, reference_hash) -> None:
+    """Rank 0 sleeps after restoring in the first restart while rank 1 waits in the first step's
+    all_reduce: every rank idle. The first attempt's start-up (a second or two) was measured: the
+    restart is held to 5 x that (at least a tenth of --first-step-timeout, 6 s here), not to the
+    whole 60 s."""
+    code, out, err = _train(workdir, "healed.txt", "--inject", "kill@1:5", script_args=("--hang-after-restore", "0"))
+    assert code == 0, err
+    assert (workdir / "healed.txt").read_text() == reference_hash
+    events = read_events(workdir / "logs")
+    hang = next(e for e in events if e["kind"] == "fault" and e.get("fault_kind") == "hang")
+    assert hang["attempt"] == 1 and "warm-up allowance" in hang["message"], hang
+    allowance = float(hang["message"].split("warm-up allowance ")[1].split("s")[0])
+    assert 6.0 <= allowance < 60.0, hang["message"]
+    decision = [e for e in events if e["kind"] == "decision"][1]
+    assert decision["culprits"] == [0], decision
+
+
+@pytest.mark.parametrize("kind", ["native", "loader"])
+def test_a_restart_that_works_before_its_first_step_keeps_the_whole_allowance(workdir, reference_hash, kind) -> None:
+    """In the first restart rank 0 spends 8 x the first attempt's start-up (at least 14 s) before
+    its first step, longer than the restart's idle allowance, while rank 1 waits in that step:
+    computing in C calls (busy: the CPU the agent samples) or waiting for a data loader's worker
+    that sleeps (the worker's own report, from its start in a restart). Neither is a hang."""
+    code, out, err = _train(workdir, "healed.txt", "--inject", "kill@1:5",
+                            script_args=("--pause-after-restore", kind))
+    assert code == 0, err
+    assert (workdir / "healed.txt").read_text() == reference_hash
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] == "fault" and e.get("fault_kind") == "hang"], err
+    paused_s = max(8 * float((workdir / "healed.txt.startup").read_text()), 14.0)
+    restart = next(e for e in events if e["kind"] == "workers_started" and e["attempt"] == 1)
+    assert restart["first_step_allowance_s"] < paused_s - 2, (restart, paused_s)  # the pause outlasted it

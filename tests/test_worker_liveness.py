@@ -118,6 +118,28 @@ def test_frame_watch_reports_motion_only_when_overdue(monkeypatch) -> None:
     assert not watch.sample(clock[0])
 
 
+def test_frame_watch_begun_before_the_first_step_samples_from_its_own_delay(monkeypatch) -> None:
+    import unicron.worker.liveness as liveness
+
+    sent: list[float] = []
+    clock = [50.0]
+    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0], cpu=lambda: clock[0])
+    monkeypatch.setattr(watch, "_start_thread", lambda: None)  # sampled by hand below
+    signatures = iter(range(1000))
+    monkeypatch.setattr(liveness, "main_thread_signature", lambda: next(signatures))
+    clock[0] = 200.0
+    watch.begin()  # a restarted worker's start: its start-up is judged from here
+    clock[0] = 200.0 + liveness.BEFORE_FIRST_STEP_S - 0.1
+    assert not watch.sample(clock[0]), "a warm restart steps within the delay: never sampled"
+    for i in range(1, 4):
+        clock[0] = 200.0 + liveness.BEFORE_FIRST_STEP_S + 0.25 * i
+        watch.sample(clock[0])
+    assert len(sent) == 1, "Python moving before the first step is reported"
+    watch.boundary()  # the first step: the usual rule from here
+    clock[0] += OVERDUE_S / 2
+    assert not watch.sample(clock[0])
+
+
 def _moved_while(body) -> int:
     """How many ``moved`` a real FrameWatch (real clock, the main thread's real CPU clock) sends
     in 1.5 s of sampling while the main thread (this test) runs ``body(stop)``."""

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -28,6 +29,13 @@ parser.add_argument("--no-state", action="store_true")
 parser.add_argument("--pause", default="")
 # --fail-after-restore RANK: that rank raises right after restoring, in the first restart only
 parser.add_argument("--fail-after-restore", type=int, default=-1)
+# --hang-after-restore RANK: that rank sleeps right after restoring, in the first restart only
+# (its peers wait in the first step's all_reduce: every rank idle before the attempt's first step)
+parser.add_argument("--hang-after-restore", type=int, default=-1)
+# --pause-after-restore KIND: rank 0, in the first restart only, spends 8 x the first attempt's
+# start-up (at least 14 s) in a pause of that KIND (above, or "loader": waiting for a data
+# loader's worker that sleeps) before its first step, while its peers wait in that step
+parser.add_argument("--pause-after-restore", default="")
 # --raise-after-step RANK:STEP: that rank raises after STEP's optimizer step, before its commit,
 # in every attempt (a loss check that fails the same way after each exact restore)
 parser.add_argument("--raise-after-step", default="")
@@ -56,6 +64,17 @@ def pause(kind: str, seconds: float) -> None:
         while time.monotonic() < end:
             hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
         return
+    if kind == "loader":
+        class Slow(torch.utils.data.Dataset):
+            def __len__(self) -> int:
+                return 1
+
+            def __getitem__(self, i: int) -> torch.Tensor:
+                time.sleep(seconds)  # a slow remote read: no CPU, no I/O counted
+                return torch.zeros(1)
+
+        next(iter(torch.utils.data.DataLoader(Slow(), num_workers=1)))
+        return
     if kind == "helper":
         import subprocess
 
@@ -83,6 +102,12 @@ start = state.restore() if state is not None else 0
 print(f"rank {rank} starts at step {start} (restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')})", flush=True)
 if rank == args.fail_after_restore and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
     raise RuntimeError(f"failing on purpose right after restoring step {start}")
+if rank == args.hang_after_restore and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
+    time.sleep(3600)
+startup_file = f"{args.out or 'train'}.startup"
+if rank == 0 and args.pause_after_restore and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
+    with open(startup_file) as fh:
+        pause(args.pause_after_restore, max(8 * float(fh.read()), 14.0))
 for step in range(start, args.steps):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 8, generator=g)
@@ -95,6 +120,9 @@ for step in range(start, args.steps):
     if args.payload:
         dist.all_reduce(torch.ones(args.payload))
     opt.step()
+    if step == start and rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        with open(startup_file, "w") as fh:
+            fh.write(f"{time.time() - psutil.Process().create_time():.3f}")  # since its fork
     if args.raise_after_step and args.raise_after_step == f"{rank}:{step + 1}":
         raise RuntimeError(f"loss check failed after step {step + 1}")
     if state is not None:

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from unicron.agent.attempt import (
+    EarlierAttempts,
     attempt_line,
     group_spec,
     hang_detector,
@@ -93,7 +94,7 @@ class Agent:
         self.reporter = Reporter(self.codec, node_id=self.node_id, host=self.host,
                                  heartbeat_interval_s=s.heartbeat_interval_s, events=events, ui=ui)
         self.pace = LoopPace(monitor_interval_s=s.monitor_interval_s, heartbeat_interval_s=s.heartbeat_interval_s)
-        self.steps_seen = False  # some attempt's workers reported steps: the script steps
+        self.earlier = EarlierAttempts()  # what the script showed so far: it steps, its start-up
         # A zygote with torch imported forks every worker: it imports while the job forms, and
         # attempts assigned meanwhile wait for it (``pending_assign``).
         self.pool = warm_pool(s, self.agent_addr)
@@ -306,9 +307,9 @@ class Agent:
         env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
                                      shm_dir=self.shm_dir)
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
-                            tee=self.tee, host=self.host, hang=hang_detector(self.s),
+                            tee=self.tee, host=self.host, hang=hang_detector(self.s, self.earlier.startup_hint(spec)),
                             role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,
-                            expect_steps=self.steps_seen)
+                            expect_steps=self.earlier.steps_seen)
         self.group = group
         self.last_attempt = spec.attempt
         self.link.new_attempt()
@@ -328,7 +329,8 @@ class Agent:
             return
         self.events.emit("workers_started", attempt=spec.attempt, node_rank=spec.node_rank,
                          ranks=sorted(group.ranks), world_size=spec.world_size,
-                         restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts)
+                         restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts,
+                         first_step_allowance_s=round(group.hang.first_step_allowance_s(), 3))
         for warning in inject_warnings(spec):
             self.ui.warn(warning)
 
@@ -398,7 +400,7 @@ class Agent:
         if group is None:
             return
         self.group = None
-        self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
+        self.earlier.ended(group)
         # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,

@@ -27,10 +27,33 @@ def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
                      restore_note=body.get("restore_note", ""))
 
 
-def hang_detector(s: AgentSettings) -> HangDetector:
+class EarlierAttempts:
+    """What this node's attempts so far showed of the script, for the next one's hang detector."""
+
+    def __init__(self) -> None:
+        self.steps_seen = False  # some attempt's workers reported steps: the script steps
+        # The latest attempt's time to every local rank's first step, and its world size.
+        self.startup: tuple[float, int] | None = None
+
+    def ended(self, group: WorkerGroup) -> None:
+        self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
+        startup = group.hang.stats.startup_s()
+        if startup is not None:
+            self.startup = (startup, group.spec.world_size)
+
+    def startup_hint(self, spec: GroupSpec) -> float | None:
+        """The start-up an attempt of ``spec``'s world size took before; None after a change of
+        layout (new nodes start cold, and their ranks' peers wait for them)."""
+        if self.startup is None or self.startup[1] != spec.world_size:
+            return None
+        return self.startup[0]
+
+
+def hang_detector(s: AgentSettings, startup_hint_s: float | None = None) -> HangDetector:
+    """``startup_hint_s``: how long an earlier attempt on this node took to its ranks' first step."""
     return HangDetector(k=s.hang_factor, floor_s=s.hang_floor_s, warmup_steps=s.hang_warmup_steps,
                         first_step_timeout_s=s.first_step_timeout_s, busy_k=s.hang_busy_factor,
-                        busy_floor_s=s.hang_busy_floor_s)
+                        busy_floor_s=s.hang_busy_floor_s, startup_hint_s=startup_hint_s)
 
 
 def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, stack_dir: str,

@@ -189,7 +189,7 @@ class WorkerGroup:
     def sample_activity(self, mono: float) -> Activity:
         """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns what
         they are doing (``self.level``). Nothing is read while steps flow."""
-        if not self.hang.stats.started_all() or self.hang.overdue_s(mono) < self._sampling_starts_s():
+        if self.hang.overdue_s(mono) < self._sampling_starts_s():
             self.activity.reset()
             self.level = Activity.IDLE
             return self.level
@@ -204,9 +204,13 @@ class WorkerGroup:
         return self.level
 
     def _sampling_starts_s(self) -> float:
-        """How overdue the job must be before its ranks' CPU and I/O are sampled."""
+        """How overdue the job must be before its ranks' CPU and I/O are sampled. Before every
+        rank's first step only where activity can change the verdict: a restart held to the
+        start-up measured before while its ranks sit still (``first_step_allowance_s``)."""
         step_s = self.hang.stats.job_median()
         idle_threshold, _ = self.hang.threshold_s(busy=False)
+        if not self.hang.stats.started_all():
+            return 0.4 * idle_threshold if idle_threshold < self.hang.first_step_timeout_s else float("inf")
         # Late enough that a healthy step never pays for it, early enough that the evidence
         # (one window) reaches every agent before the idle threshold runs out.
         return min(max(0.3, 1.5 * step_s if step_s else 0.3), 0.4 * idle_threshold)
@@ -240,9 +244,7 @@ class WorkerGroup:
         linger = min((bye_at + self.linger_s - mono for _, bye_at in self._lingering()), default=float("inf"))
         if self.hang_reported or not self._hang_possible():
             return max(0.0, linger)
-        wait = self.hang.quiet_s(mono)
-        if self.hang.stats.started_all():
-            wait = min(wait, self._sampling_starts_s() - self.hang.overdue_s(mono))
+        wait = min(self.hang.quiet_s(mono), self._sampling_starts_s() - self.hang.overdue_s(mono))
         return max(0.0, min(wait, linger))
 
     def _lingering(self) -> list[tuple[RankState, float]]:

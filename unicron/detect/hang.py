@@ -28,6 +28,7 @@ class _RankProgress:
     steps_in_attempt: int = 0
     times: deque[float] = field(default_factory=deque)
     longest_s: float = 0.0  # longest gap between progress reports this attempt (first one included)
+    first_step_ts: float | None = None  # when its first step of the attempt came
 
 
 class StepStats:
@@ -65,6 +66,8 @@ class StepStats:
             return False  # duplicate or reordered report
         advanced = 1 if p.last_step is None else step - p.last_step
         p.longest_s = max(p.longest_s, ts - p.last_progress_ts)
+        if p.first_step_ts is None:
+            p.first_step_ts = ts
         if p.last_step is not None and p.steps_in_attempt + advanced > self.skip_first:
             p.times.append(max(ts - p.last_progress_ts, 0.0) / advanced)
         p.last_step = step
@@ -106,6 +109,12 @@ class StepStats:
         """Every expected rank has completed at least one step this attempt."""
         return bool(self._ranks) and all(p.steps_in_attempt > 0 for p in self._ranks.values())
 
+    def startup_s(self) -> float | None:
+        """From the attempt's start to the last rank's first step (None until every rank stepped)."""
+        if self.started_at is None or not self.started_all():
+            return None
+        return max(0.0, max(p.first_step_ts or 0.0 for p in self._ranks.values()) - self.started_at)
+
     def samples(self, rank: int) -> int:
         p = self._ranks.get(rank)
         return len(p.times) if p is not None else 0
@@ -131,6 +140,8 @@ class StepStats:
 
 
 LEAD_STEPS = 2  # steps ahead of the slowest rank that no lockstep job can be
+RESTART_START_K = 5.0  # a restarted attempt's idle ranks get this many times the start-up measured before
+RESTART_START_FLOOR = 0.1  # ... and at least this fraction of the first-step timeout (30 s of 300)
 
 
 def uneven_progress(steps: Mapping[Any, tuple[int, float]], now: float, within_s: float) -> bool:
@@ -192,6 +203,7 @@ class HangDetector:
         window: int = 50,
         busy_k: float = 5.0,
         busy_floor_s: float = 10.0,
+        startup_hint_s: float | None = None,
     ) -> None:
         if k <= 0 or busy_k <= 0 or floor_s < 0 or busy_floor_s < 0 or first_step_timeout_s <= 0:
             raise ValueError("k, busy_k and first_step_timeout_s must be > 0, floors >= 0")
@@ -203,6 +215,8 @@ class HangDetector:
         self.busy_floor_s = busy_floor_s
         self.warmup_steps = warmup_steps
         self.first_step_timeout_s = first_step_timeout_s
+        # How long an earlier attempt of this job took from its start to every rank's first step.
+        self.startup_hint_s = startup_hint_s
         self.stats = StepStats(window=window, skip_first=max(warmup_steps, 1))
 
     def start(self, now: float, ranks: Iterable[int]) -> None:
@@ -240,12 +254,26 @@ class HangDetector:
         """
         median = self.stats.job_median()
         if not self.stats.started_all():
-            return self.first_step_timeout_s, True
+            return self.first_step_allowance_s(busy), True
         k, floor = (max(self.k, self.busy_k), max(self.floor_s, self.busy_floor_s)) if busy else (self.k, self.floor_s)
         if self.in_warmup() or median is None:
             early = max(k * self.stats.longest_interval(), floor)
             return min(early, self.first_step_timeout_s), True
         return max(k * median, floor), False
+
+    def first_step_allowance_s(self, busy: bool = False) -> float:
+        """The allowance before every rank's first step: ``first_step_timeout_s``; for an attempt
+        after one that started (``startup_hint_s``) while every rank sits idle, at most
+        ``RESTART_START_K`` times that start-up, at least ``RESTART_START_FLOOR`` of
+        ``first_step_timeout_s`` (so raising the timeout raises both). A restarted
+        attempt does what the earlier one did to start (its ranks restore instead of initialise),
+        and ranks that all wait, none computing or reading, are stuck: a peer that never arrives,
+        a deadlock in restore. Found in seconds, not after the first-step timeout. A rank that
+        burns CPU (compilation) or does I/O (loading data) keeps the whole allowance."""
+        if self.startup_hint_s is None or busy:
+            return self.first_step_timeout_s
+        floor = RESTART_START_FLOOR * self.first_step_timeout_s
+        return min(self.first_step_timeout_s, max(RESTART_START_K * self.startup_hint_s, floor))
 
     def overdue_s(self, now: float) -> float:
         """How long the slowest rank has gone without progress (0 with no ranks)."""

@@ -41,7 +41,9 @@ needs the whole job still for ``max(busy k x median, busy floor)``, not the idle
 
 Costs nothing while steps flow: sampling starts only at 1.5 x the median recent step interval
 (at least ``OVERDUE_S``); before that the thread only compares two clock readings every
-``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``.
+``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``. The thread starts at the first step;
+in a restarted attempt it starts with the script (``begin``) and samples from
+``BEFORE_FIRST_STEP_S`` on, since the agent then judges the start-up too.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from types import FrameType
 PERIOD_S = 0.25  # while steps flow: only a clock comparison
 SAMPLE_S = 0.05  # while overdue: one sample
 OVERDUE_S = 0.3  # sampling starts this long after the last step boundary
+BEFORE_FIRST_STEP_S = 2.0  # ... or after ``begin()``: a warm restart steps well within it
 WINDOW = 20  # samples (1 s at SAMPLE_S)
 MIN_CHANGES = 2
 MIN_CPU = 0.02  # cores used by the main thread over the window, for motion to count
@@ -241,12 +244,22 @@ class FrameWatch:
         self._thread: threading.Thread | None = None
         self._stopped = False
 
+    def begin(self, overdue_s: float = BEFORE_FIRST_STEP_S) -> None:
+        """Watch from now, before the first step: sampling starts ``overdue_s`` from now (a
+        restarted attempt, whose start-up the agent holds to the one measured before)."""
+        self._last_boundary = self._clock()
+        self._overdue_s = max(OVERDUE_S, overdue_s)
+        self._start_thread()
+
     def boundary(self) -> None:
         now = self._clock()
         self._intervals.append(now - self._last_boundary)
         # Overdue: well past a usual step, so a healthy step is never sampled.
         self._overdue_s = max(OVERDUE_S, 1.5 * sorted(self._intervals)[len(self._intervals) // 2])
         self._last_boundary = now
+        self._start_thread()
+
+    def _start_thread(self) -> None:
         if self._thread is None or self._pid != os.getpid():  # first step, or a forked child that steps
             self._pid = os.getpid()
             try:
