@@ -26,3 +26,38 @@ def test_a_refused_join_is_shown_on_the_coordinators_console(capsys) -> None:
     ui = AgentUI("never")
     ui.on_event({"kind": "join_refused", "host": "10.0.0.2", "reason": "--nnodes mismatch: 3:3 vs 2:2", "waits": False})
     assert "node 10.0.0.2 refused: --nnodes mismatch: 3:3 vs 2:2" in capsys.readouterr().err
+
+
+def test_a_workers_control_characters_do_not_reach_the_terminal_through_unicrons_lines(capsys) -> None:
+    from unicron.agent.ui import AgentUI, printable
+
+    message = "payload \xff\x00\x01 and \x1b[31mANSI\x1b[0m\r\nline two\tend\rover"
+    assert printable(message) == "payload \xff\\x00\\x01 and \\x1b[31mANSI\\x1b[0m\nline two\tend\\x0dover"
+    AgentUI("never").warn("exception on rank 1 at step 10: ValueError: " + message)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x00" not in err and "\r" not in err and "\\x1b[31mANSI" in err
+
+
+def test_the_live_line_is_drawn_in_auto_only_where_no_worker_output_reaches_the_terminal(monkeypatch) -> None:
+    """Workers write to the terminal themselves, as under torchrun; a line redrawn in place
+    glued itself to their lines (acceptance pass 14). ``always`` still draws it."""
+    import io
+
+    from unicron.agent.logs import LogSpec, Std
+    from unicron.agent.ui import AgentUI
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stderr", Terminal())
+    monkeypatch.setenv("TERM", "xterm")
+    assert not AgentUI("auto").live
+    assert not AgentUI("auto", workers_off_console=LogSpec().keeps_workers_off_console).live
+    assert not AgentUI("auto", workers_off_console=LogSpec(redirects=Std.ALL, tee=Std.OUT).keeps_workers_off_console).live
+    off = AgentUI("auto", workers_off_console=LogSpec(log_dir="/tmp/x", redirects=Std.ALL).keeps_workers_off_console)
+    assert off.live
+    off.close()
+    always = AgentUI("always")
+    assert always.live
+    always.close()

@@ -168,7 +168,8 @@ def test_a_frozen_rank_is_named_and_the_job_heals(workdir, reference_hash) -> No
 @pytest.mark.parametrize(("kind", "seconds", "flags"), [
     ("eval", 6, ("--hang-busy-floor", "3")),  # Python moving: work, even past the busy threshold
     ("io", 6, ("--hang-busy-floor", "3")),  # writing a file: work
-    ("native", 5, ()),  # CPU in C calls, Python still: the busy threshold (10 s) applies
+    ("native", 5, ()),  # CPU in one C call, Python still: the busy threshold (10 s) applies
+    ("calls", 14, ()),  # C calls one after another: work, though each sample finds the same call
     ("helper", 6, ("--hang-busy-floor", "3")),  # a helper process computes, the worker waits: work
     ("thread", 6, ("--hang-busy-floor", "3")),  # a thread pool evaluates, the main thread waits: work
 ])

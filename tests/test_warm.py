@@ -240,6 +240,46 @@ def test_forked_workers_draw_their_own_default_seeds(tmp_path: Path, subreaper: 
         assert len(set(column)) == 3, seeds
 
 
+KNOBS = """
+    import os
+    os.environ["OMP_NUM_THREADS"] = "2"
+    os.environ["TORCH_LOGS"] = "+dynamo"
+    os.environ["TORCHINDUCTOR_MAX_AUTOTUNE"] = "1"
+    import logging
+    import torch
+    import torch._inductor.config
+
+    print(torch.get_num_threads(), logging.getLogger("torch._dynamo").getEffectiveLevel(),
+          torch._inductor.config.max_autotune)
+"""
+
+
+def test_variables_a_script_sets_before_import_torch_are_applied_or_named(
+        tmp_path: Path, subreaper: None, started: list[WorkerProcess]) -> None:
+    """Under torchrun a script's own os.environ settings above ``import torch`` take effect; a
+    warm worker has torch imported already (acceptance pass 14: OMP_NUM_THREADS, TORCH_LOGS and
+    inductor's settings were silently lost). The thread count and torch's logging are applied
+    again; what torch cannot take again is named, with --no-warm."""
+    script = write_script(tmp_path, "knobs.py", KNOBS)
+    cold_logs, warm_logs = rank_logs(tmp_path / "cold"), rank_logs(tmp_path / "warm")
+    cold = start_worker([*BOOT, str(script)], base_env(), cold_logs, cwd=str(tmp_path))
+    started.append(cold)
+    assert finish(cold) == 0
+    with WarmPool(1, python=PY, base_env=base_env()) as pool:
+        pool.refill()
+        assert pool.wait_ready(IMPORT_S)
+        warm = pool.take([*BOOT, str(script)], base_env(), warm_logs, cwd=str(tmp_path))
+        assert warm is not None, pool.last_miss
+        started.append(warm)
+        assert finish(warm) == 0
+    threads, level, autotune = Path(cold_logs.stdout_path or "").read_text().split()
+    assert (threads, level, autotune) == ("2", "10", "True")  # torch's own reading, cold
+    assert Path(warm_logs.stdout_path or "").read_text().split() == [threads, level, "False"]
+    said = Path(warm_logs.stderr_path or "").read_text()
+    assert "the script set TORCHINDUCTOR_MAX_AUTOTUNE before `import torch`" in said and "--no-warm" in said, said
+    assert "OMP_NUM_THREADS" not in said and "TORCH_LOGS" not in said
+
+
 def test_warm_gloo_job_and_console_output(tmp_path: Path, capfd: pytest.CaptureFixture[str], subreaper: None,
                                           started: list[WorkerProcess]) -> None:
     script = write_script(tmp_path, "allreduce.py", ALLREDUCE)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from unicron.worker.liveness import OVERDUE_S, FrameWatch, MotionJudge, main_thread_cpu, main_thread_signature
 
 
@@ -93,12 +95,23 @@ def test_a_short_module_stack_evaluating_is_judged_moving_within_a_window() -> N
     assert any([judge.add(sig) for sig in seen]), seen
 
 
+class _NeverBack:
+    """A main thread in one native call as far as ``MainThreadReturns`` can tell: frames decide."""
+
+    def returned(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
 def test_frame_watch_reports_motion_only_when_overdue(monkeypatch) -> None:
     import unicron.worker.liveness as liveness
 
     sent: list[float] = []
     clock = [100.0]
-    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0], cpu=lambda: clock[0])  # 1 core
+    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0], cpu=lambda: clock[0],  # 1 core
+                       returns=_NeverBack())
     watch._last_boundary = 100.0  # as if a step just completed (no thread started in this test)
     signatures = iter(range(1000))
     monkeypatch.setattr(liveness, "main_thread_signature", lambda: next(signatures))  # always changing
@@ -123,7 +136,8 @@ def test_frame_watch_begun_before_the_first_step_samples_from_its_own_delay(monk
 
     sent: list[float] = []
     clock = [50.0]
-    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0], cpu=lambda: clock[0])
+    watch = FrameWatch(lambda: sent.append(clock[0]), clock=lambda: clock[0], cpu=lambda: clock[0],
+                       returns=_NeverBack())
     monkeypatch.setattr(watch, "_start_thread", lambda: None)  # sampled by hand below
     signatures = iter(range(1000))
     monkeypatch.setattr(liveness, "main_thread_signature", lambda: next(signatures))
@@ -166,17 +180,46 @@ def _poll(stop: threading.Event) -> None:  # a new queue.get call every 10 ms, a
             pass
 
 
-def test_motion_needs_new_calls_and_the_main_threads_cpu() -> None:
+def _iterations_for(seconds: float) -> int:
     import hashlib
 
-    def native(stop: threading.Event) -> None:  # CPU in C calls, one Python frame
-        while not stop.is_set():
-            hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
+    began = time.monotonic()
+    hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
+    return int(20_000 * seconds / max(time.monotonic() - began, 1e-4))
 
+
+_LONG_CALL = _iterations_for(2.0)  # measured before any sampling: the body is then one call
+
+
+def _one_native_call(stop: threading.Event) -> None:  # CPU in one C call, longer than the sampling
+    import hashlib
+
+    hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", _LONG_CALL)
+
+
+def _native_loop(stop: threading.Event) -> None:  # CPU in C calls, one after another, one frame
+    import hashlib
+
+    while not stop.is_set():
+        hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
+
+
+def test_motion_needs_new_calls_and_the_main_threads_cpu() -> None:
     assert _moved_while(_evaluate) >= 1
-    assert _moved_while(native) == 0
+    assert _moved_while(_one_native_call) == 0
     if main_thread_cpu() is not None:  # without the thread's CPU clock the frames alone decide
         assert _moved_while(_poll) == 0
+
+
+def test_native_calls_one_after_another_are_motion_one_long_call_is_not() -> None:
+    """An evaluation that is one big op per batch shows the sampler the same frame at the same
+    call instruction every time, as one long call does; the main thread coming back to the
+    interpreter between samples tells them apart (acceptance pass 14: a loop of matmuls between
+    steps was called a busy hang)."""
+    if main_thread_cpu() is None:  # the loop counts only with the main thread's CPU clock
+        pytest.skip("no per-thread CPU clock")
+    assert _moved_while(_native_loop) >= 1
+    assert _moved_while(_one_native_call) == 0
 
 
 def test_work_on_another_thread_moves_while_the_main_thread_waits_for_it() -> None:

@@ -23,7 +23,8 @@ parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--no-state", action="store_true")
 # A long phase between steps on one rank (an evaluation), while the others wait in a barrier:
 # --pause KIND@RANK:STEP:SECONDS, KIND eval (forward passes, as an evaluation loop), io (writing
-# a file, little CPU), native (computing in C calls, the Python frame still, as a spin-wait) or
+# a file, little CPU), native (one long C call while the process computes, as a spin-wait), calls
+# (short C calls one after another, as an evaluation that is one big op per batch) or
 # helper (a helper process computes while the worker waits for it, as a data loader's workers)
 # or thread (eval on a thread pool while the main thread waits for it).
 parser.add_argument("--pause", default="")
@@ -58,11 +59,27 @@ def pause(kind: str, seconds: float) -> None:
         with ThreadPoolExecutor(1) as pool:
             pool.submit(pause, "eval", seconds).result()
         return
-    if kind == "native":
+    if kind == "calls":  # C calls one after another (one big op per evaluation batch)
         import hashlib
 
         while time.monotonic() < end:
             hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
+        return
+    if kind == "native":  # one long C call, the process burning CPU meanwhile (a CUDA spin-wait)
+        import hashlib
+        import threading
+
+        done = threading.Event()
+
+        def spin() -> None:
+            while not done.is_set():
+                hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", 20_000)
+
+        spinner = threading.Thread(target=spin, daemon=True)
+        spinner.start()
+        done.wait(seconds)  # the main thread: one call, never back in Python meanwhile
+        done.set()
+        spinner.join()
         return
     if kind == "loader":
         class Slow(torch.utils.data.Dataset):

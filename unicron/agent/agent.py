@@ -304,10 +304,11 @@ class Agent:
 
     def _launch(self, body: dict[str, Any]) -> None:
         spec = group_spec(body, self.s)
+        hang = hang_detector(self.s, self.earlier.startup_hint(spec))
         env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
-                                     shm_dir=self.shm_dir)
+                                     shm_dir=self.shm_dir, watch_start=hang.judges_startup())
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
-                            tee=self.tee, host=self.host, hang=hang_detector(self.s, self.earlier.startup_hint(spec)),
+                            tee=self.tee, host=self.host, hang=hang,
                             role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,
                             expect_steps=self.earlier.steps_seen)
         self.group = group

@@ -136,6 +136,12 @@ class LogSpec:
     duplicate_stderr_filters: tuple[str, ...] = ()
 
     @property
+    def keeps_workers_off_console(self) -> bool:
+        """Every rank's stdout and stderr go to files only (``--redirects 3``, no ``--tee``):
+        nothing of the workers' reaches the terminal, which a live status line may then own."""
+        return self.redirects == Std.ALL and self.tee == Std.NONE and not self.discards_everything
+
+    @property
     def discards_everything(self) -> bool:
         """``--log-dir /dev/null``: torchrun writes no files and sets an empty error file."""
         return self.log_dir == os.devnull

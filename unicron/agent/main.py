@@ -48,7 +48,7 @@ def run_agent(s: AgentSettings) -> int:
     run_logs = RunLogDir(s.log_spec, s.run_id)
     events_dir = run_logs.run_dir or tempfile.mkdtemp(prefix="unicron_events_")
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
-    ui = AgentUI(s.status_line)
+    ui = AgentUI(s.status_line, workers_off_console=s.log_spec.keeps_workers_off_console)
     server: CoordinatorServer | None = None
     stopped_by, stopped_code = "", 1
     metrics: Any = None

@@ -6,23 +6,38 @@ lines, one per event, nothing redrawn.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from unicron.events import decision_line
 from unicron.textclip import clip_line
 
+# C0 and C1 control characters but tab and newline, and DEL: a worker's exception message can
+# hold NULs or terminal escapes, which must not recolour or rewrite the user's terminal through
+# our lines.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters but tab and newline shown as escapes (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text.replace("\r\n", "\n"))
+
 
 class AgentUI:
-    def __init__(self, mode: str = "auto", *, name: str = "unicron", label: str = "") -> None:
+    def __init__(self, mode: str = "auto", *, name: str = "unicron", label: str = "",
+                 workers_off_console: bool = False) -> None:
         # ``name`` and ``label`` (e.g. "job 'x': ") say who speaks: a standalone coordinator
         # tells several jobs' decisions on one console.
         self.name, self.label = name, label
         self.console = Console(file=sys.stderr, highlight=False, soft_wrap=True)
-        self.live = mode == "always" or (mode == "auto" and self.console.is_terminal)
+        # The workers write to the terminal themselves (as under torchrun), past any line drawn
+        # in place: ``auto`` draws the live line only where none of their output reaches it.
+        self.live = mode == "always" or (mode == "auto" and self.console.is_terminal and workers_off_console)
         self.quiet_status = mode == "never"
         self._line: Any = None
         if self.live:
@@ -34,12 +49,12 @@ class AgentUI:
                 self._line = None
 
     def info(self, text: str) -> None:
-        self._print(f"[bold cyan]{self.name}[/]: {self.label}{text}", self.label + text)
+        self._print("bold cyan", printable(self.label + text))
 
     def warn(self, text: str) -> None:
-        self._print(f"[bold yellow]{self.name}[/]: {self.label}{text}", self.label + text)
+        self._print("bold yellow", printable(self.label + text))
 
-    def _print(self, styled: str, plain: str) -> None:
+    def _print(self, style: str, plain: str) -> None:
         if self._line is not None:
             try:
                 self._line.event(plain)
@@ -47,7 +62,9 @@ class AgentUI:
             except Exception:
                 self._line = None
         if self.console.is_terminal:
-            self.console.print(styled)
+            line = Text(self.name, style=style)  # a Text: a worker's "[/tmp/x]" is not markup
+            line.append(f": {plain}")
+            self.console.print(line)
         else:
             sys.stderr.write(f"{self.name}: {time.strftime('%H:%M:%S')} {plain}\n")
             sys.stderr.flush()

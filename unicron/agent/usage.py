@@ -18,7 +18,11 @@ def _one(proc: psutil.Process) -> tuple[float, float, int]:
         reaped = getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
         try:
             io = proc.io_counters()
-            moved = getattr(io, "read_chars", io.read_bytes) + getattr(io, "write_chars", io.write_bytes)
+            # read()/write() count their bytes when they return: one write() of a 2 GB tensor
+            # (torch.save) shows nothing for as long as it takes. Storage bytes count as pages
+            # are dirtied or read, during the call, so a long write is seen while it runs.
+            moved = io.read_bytes + io.write_bytes
+            moved += getattr(io, "read_chars", 0) + getattr(io, "write_chars", 0)
         except (psutil.AccessDenied, AttributeError, NotImplementedError):
             moved = 0
     return t.user + t.system, reaped, int(moved)

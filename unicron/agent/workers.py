@@ -210,7 +210,7 @@ class WorkerGroup:
         step_s = self.hang.stats.job_median()
         idle_threshold, _ = self.hang.threshold_s(busy=False)
         if not self.hang.stats.started_all():
-            return 0.4 * idle_threshold if idle_threshold < self.hang.first_step_timeout_s else float("inf")
+            return 0.4 * idle_threshold if self.hang.judges_startup() else float("inf")
         # Late enough that a healthy step never pays for it, early enough that the evidence
         # (one window) reaches every agent before the idle threshold runs out.
         return min(max(0.3, 1.5 * step_s if step_s else 0.3), 0.4 * idle_threshold)

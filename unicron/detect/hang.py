@@ -261,6 +261,11 @@ class HangDetector:
             return min(early, self.first_step_timeout_s), True
         return max(k * median, floor), False
 
+    def judges_startup(self) -> bool:
+        """Whether activity before the first step can change a verdict: the restart's allowance
+        is shorter than the first-step timeout."""
+        return self.first_step_allowance_s() < self.first_step_timeout_s
+
     def first_step_allowance_s(self, busy: bool = False) -> float:
         """The allowance before every rank's first step: ``first_step_timeout_s``; for an attempt
         after one that started (``startup_hint_s``) while every rank sits idle, at most

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from unicron.errors import UnicronError, UsageError
-from unicron.worker import env, hooks
+from unicron.worker import env, hooks, lateenv
 
 USAGE = "usage: python -m unicron.worker.boot [--module] SCRIPT [ARGS...]"
 
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         if not target.module and not os.path.exists(target.script):
             raise UsageError(f"can't open file {os.path.abspath(target.script)!r}: no such file")
         hooks.install()
+        if "torch" in sys.modules:  # a warm fork: torch read its import-time variables already
+            lateenv.watch_first_torch_import(os.environ)
     except UnicronError as err:
         print(f"unicron worker: {err}", file=sys.stderr)
         return err.exit_code

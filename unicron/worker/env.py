@@ -20,6 +20,9 @@ STACK_SIGNAL = signal.SIGRTMIN + 4
 SNAPSHOT_DIR = "UNICRON_SNAPSHOT_DIR"  # unicron.State snapshots live here (agent-owned shm)
 RESTORE_STEP = "UNICRON_RESTORE_STEP"  # step every rank has a snapshot of
 INJECT = "UNICRON_INJECT"  # fault-injection specs KIND@RANK:STEP[;...]
+# "1": the agent judges this attempt's start-up (a restart: unicron.detect.hang's
+# first_step_allowance_s), so the worker reports its activity from its start, not its first step
+WATCH_START = "UNICRON_WATCH_START"
 
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchelastic's per-worker error file (JSON)
 

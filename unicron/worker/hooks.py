@@ -360,9 +360,9 @@ def install() -> None:
     spec = env.path_or_none(env.INJECT)
     _rt.faults = parse_inject_spec(spec) if spec else []
     channel.get().emit("hello", local_rank=env.local_rank(), pid=os.getpid())
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        # A restart is held to the start-up measured before while its ranks sit still
-        # (unicron.detect.hang: first_step_allowance_s): say from the start when Python moves.
+    if os.environ.get(env.WATCH_START) == "1":
+        # A restart held to the start-up measured before while its ranks sit still (the agent
+        # sets it): say from the start, not the first step, when Python moves or waits for data.
         _rt.frames.begin()
     stack_dir = env.path_or_none(env.STACK_DIR)
     if stack_dir:

@@ -24,6 +24,12 @@ synchronisation (not CUDA's default spin) can fall under it; it then counts as i
 Holding a frame keeps its locals (an activation) alive up to ``SAMPLE_S`` longer; ``stop()`` at
 the script's end drops it.
 
+A loop of native calls (one big op per evaluation batch) shows the sampler the same frame at
+the same call every time, as one long native call would. It is told apart by the main thread
+coming back to the interpreter between samples (``unicron.worker.mainreturns``): with the main
+thread computing at least ``MIN_CPU_THREAD`` of a core, that is motion too, so only a single
+native call longer than the busy threshold can be one.
+
 Work can also run in other Python threads while the main thread waits for it (an evaluation
 on a thread pool, a prefetching thread). Each such thread is judged the same way, on its own
 frames and its own CPU clock (``/proc/self/task/TID/schedstat``), with a higher bar
@@ -42,8 +48,8 @@ needs the whole job still for ``max(busy k x median, busy floor)``, not the idle
 Costs nothing while steps flow: sampling starts only at 1.5 x the median recent step interval
 (at least ``OVERDUE_S``); before that the thread only compares two clock readings every
 ``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``. The thread starts at the first step;
-in a restarted attempt it starts with the script (``begin``) and samples from
-``BEFORE_FIRST_STEP_S`` on, since the agent then judges the start-up too.
+in a restart whose start-up the agent judges (``UNICRON_WATCH_START``) it starts with the
+script (``begin``) and samples from ``BEFORE_FIRST_STEP_S`` on, until the first step.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from types import FrameType
+
+from unicron.worker.mainreturns import MainThreadReturns
 
 PERIOD_S = 0.25  # while steps flow: only a clock comparison
 SAMPLE_S = 0.05  # while overdue: one sample
@@ -227,8 +235,9 @@ class FrameWatch:
     def __init__(self, emit: Callable[[], object], *, emit_data: Callable[[], object] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  cpu: Callable[[], float | None] = main_thread_cpu,
-                 others: OtherThreads | None = None) -> None:
+                 others: OtherThreads | None = None, returns: MainThreadReturns | None = None) -> None:
         self._emit = emit
+        self._returns = returns if returns is not None else MainThreadReturns()
         self._emit_data = emit_data
         self._last_data_sent = 0.0
         self._others = others if others is not None else OtherThreads()
@@ -280,17 +289,22 @@ class FrameWatch:
             self._judge.reset()  # drops the frame it holds
             self._others.reset()
             self._cpu_samples.clear()
+            self._returns.reset()
             self._last_data_sent = 0.0  # a new wait is reported at once
             return False
         signature = main_thread_signature()
         moving = self._judge.add(signature)
+        returned = self._returns.returned()
         cpu = self._cpu()
         if cpu is not None:
             self._cpu_samples.append((now, cpu))
         # Without the thread's CPU clock the frames alone decide.
         computing = cpu is None or self._computing()
+        # Native calls one after another, computing (mainreturns): each ends, so none is the
+        # long call the busy threshold waits for. The higher bar keeps out a wait that polls.
+        looping = returned and cpu is not None and _rate(self._cpu_samples) >= MIN_CPU_THREAD
         others = self._others.moving(now)
-        if not (moving and computing or others):
+        if not (moving and computing or looping or others):
             if self._emit_data is not None and now - self._last_data_sent >= SEND_EVERY_S \
                     and waits_for_data(signature):
                 self._last_data_sent = now

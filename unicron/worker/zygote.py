@@ -45,6 +45,8 @@ What a warm worker cannot redo, and how it is handled:
 - The command line: a worker rewrites its argument area to show the cold command
   (``show_command``), so ``ps``, ``pgrep -f``/``pkill -f`` and psutil find the script; only
   ``/proc/PID/environ`` still shows the zygote's starting environment (``os.environ`` is right).
+- Variables the script itself sets above its ``import torch``: applied at that import where
+  torch can take them again, named where it cannot (``unicron.worker.lateenv``).
 - Differences that remain: all workers share the zygote's string-hash seed (PYTHONHASHSEED), and
   ``sys.modules`` already holds torch/numpy before the script runs (a script that sets warning
   filters *before* ``import torch`` still sees torch's import-time warnings, replayed).
