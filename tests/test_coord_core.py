@@ -582,3 +582,30 @@ def test_a_node_with_another_restart_budget_is_refused() -> None:
     assert told["reason"] == ("--max-restarts mismatch: this node says 0, the job's is 3 (restarts are counted "
                               "job-wide: give every node the same)") and "wait" not in told
     assert sends(core.on_join("b", {**join("b"), "max_restarts": 3}, 1), "welcome")
+
+
+def test_after_a_silent_node_is_heard_again_the_job_stays_busy_until_every_rank_steps() -> None:
+    """A 2 s network blip on b: while b is silent the job is busy; once b is heard again its
+    ranks' connections may still wait for TCP's backed-off retransmissions, so the job stays
+    busy until every rank has stepped (acceptance pass 14: the idle threshold called the blip a
+    hang 1.2 s after the link came back, and torchrun's default budget ended the job)."""
+    core = two_nodes_running(ScriptedDecider(RESTART))
+
+    def beat(node: str, step: int, t: float) -> list[Any]:  # a holds ranks 0-1, b ranks 2-3
+        ranks = (0, 1) if node == "a" else (2, 3)
+        return core.on_heartbeat(node, {"attempt": 0, "workers": [{"rank": r, "step": step} for r in ranks],
+                                        "health": {}, "activity": "idle"}, t)
+
+    beat("a", 20, 2.0)
+    beat("b", 20, 2.0)
+    assert core.job_activity(2.1) is Activity.IDLE
+    beat("a", 20, 3.0)  # b's link is down from 2.0 s
+    core.tick(3.2)  # b silent: the others are told the job is busy
+    assert core.job_activity(3.2) is Activity.BUSY
+    outs = beat("b", 20, 4.0)  # the link is back: b is heard, its rank still waits in the collective
+    assert sends(outs, "ack")["b"]["activity"] == "busy"
+    assert core.job_activity(4.5) is Activity.BUSY and core.job_activity(9.0) is Activity.BUSY
+    beat("a", 21, 5.0)
+    assert core.job_activity(5.1) is Activity.BUSY  # b's rank has not stepped since
+    beat("b", 21, 5.2)
+    assert core.job_activity(5.3) is Activity.IDLE  # every rank stepped after the blip: as before

@@ -101,3 +101,52 @@ def test_the_coordinators_node_frozen_for_20_s_costs_nothing(workdir, launch) ->
     a, b = _two_nodes(workdir, launch, agent_args(workdir, free_port(), "2", steps=120, sleep=0.1), snapshot_step=5)
     _stop_tree(a.proc.pid, 20)
     _assert_untouched_job_finished(workdir, a, b)
+
+
+NO_STEPS = """\
+import os, sys, time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+count = int(sys.argv[2])
+for i in range(count):  # no optimizer, no unicron.step(): a script that reports no steps
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    with open(sys.argv[1], "w") as fh:
+        fh.write(str(i + 1))
+    time.sleep(0.1)
+dist.destroy_process_group()
+"""
+
+
+def test_a_one_node_job_that_reports_no_steps_trains_on_through_a_long_coordinator_outage(workdir, launch) -> None:
+    """A standalone coordinator down for longer than the 15 s after which an agent gives up a
+    silent coordinator: a one-node job's ranks wait on nobody, so while they all run it trains
+    on, steps or not (acceptance pass 14: a script without torch.optim lost its job), and the
+    coordinator started again takes it back."""
+    (workdir / "nosteps.py").write_text(NO_STEPS)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    first = _coordinator(launch, workdir, port, "coord1", env)
+    progress = workdir / "progress.txt"
+    job = launch(["run", "--nnodes", "1", "--nproc-per-node", "2", "--coordinator", f"127.0.0.1:{port}",
+                  "--rdzv-id", "nosteps", "--log-dir", str(workdir / "logs"), str(workdir / "nosteps.py"),
+                  str(progress), "400"], workdir, env)
+
+    def done() -> int:
+        text = progress.read_text() if progress.exists() else ""
+        return int(text) if text.isdigit() else 0
+
+    wait_for(lambda: done() >= 5, 90, "the job to train")
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    killed_at = done()
+    # 200 more iterations of at least 0.1 s each: well past the 15 s limit, with no coordinator.
+    wait_for(lambda: done() >= killed_at + 200 or job.proc.poll() is not None, 120, "20 s of training alone")
+    assert job.proc.poll() is None, job.wait(5)
+    second = _coordinator(launch, workdir, port, "coord2", env)
+    code, out, err = job.wait(120)
+    assert code == 0 and done() == 400, out + err
+    assert "took the job back" in err, err
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.wait(20)[0] == 0

@@ -602,3 +602,20 @@ def test_a_node_started_with_other_hang_settings_is_refused_in_one_line(workdir,
     assert lines == ["unicron: error: the coordinator refused this node: hang settings differ from the job's (give "
                      "every node the same): this node has --hang-floor 10.0, the job's 1.5"], err
     assert first.proc.poll() is None  # still waiting for a second node
+
+
+def test_a_rank_that_ends_early_on_another_node_is_named_at_the_first_failure(workdir, launch) -> None:
+    """Node b's script stops after 10 steps (its own arguments), destroying its process group,
+    while node a's trains on and then loses its peer in a collective. The stop's answers must
+    name b's rank as the cause at once, whichever report reached the coordinator first: its
+    peers' collectives fail on its closed process group before it even exits (acceptance pass
+    14: the first decision blamed the victim, 'lost its connection to a peer')."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    a = launch(agent_args(workdir, port, "2", "--max-restarts", "0", steps=30), workdir, env)
+    b = launch(agent_args(workdir, port, "2", "--max-restarts", "0", steps=10), workdir, env)
+    results = [item.wait(90) for item in (a, b)]
+    assert all(code != 0 for code, _, _ in results), results
+    decisions = [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    assert len(decisions) == 1 and decisions[0]["rule"] == "uneven-end", decisions
+    assert "after step 10 exited with code 0" in decisions[0]["reason"], decisions[0]

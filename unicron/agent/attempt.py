@@ -127,7 +127,9 @@ def stop_answer(group: WorkerGroup, want_stacks: bool) -> tuple[list[dict[str, A
     live rank's stack if the coordinator asked."""
     faults = group.settle_dying()
     # A script that ended with sys.exit(0) has closed its sockets (its peers fail at once) while its
-    # interpreter may still be tearing down: it said bye, so it counts as ended cleanly too.
+    # interpreter may still be tearing down: it said bye, so it counts as ended cleanly too; so
+    # does one that destroyed its process group (``closed``), which its peers' collectives
+    # fail on before it even gets to its exit.
     finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values()
-                if r.exitcode == 0 or (r.exitcode is None and r.bye_at is not None)]
+                if r.exitcode == 0 or (r.exitcode is None and (r.bye_at is not None or r.closed))]
     return faults, finished, group.dump_stacks() if want_stacks else {}

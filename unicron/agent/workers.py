@@ -266,6 +266,11 @@ class WorkerGroup:
                            "still runs, or its interpreter hangs in teardown; waiting for it, as torchrun does"))
         return out
 
+    def running_unfailed(self) -> bool:
+        """Every rank still runs and none failed (nor was called hung)."""
+        return (bool(self.ranks) and not self.hang_reported and not self.failure_reported()
+                and all(r.exitcode is None for r in self.ranks.values()))
+
     def last_step_at(self) -> float | None:
         """Monotonic time of the latest step any rank completed in this attempt (None before one)."""
         stats = self.hang.stats

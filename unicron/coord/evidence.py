@@ -2,8 +2,9 @@
 the job and not by its own ranks alone (pure: state and time in, answers out).
 
 - The job's activity: the highest any node reports; at least BUSY while a node of the running
-  attempt is silent (its ranks may be what the others wait for); WORKING while a rank steps
-  two or more steps ahead of another (an uneven end: it trains on alone).
+  attempt is silent (its ranks may be what the others wait for), and after it is heard again
+  until every rank has stepped (its connections may still be catching up); WORKING while a rank
+  steps two or more steps ahead of another (an uneven end: it trains on alone).
 - Whether the attempt is past its last step: some rank exited 0 or destroyed its process group
   (a node's ``done``, or all its workers ``finished``); the others' tails are never a hang.
 - Whether a joining node agrees with the job's shape and hang settings.
@@ -52,9 +53,9 @@ def job_activity(spec: JobSpec, members: Membership, phase: Phase, attempt: Atte
     level = max((n.activity for n in members.active()), default=Activity.IDLE)
     if now is None:
         return level
-    if silent_nodes(spec, members, phase, attempt, now):
-        level = max(level, Activity.BUSY)
     a = running(phase, attempt)
+    if silent_nodes(spec, members, phase, attempt, now) or (a is not None and a.recovering()):
+        level = max(level, Activity.BUSY)
     if a is not None and uneven_progress(a.steps, now, 2 * spec.heartbeat_interval_s):
         level = Activity.WORKING
     return level

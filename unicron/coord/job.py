@@ -125,6 +125,8 @@ class JobCore:
 
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         before = self.job_activity(now)
+        if node_id in self._told_silent and self.attempt is not None and node_id in self.attempt.nodes:
+            self.attempt.silence_ended_at = now  # held to the busy threshold a while (Attempt.recovering)
         self._told_silent -= {node_id}
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             node = self.members.nodes.get(node_id)

@@ -52,6 +52,17 @@ class Attempt:
     stop_reason: str = ""
     stop_sent_at: float | None = None
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure
+    silence_ended_at: float | None = None  # a silent node of this attempt was heard again then
+
+    def recovering(self) -> bool:
+        """A node of the attempt went silent (its link cut, or it stalled) and was heard again,
+        and not every rank has stepped since. Its ranks' connections may still be catching up:
+        TCP's retransmissions back off while a link is down, so an outage of a few seconds can
+        take about as long again before a waiting collective gets its data."""
+        if self.silence_ended_at is None:
+            return False
+        ended = self.silence_ended_at
+        return any(self.steps.get(rank, (0, ended))[1] <= ended for rank in range(self.world_size))
 
     def stacks(self) -> dict[int, str]:
         """Every rank's stack dump that came with the nodes' ``stopped`` reports."""

@@ -23,7 +23,7 @@
   ``torch.optim`` optimizer (``Optimizer.__init__`` is wrapped): it will report steps, so it
   stays "before the first step" until it does.
 - **Past the collectives.** ``destroy_process_group()`` of the default group is wrapped to send
-  ``closed`` once it returns: no collective of the job can join every rank again, so what the
+  ``closed`` as it is called (its peers' collectives fail on it before it returns): no collective of the job can join every rank again, so what the
   ranks do after it (a save, an upload, ``wandb.finish()``) is not a hang. A step reported after
   it, or ``init_process_group`` after it (``opened``: the script makes a new group), takes
   that back.
@@ -193,7 +193,7 @@ def _install_ddp_layouts(ddp_module: ModuleType) -> None:
 
 
 def _announce_destroy(c10d_module: ModuleType) -> None:
-    """Wrap ``destroy_process_group`` (once) to send ``closed`` after the default group is gone,
+    """Wrap ``destroy_process_group`` (once) to send ``closed`` as the default group goes,
     and ``init_process_group`` to send ``opened`` before a new one is made after that (the
     script goes on with collectives: no longer past them). Hooked as soon as
     ``distributed_c10d`` is executed, before ``torch.distributed`` re-exports them; where that
@@ -207,11 +207,16 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
     def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
         members = getattr(c10d_module, "GroupMember", None)
         default = group is None or (members is not None and group is getattr(members, "WORLD", None))
-        result = destroy(group, *args, **kwargs)
-        if default:
+        if default:  # said first: the peers' collectives fail on it before it returns
             _rt.closed = True
             channel.get().emit("closed")
-        return result
+        try:
+            return destroy(group, *args, **kwargs)
+        except BaseException:
+            if default:  # not destroyed after all
+                _rt.closed = False
+                channel.get().emit("opened")
+            raise
 
     @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
