@@ -97,6 +97,9 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
     ("out-of-memory", F("exception", error_type="torch.OutOfMemoryError",
                         message="CUDA out of memory. Tried to allocate 2.00 GiB"), ()),
     ("out-of-memory", F("exception", error_type="MemoryError", message="", steps_completed=0), ()),
+    ("out-of-memory", F("exception", error_type="RuntimeError", steps_completed=0,  # torch's CPU allocator
+                        message="[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                                "memory: you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"), ()),
     ("cuda-error", F("exception", error_type="RuntimeError",
                      message="CUDA error: an illegal memory access was encountered"), ()),
     ("cuda-error", F(exitcode=-6, stderr_tail="terminate called...\n  what():  CUDA error: device-side assert triggered"), ()),

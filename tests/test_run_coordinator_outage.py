@@ -150,3 +150,33 @@ def test_a_one_node_job_that_reports_no_steps_trains_on_through_a_long_coordinat
     assert "took the job back" in err, err
     second.proc.send_signal(signal.SIGTERM)
     assert second.wait(20)[0] == 0
+
+
+def test_nodes_whose_ranks_work_between_steps_outlast_a_long_coordinator_outage(workdir, launch) -> None:
+    """Every rank writes its shard of a checkpoint for 30 s (I/O: work) while the standalone
+    coordinator is down for 18 s, longer than the 15 s after which a node whose ranks neither
+    step nor move gives a silent coordinator up (acceptance pass 14: such nodes exited 4 and
+    stopped healthy ranks). The coordinator started again takes the job back."""
+    import time
+
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    first = _coordinator(launch, workdir, port, "coord1", env)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
+            "--rdzv-id", "ckptjob", "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
+            str(workdir / "train_state.py"), "--steps", "12", "--sleep", "0.05", "--pause", "io@*:5:30",
+            "--out", str(workdir / "out.txt")]
+    a, b = launch(args, workdir, env), launch(args, workdir, env)
+    wait_for(lambda: (workdir / "out.txt.scratch").exists(), 90, "the checkpoint phase to begin")
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    down_until = time.monotonic() + 18  # the outage itself: longer than the 15 s limit
+    while time.monotonic() < down_until:
+        assert a.proc.poll() is None and b.proc.poll() is None, (a.wait(5), b.wait(5))
+        time.sleep(0.2)
+    second = _coordinator(launch, workdir, port, "coord2", env)
+    for item in (a, b):
+        code, out, err = item.wait(120)
+        assert code == 0 and "took the job back" in err, out + err
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.wait(20)[0] == 0

@@ -472,3 +472,14 @@ def test_a_restart_that_works_before_its_first_step_keeps_the_whole_allowance(wo
     paused_s = max(8 * float((workdir / "healed.txt.startup").read_text()), 14.0)
     restart = next(e for e in events if e["kind"] == "workers_started" and e["attempt"] == 1)
     assert restart["first_step_allowance_s"] < paused_s - 2, (restart, paused_s)  # the pause outlasted it
+
+
+def test_work_before_the_first_step_outlasts_the_first_step_timeout(workdir, reference_hash) -> None:
+    """Rank 0 preprocesses (forward passes: Python moving) for 16 s before its first step while
+    rank 1 waits in that step, with --first-step-timeout 10: work seen from 0.4 x the timeout
+    on restarts its clock (acceptance pass 14: a 330 s tokenisation was killed at 300 s)."""
+    code, out, err = _train(workdir, "slowstart.txt", "--first-step-timeout", "10",
+                            script_args=("--pause-at-start", "eval:16"))
+    assert code == 0, err
+    assert (workdir / "slowstart.txt").read_text() == reference_hash
+    assert not [e for e in read_events(workdir / "logs") if e["kind"] == "fault"], err

@@ -8,7 +8,7 @@ import socket
 import time
 
 import pytest
-from e2e import clean_env, read_events, wait_for
+from e2e import clean_env, read_events, run_unicron, wait_for
 from test_run_stepless import TRAINED_THEN, UNEVEN_END
 
 pytestmark = pytest.mark.slow
@@ -619,3 +619,22 @@ def test_a_rank_that_ends_early_on_another_node_is_named_at_the_first_failure(wo
     decisions = [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
     assert len(decisions) == 1 and decisions[0]["rule"] == "uneven-end", decisions
     assert "after step 10 exited with code 0" in decisions[0]["reason"], decisions[0]
+
+
+def test_a_one_node_job_whose_port_is_taken_fails_at_once(workdir) -> None:
+    """`--nnodes 1 --master-port P` with P held by another process (a stale job, another user's
+    service): torchrun fails on the port at once; so does unicron, where it used to take the
+    listener for its coordinator and wait up to 600 s (acceptance pass 14)."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        (workdir / "hi.py").write_text("print('hi')\n")
+        code, out, err = run_unicron(["run", "--nnodes", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                      "--master-port", str(port), str(workdir / "hi.py")], workdir, timeout=30)
+    finally:
+        holder.close()
+    assert code == 2, out + err
+    assert f"cannot listen on port {port}: another process listens there" in err, err
+    assert "hi" not in out

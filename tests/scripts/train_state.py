@@ -37,6 +37,9 @@ parser.add_argument("--hang-after-restore", type=int, default=-1)
 # start-up (at least 14 s) in a pause of that KIND (above, or "loader": waiting for a data
 # loader's worker that sleeps) before its first step, while its peers wait in that step
 parser.add_argument("--pause-after-restore", default="")
+# --pause-at-start KIND:SECONDS: rank 0 of the first attempt pauses so before its first step (a
+# preprocessing, a baseline evaluation) while its peers wait in that step
+parser.add_argument("--pause-at-start", default="")
 # --raise-after-step RANK:STEP: that rank raises after STEP's optimizer step, before its commit,
 # in every attempt (a loss check that fails the same way after each exact restore)
 parser.add_argument("--raise-after-step", default="")
@@ -125,6 +128,9 @@ startup_file = f"{args.out or 'train'}.startup"
 if rank == 0 and args.pause_after_restore and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
     with open(startup_file) as fh:
         pause(args.pause_after_restore, max(8 * float(fh.read()), 14.0))
+if rank == 0 and args.pause_at_start and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    kind, seconds = args.pause_at_start.split(":")
+    pause(kind, float(seconds))
 for step in range(start, args.steps):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 8, generator=g)
@@ -150,7 +156,7 @@ for step in range(start, args.steps):
         kind, where = args.pause.split("@")
         prank, pstep, seconds = where.split(":")
         if step + 1 == int(pstep):
-            if rank == int(prank):
+            if prank == "*" or rank == int(prank):  # "*": every rank (a sharded checkpoint)
                 pause(kind, float(seconds))
             dist.barrier()
 if rank == 0 and args.out:

@@ -172,7 +172,7 @@ class Agent:
                 # stall while this turn's messages were handled.
                 self._paused(self.stalls.lapse(time.monotonic()), stalled=False)
                 self._heartbeat()
-                stepped = self.group.last_step_at() if self.group is not None else None
+                stepped = self.group.last_progress_at() if self.group is not None else None
                 if self.s.max_nodes == 1 and self.group is not None and self.group.running_unfailed():
                     stepped = now_m  # a 1-node job's ranks wait on nobody: alive, they train on
                 done = self.group is not None and self.group.finished_reported
@@ -308,7 +308,7 @@ class Agent:
         spec = group_spec(body, self.s)
         hang = hang_detector(self.s, self.earlier.startup_hint(spec))
         env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
-                                     shm_dir=self.shm_dir, watch_start=hang.judges_startup())
+                                     shm_dir=self.shm_dir, watch_start_s=hang.startup_sampling_s())
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
                             tee=self.tee, host=self.host, hang=hang,
                             role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,

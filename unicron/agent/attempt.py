@@ -57,8 +57,8 @@ def hang_detector(s: AgentSettings, startup_hint_s: float | None = None) -> Hang
 
 
 def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, stack_dir: str,
-                       shm_dir: str, watch_start: bool = False) -> Callable[[int, int, str], dict[str, str]]:
-    """``watch_start``: the hang detector judges this attempt's start-up (a restart's allowance)."""
+                       shm_dir: str, watch_start_s: float | None = None) -> Callable[[int, int, str], dict[str, str]]:
+    """``watch_start_s``: from when the hang detector gathers the start-up's activity."""
     nproc = spec.local_world_sizes[spec.node_rank]
 
     def env_for(local_rank: int, rank: int, error_file: str) -> dict[str, str]:
@@ -73,8 +73,8 @@ def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, st
             env["UNICRON_RESTORE_STEP"] = str(spec.restore_step)
         if spec.inject:
             env["UNICRON_INJECT"] = spec.inject
-        if watch_start:
-            env["UNICRON_WATCH_START"] = "1"
+        if watch_start_s is not None:
+            env["UNICRON_WATCH_START"] = f"{watch_start_s:.3f}"
         return env
 
     return env_for

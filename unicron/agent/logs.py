@@ -237,6 +237,17 @@ class RunLogDir:
             self.root = spec.log_dir
         self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self.root)
 
+    def discard_worker_logs(self) -> None:
+        """Without ``--log-dir`` the workers' streams are copied to a temporary directory only
+        for the failure report (an exception's stderr, the error files): once the job succeeded
+        nobody reads them, and a chatty stderr (tqdm, NCCL_DEBUG) left tens of MB per run in
+        the temp dir (acceptance pass 14). The event log stays."""
+        if not self.is_temporary or self.run_dir is None:
+            return
+        for name in os.listdir(self.run_dir):
+            if name.startswith("attempt_"):
+                shutil.rmtree(os.path.join(self.run_dir, name), ignore_errors=True)
+
     def attempt_dir(self, attempt: int) -> str | None:
         if self.run_dir is None:
             return None

@@ -81,7 +81,10 @@ def run_agent(s: AgentSettings) -> int:
                         coordinator=server is not None)
             agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals,
                           hosts_coordinator=server is not None)
-            return agent.run()
+            code = agent.run()
+            if code == 0:
+                run_logs.discard_worker_logs()  # the temporary copies of a job that succeeded
+            return code
         except BaseException as err:
             stopped_by = str(err) or type(err).__name__
             stopped_code = getattr(err, "exit_code", 1)
@@ -121,10 +124,13 @@ def _coordinator(s: AgentSettings, events: EventLog,
         # EADDRINUSE alone does not prove another agent hosts it: two agents started at the same
         # instant can both lose, because with SO_REUSEADDR Linux lets both bind and then fails
         # both listen() calls. Only a listener is proof; without one, try again shortly.
-        if s.is_host and time.monotonic() > deadline:  # told to host: another listener is an error
-            raise UsageError(f"--rdzv-conf is_host=1: cannot host the rendezvous on port {s.rdzv_port}: "
-                             "another process listens there")
-        if not s.is_host and (_listening(host, s.rdzv_port) or time.monotonic() > deadline):
+        # Told to host, or the job's only node: another listener is another job (or any process),
+        # not this job's coordinator; torchrun fails on the port in use too.
+        if (s.is_host or s.max_nodes == 1) and time.monotonic() > deadline:
+            why = "--rdzv-conf is_host=1" if s.is_host else "a one-node job hosts its own rendezvous"
+            raise UsageError(f"{why}: cannot listen on port {s.rdzv_port}: another process listens there "
+                             "(another job?); pick a free port")
+        if not (s.is_host or s.max_nodes == 1) and (_listening(host, s.rdzv_port) or time.monotonic() > deadline):
             return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
         time.sleep(random.uniform(0.005, 0.05))
 

@@ -204,13 +204,12 @@ class WorkerGroup:
         return self.level
 
     def _sampling_starts_s(self) -> float:
-        """How overdue the job must be before its ranks' CPU and I/O are sampled. Before every
-        rank's first step only where activity can change the verdict: a restart held to the
-        start-up measured before while its ranks sit still (``first_step_allowance_s``)."""
+        """How overdue the job must be before its ranks' CPU and I/O are sampled (before every
+        rank's first step: ``HangDetector.startup_sampling_s``)."""
         step_s = self.hang.stats.job_median()
         idle_threshold, _ = self.hang.threshold_s(busy=False)
         if not self.hang.stats.started_all():
-            return 0.4 * idle_threshold if self.hang.judges_startup() else float("inf")
+            return self.hang.startup_sampling_s()
         # Late enough that a healthy step never pays for it, early enough that the evidence
         # (one window) reaches every agent before the idle threshold runs out.
         return min(max(0.3, 1.5 * step_s if step_s else 0.3), 0.4 * idle_threshold)
@@ -270,6 +269,11 @@ class WorkerGroup:
         """Every rank still runs and none failed (nor was called hung)."""
         return (bool(self.ranks) and not self.hang_reported and not self.failure_reported()
                 and all(r.exitcode is None for r in self.ranks.values()))
+
+    def last_progress_at(self) -> float | None:
+        """Monotonic time of the latest step, or of work seen between steps (an evaluation, a
+        checkpoint: ``working_at``): a node whose coordinator is silent trains on while it moves."""
+        return max((t for t in (self.last_step_at(), self.working_at) if t is not None), default=None)
 
     def last_step_at(self) -> float | None:
         """Monotonic time of the latest step any rank completed in this attempt (None before one)."""

@@ -123,9 +123,9 @@ class DetectDecider:
             # The one false positive a torchrun user can meet: a pause between steps that is
             # expected (rank 0 uploading metrics while the others wait) and longer than the floor.
             if "warm-up allowance" in cause.message:
-                hint = ("if a start-up this long with every rank waiting is expected, raise --first-step-timeout "
-                        "(a restarted attempt whose ranks all wait is held to 5 x the earlier start-up, at least a "
-                        "tenth of it)")
+                hint = ("if a start-up this long is expected, raise --first-step-timeout (work seen in the ranks, "
+                        "Python moving, I/O or data-loader batches, restarts its clock; a restarted attempt whose "
+                        "ranks all wait is held to 5 x the earlier start-up, at least a tenth of it)")
             else:
                 hint = ("if a pause this long between steps is expected, raise --hang-floor "
                         "(or --hang-busy-floor for busy ranks) above it")

@@ -232,7 +232,8 @@ RULES: tuple[Rule, ...] = (
          + "; ".join(short(h.message) or h.error_type for h in ev.health if _sev1_health(h))),
     Rule("out-of-memory", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         ev.exception_type in ("OutOfMemoryError", "MemoryError")
-        or _has("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "std::bad_alloc")(f, ev)),
+        or _has("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "std::bad_alloc",
+                "DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")(f, ev)),
          lambda f, ev: f"{f.where()} ran out of memory ({error_summary(f, ev)})"),
     Rule("cuda-error", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         ev.exception_type == "AcceleratorError" or _has(

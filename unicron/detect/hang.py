@@ -172,7 +172,7 @@ class HangVerdict:
     def message(self) -> str:
         ranks = ", ".join(map(str, self.stalled_ranks))
         if self.warmup:
-            basis = f"warm-up allowance {self.threshold_s:.1f}s"
+            basis = f"warm-up allowance {self.threshold_s:.1f}s{', busy' if self.busy else ''}"
         else:
             median = f"{self.median_s:.3f}s" if self.median_s is not None else "n/a"
             which = "busy: max(busy k x median" if self.busy else "idle: max(k x median"
@@ -261,10 +261,12 @@ class HangDetector:
             return min(early, self.first_step_timeout_s), True
         return max(k * median, floor), False
 
-    def judges_startup(self) -> bool:
-        """Whether activity before the first step can change a verdict: the restart's allowance
-        is shorter than the first-step timeout."""
-        return self.first_step_allowance_s() < self.first_step_timeout_s
+    def startup_sampling_s(self) -> float:
+        """From when (since the attempt's start) the ranks' activity is gathered before every
+        rank's first step: work seen after it (Python moving, I/O, batches) restarts the clock,
+        so a long preprocessing or a restart's slow restore is not a hang; late enough that a
+        start-up of ordinary length is never sampled."""
+        return 0.4 * self.first_step_allowance_s()
 
     def first_step_allowance_s(self, busy: bool = False) -> float:
         """The allowance before every rank's first step: ``first_step_timeout_s``; for an attempt

@@ -20,8 +20,8 @@ STACK_SIGNAL = signal.SIGRTMIN + 4
 SNAPSHOT_DIR = "UNICRON_SNAPSHOT_DIR"  # unicron.State snapshots live here (agent-owned shm)
 RESTORE_STEP = "UNICRON_RESTORE_STEP"  # step every rank has a snapshot of
 INJECT = "UNICRON_INJECT"  # fault-injection specs KIND@RANK:STEP[;...]
-# "1": the agent judges this attempt's start-up (a restart: unicron.detect.hang's
-# first_step_allowance_s), so the worker reports its activity from its start, not its first step
+# Seconds from the worker's start after which the agent samples the start-up's activity (before
+# the first step: unicron.agent.workers): the worker reports its own from then on too
 WATCH_START = "UNICRON_WATCH_START"
 
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchelastic's per-worker error file (JSON)
@@ -60,3 +60,13 @@ def restore_step(env: Mapping[str, str] | None = None) -> int | None:
 def path_or_none(name: str, env: Mapping[str, str] | None = None) -> str | None:
     value = (os.environ if env is None else env).get(name, "")
     return value or None
+
+
+def seconds_or_none(name: str, env: Mapping[str, str] | None = None) -> float | None:
+    """A non-negative number of seconds from ``name``; None when unset or not such a number."""
+    raw = (os.environ if env is None else env).get(name, "").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 and value == value and value != float("inf") else None

@@ -48,7 +48,7 @@ from typing import IO, Any, NoReturn
 from unicron.textclip import FAULT_FIELD_LIMITS, clip
 from unicron.worker import channel, env, importwatch
 from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
-from unicron.worker.liveness import FrameWatch
+from unicron.worker.liveness import FrameWatch, count_batch
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 READY_POLL_S = 0.2
@@ -235,10 +235,29 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
 
 
 # Modules to hook right after they are executed, and how.
+def _count_batches(dataloader_module: ModuleType) -> None:
+    """Wrap the data loader iterators' ``__next__`` (once) to count the batches they yield:
+    batches that keep coming between steps are progress (``liveness.count_batch``)."""
+    base = getattr(dataloader_module, "_BaseDataLoaderIter", None)
+    original = getattr(base, "__next__", None)
+    if base is None or original is None or getattr(original, "_unicron", False):
+        return
+
+    @functools.wraps(original)
+    def __next__(self: Any) -> Any:
+        batch = original(self)
+        count_batch()
+        return batch
+
+    __next__._unicron = True  # type: ignore[attr-defined]
+    base.__next__ = __next__
+
+
 _AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
     OPTIMIZER_MODULE: _register_optimizer_hook,
     DDP_MODULE: _install_ddp_layouts,
     C10D_MODULE: _announce_destroy,
+    "torch.utils.data.dataloader": _count_batches,
 }
 
 
@@ -365,10 +384,11 @@ def install() -> None:
     spec = env.path_or_none(env.INJECT)
     _rt.faults = parse_inject_spec(spec) if spec else []
     channel.get().emit("hello", local_rank=env.local_rank(), pid=os.getpid())
-    if os.environ.get(env.WATCH_START) == "1":
-        # A restart held to the start-up measured before while its ranks sit still (the agent
-        # sets it): say from the start, not the first step, when Python moves or waits for data.
-        _rt.frames.begin()
+    watch_start = env.seconds_or_none(env.WATCH_START)
+    if watch_start is not None:
+        # The agent judges the start-up from then on: say from the start, not the first step,
+        # when Python moves, batches come or the rank waits for data.
+        _rt.frames.begin(watch_start)
     stack_dir = env.path_or_none(env.STACK_DIR)
     if stack_dir:
         _install_stack_dump(stack_dir, _rt.rank)

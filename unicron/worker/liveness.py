@@ -77,6 +77,21 @@ DATA_FRAMES = "torch/utils/data/"  # a frame of a data loader (iterating, fetchi
 DATA_DEPTH = 24  # frames looked at from the innermost one outwards for a data loader
 PIN_MEMORY_FRAMES = "torch/utils/data/_utils/pin_memory.py"
 COLLECTIVE_FRAMES = "torch/distributed/"
+DEBUGGER_FRAMES = ("/bdb.py", "/pdb.py", "pydevd")  # pdb, ipdb (on bdb), debugpy: a person at the prompt
+
+_batches = 0  # batches the process's data loader iterators yielded (``count_batch``, from hooks)
+
+
+def count_batch() -> None:
+    """A data loader iterator yielded a batch (its ``__next__`` is wrapped by ``hooks``)."""
+    global _batches
+    _batches += 1
+
+
+def in_debugger(sample: FrameSample | None, depth: int = DATA_DEPTH) -> bool:
+    """The main thread stopped in a debugger (``breakpoint()``): a person, not a peer, holds it."""
+    frame = getattr(sample, "frame", None)
+    return any(_within(frame, part, depth) for part in DEBUGGER_FRAMES)
 
 
 class FrameSample:
@@ -238,6 +253,7 @@ class FrameWatch:
                  others: OtherThreads | None = None, returns: MainThreadReturns | None = None) -> None:
         self._emit = emit
         self._returns = returns if returns is not None else MainThreadReturns()
+        self._batches_seen = _batches
         self._emit_data = emit_data
         self._last_data_sent = 0.0
         self._others = others if others is not None else OtherThreads()
@@ -254,8 +270,8 @@ class FrameWatch:
         self._stopped = False
 
     def begin(self, overdue_s: float = BEFORE_FIRST_STEP_S) -> None:
-        """Watch from now, before the first step: sampling starts ``overdue_s`` from now (a
-        restarted attempt, whose start-up the agent holds to the one measured before)."""
+        """Watch from now, before the first step: sampling starts ``overdue_s`` from now, when the
+        agent starts judging the start-up (``UNICRON_WATCH_START``)."""
         self._last_boundary = self._clock()
         self._overdue_s = max(OVERDUE_S, overdue_s)
         self._start_thread()
@@ -290,6 +306,7 @@ class FrameWatch:
             self._others.reset()
             self._cpu_samples.clear()
             self._returns.reset()
+            self._batches_seen = _batches
             self._last_data_sent = 0.0  # a new wait is reported at once
             return False
         signature = main_thread_signature()
@@ -303,8 +320,12 @@ class FrameWatch:
         # Native calls one after another, computing (mainreturns): each ends, so none is the
         # long call the busy threshold waits for. The higher bar keeps out a wait that polls.
         looping = returned and cpu is not None and _rate(self._cpu_samples) >= MIN_CPU_THREAD
+        # Batches keep coming (an evaluation over a loader whose workers wait on slow storage:
+        # the main thread waits in the loader, at little CPU, between short forwards), or a
+        # person holds the rank in a debugger: progress either way, not a stall.
+        arrived, self._batches_seen = _batches != self._batches_seen, _batches
         others = self._others.moving(now)
-        if not (moving and computing or looping or others):
+        if not (moving and computing or looping or arrived or others or in_debugger(signature)):
             if self._emit_data is not None and now - self._last_data_sent >= SEND_EVERY_S \
                     and waits_for_data(signature):
                 self._last_data_sent = now
