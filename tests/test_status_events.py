@@ -146,6 +146,9 @@ def test_a_file_that_is_no_event_log_is_named_as_such(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe\x00garbage\n")
     code, msg = invoke(["events", str(binary)])
     assert code == 2 and "not an event log" in msg
+    binary.write_bytes(b"\x00\xffgarbage")  # no newline at all: not a torn event (acceptance pass 14)
+    code, msg = invoke(["events", str(binary)])
+    assert code == 2 and "not an event log" in msg
     empty = tmp_path / "events.jsonl"
     empty.write_text("")
     assert invoke(["events", str(empty), "--json"]) == (0, "")  # a run that logged nothing yet

@@ -194,7 +194,7 @@ def _iterations_for(seconds: float) -> int:
     return int(20_000 * seconds / max(fastest, 1e-4))
 
 
-_LONG_CALL = _iterations_for(2.5)  # measured before any sampling (1.5 s): the body is then one call
+_LONG_CALL = _iterations_for(4.0)  # longer than the 1.5 s of sampling even if timed at half speed
 
 
 def _one_native_call(stop: threading.Event) -> None:  # CPU in one C call, longer than the sampling
@@ -243,9 +243,9 @@ def _streaming_eval(stop: threading.Event) -> None:  # batches from loader worke
     import torch
     from torch.utils.data import DataLoader, Dataset
 
-    import unicron.worker.hooks as hooks
+    from unicron.worker.liveness import count_batches_of
 
-    hooks._count_batches(sys.modules["torch.utils.data.dataloader"])  # as a worker's hooks do
+    count_batches_of(sys.modules["torch.utils.data.dataloader"])  # as a worker's hooks do
 
     class Slow(Dataset[int]):
         def __len__(self) -> int:

@@ -85,7 +85,9 @@ def read_events(
         for line in fh:
             if not line.strip():
                 continue
-            counts["lines"] += line.endswith("\n")
+            # A torn last line is no line; but one that could not even begin an event (binary
+            # garbage, no newline anywhere) is counted, so such a file is no event log either.
+            counts["lines"] += line.endswith("\n") or not line.lstrip().startswith("{")
             try:
                 event = json.loads(line)
             except ValueError:

@@ -172,10 +172,9 @@ class Agent:
                 # stall while this turn's messages were handled.
                 self._paused(self.stalls.lapse(time.monotonic()), stalled=False)
                 self._heartbeat()
-                stepped = self.group.last_progress_at() if self.group is not None else None
-                if self.s.max_nodes == 1 and self.group is not None and self.group.running_unfailed():
-                    stepped = now_m  # a 1-node job's ranks wait on nobody: alive, they train on
-                done = self.group is not None and self.group.finished_reported
+                group = self.group
+                stepped = group.last_sign_of_life(now_m, alone=self.s.max_nodes == 1) if group is not None else None
+                done = group is not None and group.finished_reported
                 now_m = time.monotonic()
                 probe.want(self.link.probing(now_m))  # silent over an open connection: is its host up?
                 self.link.host_answered(probe.answered_at)

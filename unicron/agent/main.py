@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from unicron.agent import errorfile
 from unicron.agent.agent import Agent
 from unicron.agent.logs import RunLogDir
 from unicron.agent.settings import AgentSettings
@@ -21,7 +22,7 @@ from unicron.agent.signals import LauncherSignals, set_child_subreaper
 from unicron.agent.ui import AgentUI
 from unicron.coord.decide import DetectDecider
 from unicron.coord.server import CoordinatorServer
-from unicron.errors import UsageError
+from unicron.errors import UsageError, WorkerFailedError
 from unicron.events import EVENTS_FILE, EventLog
 from unicron.runs import RunInfo, register_run_or_warn, unregister_run
 
@@ -50,6 +51,8 @@ def run_agent(s: AgentSettings) -> int:
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
     ui = AgentUI(s.status_line, workers_off_console=s.log_spec.keeps_workers_off_console)
     server: CoordinatorServer | None = None
+    agent: Agent | None = None
+    launcher_error_file = os.environ.get(errorfile.ENV) or None  # a wrapper's (TorchX): see errorfile
     stopped_by, stopped_code = "", 1
     metrics: Any = None
     secret_file: str | None = None
@@ -88,6 +91,8 @@ def run_agent(s: AgentSettings) -> int:
         except BaseException as err:
             stopped_by = str(err) or type(err).__name__
             stopped_code = getattr(err, "exit_code", 1)
+            if isinstance(err, WorkerFailedError) and launcher_error_file:
+                _record_failure(launcher_error_file, err, run_logs, agent, ui)
             raise
         finally:
             if metrics is not None:
@@ -101,6 +106,16 @@ def run_agent(s: AgentSettings) -> int:
                 unregister_run(s.run_id)
             ui.close()
             events.close()
+
+
+def _record_failure(path: str, err: WorkerFailedError, run_logs: RunLogDir, agent: Agent | None, ui: AgentUI) -> None:
+    """The launcher's ``TORCHELASTIC_ERROR_FILE``, as torchrun's ``@record`` writes it."""
+    assignment = agent.assignment if agent is not None else None
+    offset = assignment.get("rank_offset", 0) if isinstance(assignment, dict) else 0
+    source = errorfile.root_cause_file(str(err), run_logs, agent.last_attempt if agent else None, offset)
+    problem = errorfile.write(path, errorfile.record(str(err).splitlines()[0], err.exit_code, source))
+    if problem is not None:
+        ui.warn(problem)
 
 
 def _coordinator(s: AgentSettings, events: EventLog,

@@ -265,14 +265,13 @@ class WorkerGroup:
                            "still runs, or its interpreter hangs in teardown; waiting for it, as torchrun does"))
         return out
 
-    def running_unfailed(self) -> bool:
-        """Every rank still runs and none failed (nor was called hung)."""
-        return (bool(self.ranks) and not self.hang_reported and not self.failure_reported()
-                and all(r.exitcode is None for r in self.ranks.values()))
-
-    def last_progress_at(self) -> float | None:
-        """Monotonic time of the latest step, or of work seen between steps (an evaluation, a
-        checkpoint: ``working_at``): a node whose coordinator is silent trains on while it moves."""
+    def last_sign_of_life(self, mono: float, *, alone: bool) -> float | None:
+        """While the coordinator is silent: monotonic time of the latest step, or of work seen
+        between steps (an evaluation, a checkpoint: ``working_at``). The ranks of a job ``alone``
+        on one node wait on nobody: while all run and none failed (nor was called hung), now."""
+        if alone and self.ranks and not self.hang_reported and not self.failure_reported() \
+                and all(r.exitcode is None for r in self.ranks.values()):
+            return mono
         return max((t for t in (self.last_step_at(), self.working_at) if t is not None), default=None)
 
     def last_step_at(self) -> float | None:

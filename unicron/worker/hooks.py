@@ -48,7 +48,7 @@ from typing import IO, Any, NoReturn
 from unicron.textclip import FAULT_FIELD_LIMITS, clip
 from unicron.worker import channel, env, importwatch
 from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
-from unicron.worker.liveness import FrameWatch, count_batch
+from unicron.worker.liveness import FrameWatch, count_batches_of
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 READY_POLL_S = 0.2
@@ -235,29 +235,11 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
 
 
 # Modules to hook right after they are executed, and how.
-def _count_batches(dataloader_module: ModuleType) -> None:
-    """Wrap the data loader iterators' ``__next__`` (once) to count the batches they yield:
-    batches that keep coming between steps are progress (``liveness.count_batch``)."""
-    base = getattr(dataloader_module, "_BaseDataLoaderIter", None)
-    original = getattr(base, "__next__", None)
-    if base is None or original is None or getattr(original, "_unicron", False):
-        return
-
-    @functools.wraps(original)
-    def __next__(self: Any) -> Any:
-        batch = original(self)
-        count_batch()
-        return batch
-
-    __next__._unicron = True  # type: ignore[attr-defined]
-    base.__next__ = __next__
-
-
 _AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
     OPTIMIZER_MODULE: _register_optimizer_hook,
     DDP_MODULE: _install_ddp_layouts,
     C10D_MODULE: _announce_destroy,
-    "torch.utils.data.dataloader": _count_batches,
+    "torch.utils.data.dataloader": count_batches_of,
 }
 
 

@@ -54,13 +54,15 @@ script (``begin``) and samples from ``BEFORE_FIRST_STEP_S`` on, until the first 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from types import FrameType
+from types import FrameType, ModuleType
+from typing import Any
 
 from unicron.worker.mainreturns import MainThreadReturns
 
@@ -86,6 +88,24 @@ def count_batch() -> None:
     """A data loader iterator yielded a batch (its ``__next__`` is wrapped by ``hooks``)."""
     global _batches
     _batches += 1
+
+
+def count_batches_of(dataloader_module: ModuleType) -> None:
+    """Wrap the data loader iterators' ``__next__`` (once) to count the batches they yield
+    (``torch.utils.data.dataloader``, as the worker's hooks see it imported)."""
+    base = getattr(dataloader_module, "_BaseDataLoaderIter", None)
+    original = getattr(base, "__next__", None)
+    if base is None or original is None or getattr(original, "_unicron", False):
+        return
+
+    @functools.wraps(original)
+    def __next__(self: Any) -> Any:
+        batch = original(self)
+        count_batch()
+        return batch
+
+    __next__._unicron = True  # type: ignore[attr-defined]
+    base.__next__ = __next__
 
 
 def in_debugger(sample: FrameSample | None, depth: int = DATA_DEPTH) -> bool:
