@@ -223,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         tb = script_traceback(exc.__traceback__)
         exc.__traceback__ = tb
         tb_text = "".join(traceback.format_exception(type(exc), exc, tb))
-        hooks.report_exception(type(exc), exc, tb)
+        # The error file first: once the agent hears of the exception the job may stop at once,
+        # and the launcher's own error file is copied from this one (unicron.agent.errorfile).
         write_error_file(exc, tb_text, started_at)
+        hooks.report_exception(type(exc), exc, tb)
         sys.excepthook(type(exc), exc, tb)
         if isinstance(exc, KeyboardInterrupt):
             _die_of_sigint()
