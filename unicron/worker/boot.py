@@ -146,7 +146,7 @@ def error_file_record(exc: BaseException, tb_text: str, now: float) -> dict[str,
     """What torch.distributed.elastic's ``@record`` writes for an exception."""
     return {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            "message": f"{type(exc).__name__}: {hooks.exception_message(exc)}",
             "extraInfo": {"py_callstack": tb_text, "timestamp": str(int(now))},
         }
     }
@@ -161,7 +161,7 @@ def write_error_file(exc: BaseException, tb_text: str, started_at: float) -> Non
             return  # written during this run, by @record: it knows best
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(error_file_record(exc, tb_text, time.time()), fh)
-    except OSError as err:
+    except (OSError, ValueError, TypeError) as err:  # never instead of the exception it records
         print(f"unicron: could not write error file {path}: {err}", file=sys.stderr)
 
 

@@ -253,6 +253,14 @@ def exception_type_name(exc_type: type[BaseException]) -> str:
     return qualname if module in ("builtins", "__main__") else f"{module}.{qualname}"
 
 
+def exception_message(exc: BaseException) -> str:
+    """``str(exc)``; for a broken ``__str__``, what Python's own traceback prints for it."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
+
+
 def report_exception(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None, *, fatal: bool = True
 ) -> None:
@@ -263,10 +271,7 @@ def report_exception(
         return
     _rt.reported.add(id(exc))
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    try:
-        message = str(exc)
-    except Exception:  # a broken __str__: what Python's own traceback prints for it
-        message = "<exception str() failed>"
+    message = exception_message(exc)
     # Bounded: the agent's channel drops a message over 1 MiB, and this one must arrive.
     channel.get().emit("exc", type=clip(exception_type_name(exc_type), FAULT_FIELD_LIMITS["error_type"]),
                        msg=clip(message, FAULT_FIELD_LIMITS["message"]),
