@@ -33,20 +33,20 @@ class EarlierAttempts:
     def __init__(self) -> None:
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
         # The latest attempt's time to every local rank's first step, and its world size.
-        self.startup: tuple[float, int] | None = None
+        self._startup: tuple[float, int] | None = None
 
     def ended(self, group: WorkerGroup) -> None:
         self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
         startup = group.hang.stats.startup_s()
         if startup is not None:
-            self.startup = (startup, group.spec.world_size)
+            self._startup = (startup, group.spec.world_size)
 
     def startup_hint(self, spec: GroupSpec) -> float | None:
         """The start-up an attempt of ``spec``'s world size took before; None after a change of
         layout (new nodes start cold, and their ranks' peers wait for them)."""
-        if self.startup is None or self.startup[1] != spec.world_size:
+        if self._startup is None or self._startup[1] != spec.world_size:
             return None
-        return self.startup[0]
+        return self._startup[0]
 
 
 def hang_detector(s: AgentSettings, startup_hint_s: float | None = None) -> HangDetector:

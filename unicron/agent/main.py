@@ -126,6 +126,9 @@ def _coordinator(s: AgentSettings, events: EventLog,
     if not s.embed_coordinator or s.is_host is False or (s.is_host is None and not _is_local(s.rdzv_host)):
         return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
     host = _display_host(s)
+    # Told to host, or the job's only node: another listener is another job (or any process),
+    # not this job's coordinator; torchrun fails on the port in use too.
+    must_host = bool(s.is_host) or s.max_nodes == 1
     deadline = time.monotonic() + _HOST_RACE_S
     while True:
         try:
@@ -139,13 +142,11 @@ def _coordinator(s: AgentSettings, events: EventLog,
         # EADDRINUSE alone does not prove another agent hosts it: two agents started at the same
         # instant can both lose, because with SO_REUSEADDR Linux lets both bind and then fails
         # both listen() calls. Only a listener is proof; without one, try again shortly.
-        # Told to host, or the job's only node: another listener is another job (or any process),
-        # not this job's coordinator; torchrun fails on the port in use too.
-        if (s.is_host or s.max_nodes == 1) and time.monotonic() > deadline:
+        if must_host and time.monotonic() > deadline:
             why = "--rdzv-conf is_host=1" if s.is_host else "a one-node job hosts its own rendezvous"
             raise UsageError(f"{why}: cannot listen on port {s.rdzv_port}: another process listens there "
                              "(another job?); pick a free port")
-        if not (s.is_host or s.max_nodes == 1) and (_listening(host, s.rdzv_port) or time.monotonic() > deadline):
+        if not must_host and (_listening(host, s.rdzv_port) or time.monotonic() > deadline):
             return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
         time.sleep(random.uniform(0.005, 0.05))
 

@@ -206,10 +206,10 @@ class WorkerGroup:
     def _sampling_starts_s(self) -> float:
         """How overdue the job must be before its ranks' CPU and I/O are sampled (before every
         rank's first step: ``HangDetector.startup_sampling_s``)."""
-        step_s = self.hang.stats.job_median()
-        idle_threshold, _ = self.hang.threshold_s(busy=False)
         if not self.hang.stats.started_all():
             return self.hang.startup_sampling_s()
+        step_s = self.hang.stats.job_median()
+        idle_threshold, _ = self.hang.threshold_s(busy=False)
         # Late enough that a healthy step never pays for it, early enough that the evidence
         # (one window) reaches every agent before the idle threshold runs out.
         return min(max(0.3, 1.5 * step_s if step_s else 0.3), 0.4 * idle_threshold)

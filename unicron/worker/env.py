@@ -5,6 +5,7 @@ Kept free of heavy imports: the agent imports these names too.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from collections.abc import Mapping
@@ -69,4 +70,4 @@ def seconds_or_none(name: str, env: Mapping[str, str] | None = None) -> float | 
         value = float(raw)
     except ValueError:
         return None
-    return value if value >= 0 and value == value and value != float("inf") else None
+    return value if math.isfinite(value) and value >= 0 else None

@@ -23,8 +23,9 @@
   ``torch.optim`` optimizer (``Optimizer.__init__`` is wrapped): it will report steps, so it
   stays "before the first step" until it does.
 - **Past the collectives.** ``destroy_process_group()`` of the default group is wrapped to send
-  ``closed`` as it is called (its peers' collectives fail on it before it returns): no collective of the job can join every rank again, so what the
-  ranks do after it (a save, an upload, ``wandb.finish()``) is not a hang. A step reported after
+  ``closed`` as it is called (its peers' collectives fail on it before it returns): no
+  collective of the job can join every rank again, so what the ranks do after it (a save, an
+  upload, ``wandb.finish()``) is not a hang. A step reported after
   it, or ``init_process_group`` after it (``opened``: the script makes a new group), takes
   that back.
 - **Hard exits.** ``os._exit`` (common after ``destroy_process_group``) skips atexit, so it is

@@ -47,9 +47,10 @@ needs the whole job still for ``max(busy k x median, busy floor)``, not the idle
 
 Costs nothing while steps flow: sampling starts only at 1.5 x the median recent step interval
 (at least ``OVERDUE_S``); before that the thread only compares two clock readings every
-``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``. The thread starts at the first step;
-in a restart whose start-up the agent judges (``UNICRON_WATCH_START``) it starts with the
-script (``begin``) and samples from ``BEFORE_FIRST_STEP_S`` on, until the first step.
+``PERIOD_S``. Once overdue it samples every ``SAMPLE_S``. The thread starts with the script
+(``begin``) where the agent says from when it judges the start-up (``UNICRON_WATCH_START``:
+0.4 x the first-step allowance), and samples from then until the first step; else at the first
+step.
 """
 
 from __future__ import annotations
@@ -110,8 +111,7 @@ def count_batches_of(dataloader_module: ModuleType) -> None:
 
 def in_debugger(sample: FrameSample | None, depth: int = DATA_DEPTH) -> bool:
     """The main thread stopped in a debugger (``breakpoint()``): a person, not a peer, holds it."""
-    frame = getattr(sample, "frame", None)
-    return any(_within(frame, part, depth) for part in DEBUGGER_FRAMES)
+    return _within(getattr(sample, "frame", None), DEBUGGER_FRAMES, depth)
 
 
 class FrameSample:
@@ -195,12 +195,15 @@ def _filename(frame: FrameType) -> str:
     return frame.f_code.co_filename.replace("\\", "/")
 
 
-def _within(frame: FrameType | None, part: str, depth: int) -> bool:
-    """Whether a frame of a file whose path contains ``part`` is among the ``depth`` innermost."""
+def _within(frame: FrameType | None, part: str | tuple[str, ...], depth: int) -> bool:
+    """Whether a frame of a file whose path contains ``part`` (one of them) is among the
+    ``depth`` innermost."""
+    parts = (part,) if isinstance(part, str) else part
     for _ in range(depth):
         if frame is None:
             return False
-        if part in _filename(frame):
+        filename = _filename(frame)
+        if any(p in filename for p in parts):
             return True
         frame = frame.f_back
     return False
@@ -343,7 +346,8 @@ class FrameWatch:
         # Batches keep coming (an evaluation over a loader whose workers wait on slow storage:
         # the main thread waits in the loader, at little CPU, between short forwards), or a
         # person holds the rank in a debugger: progress either way, not a stall.
-        arrived, self._batches_seen = _batches != self._batches_seen, _batches
+        batches = _batches
+        arrived, self._batches_seen = batches != self._batches_seen, batches
         others = self._others.moving(now)
         if not (moving and computing or looping or arrived or others or in_debugger(signature)):
             if self._emit_data is not None and now - self._last_data_sent >= SEND_EVERY_S \
