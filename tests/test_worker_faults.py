@@ -96,7 +96,9 @@ def test_hang_blocks_in_python_and_stack_dump_shows_it(tmp_path: Path) -> None:
         dump = stacks / "rank1.txt"
         wait_until(dump.exists, 10, "rank 1 stack file")
         os.kill(procs[1].pid, STACK_SIGNAL)
-        wait_until(lambda: "hang_forever" in dump.read_text(), 10, "rank 1 stack dump")
+        # The dump is written as it is read: its innermost line comes before the frames below it.
+        wait_until(lambda: all(part in dump.read_text() for part in ("hang_forever", "loop.py", "in step")), 10,
+                   "rank 1 stack dump")
         assert procs[1].poll() is None  # still hung, survived the dump
         agent.drain(0.2)
         assert max(m["step"] for m in agent.of("step", 1)) == 3
