@@ -84,6 +84,8 @@ def run_agent(s: AgentSettings) -> int:
                         coordinator=server is not None)
             agent = Agent(s, endpoint=endpoint, run_logs=run_logs, events=events, ui=ui, signals=signals,
                           hosts_coordinator=server is not None)
+            if server is not None:
+                server.pinned.add(agent.node_id)  # a reconfigure must not end the coordinator's own agent
             code = agent.run()
             if code == 0:
                 run_logs.discard_worker_logs()  # the temporary copies of a job that succeeded

@@ -7,7 +7,7 @@ restart policy (which keeps the job-wide history).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -31,23 +31,59 @@ class Decision:
     rule: str
     exit_code: int = 0
     culprits: list[int] = field(default_factory=list)
+    exclude: tuple[str, ...] = ()  # node ids a reconfigure leaves out (a lost node is out already)
 
 
 class Decider(Protocol):
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = ...,
-               finished: Sequence[tuple[int, int | None]] = ..., spent: int = ...) -> Decision: ...
+               finished: Sequence[tuple[int, int | None]] = ..., spent: int = ...,
+               rank_nodes: Mapping[int, str] = ..., pinned: frozenset[str] = ...) -> Decision: ...
 
 
 def decide_attempt(decider: Decider, attempt: Attempt, spec: JobSpec, stacks: dict[int, str], now: float, *,
-                   active_nodes: int, spent: int) -> Decision:
+                   active_nodes: int, spent: int, pinned: frozenset[str] = frozenset()) -> Decision:
     """What follows a stopped attempt. One stopped without a fault was a planned re-formation (a
-    late joiner): restarted at once, and no budget is spent."""
+    late joiner): restarted at once, and no budget is spent. ``pinned``: nodes that cannot be
+    left out (the one whose agent hosts the coordinator)."""
     if not attempt.faults:
         return Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up" if attempt.scale_up else "re-form", 0)
     return decider.decide(attempt.faults, stacks, now, max_restarts=spec.max_restarts, max_nodes=spec.max_nodes,
                           active_nodes=active_nodes, min_nodes=spec.min_nodes,
-                          finished=finished_ranks(attempt.stopped.values()), spent=spent)
+                          finished=finished_ranks(attempt.stopped.values()), spent=spent,
+                          rank_nodes=rank_nodes(attempt), pinned=pinned)
+
+
+def rank_nodes(attempt: Attempt) -> dict[int, str]:
+    """The node each rank of ``attempt`` ran on, as far as its reports tell: the ranks whose
+    stacks a node sent, and those a fault of a node names."""
+    out: dict[int, str] = {}
+    for node_id, body in attempt.stopped.items():
+        for rank in body.get("stacks", {}) if isinstance(body.get("stacks"), dict) else ():
+            if str(rank).isdigit():
+                out[int(rank)] = node_id
+    for fault in attempt.faults:
+        rank, node = fault.get("rank"), fault.get("node_id")
+        if type(rank) is int and isinstance(node, str) and node:
+            out.setdefault(rank, node)
+    return out
+
+
+def node_to_exclude(cause: Fault, rank_nodes: Mapping[int, str], pinned: frozenset[str]) -> str | None:
+    """The node a reconfigure leaves out for ``cause``: the node its rank ran on (a hang's
+    culprits, when they all ran on one node), or the node a node-level fault names. None when
+    the fault does not point at one node, or points at a pinned one."""
+    if cause.kind == "node_lost":
+        return None  # out already
+    node: str | None
+    if cause.rank is not None:
+        node = rank_nodes.get(cause.rank) or cause.node
+    elif cause.culprit_ranks:
+        nodes = {rank_nodes.get(r) for r in cause.culprit_ranks}
+        node = nodes.pop() if len(nodes) == 1 else None
+    else:
+        node = cause.node if cause.kind == "health" else None  # a hang without culprits names no node
+    return node if node and node not in pinned else None
 
 
 def to_fault(raw: dict[str, Any]) -> Fault:
@@ -73,10 +109,13 @@ class DetectDecider:
 
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = None,
-               finished: Sequence[tuple[int, int | None]] = (), spent: int = 0) -> Decision:
+               finished: Sequence[tuple[int, int | None]] = (), spent: int = 0,
+               rank_nodes: Mapping[int, str] | None = None, pinned: frozenset[str] = frozenset()) -> Decision:
         """``finished``: (rank, last step) of ranks that exited 0 before the others failed.
         ``max_nodes`` (None: unknown) tells a fixed-size job, which cannot go on without a node
-        even when the lost one is back already."""
+        even when the lost one is back already. ``rank_nodes`` (rank -> node id) and ``pinned``
+        (nodes never left out) decide which node a reconfigure excludes when the root cause is
+        not a lost node: the job goes on without it if ``--nnodes MIN`` allows."""
         parsed = [to_fault(f) for f in faults]
         culprits: list[int] = []
         report_text = ""
@@ -97,6 +136,7 @@ class DetectDecider:
         left = tuple(sorted(finished)) if uneven else None
         repeat = uneven and self.history and self.history[-1].rule == UNEVEN_END and left == self._last_uneven
         self._last_uneven = left
+        culprit_node: str | None = None
         if repeat:
             # The same ranks left after the same steps, again after a restart: the script's own logic
             # (uneven inputs). Another rank or step (a second preemption) is another one-off.
@@ -105,12 +145,16 @@ class DetectDecider:
                                       "are not healed by restarting; make every rank run the same steps", False,
                                       Severity.FATAL, StopReason.FATAL, spent)
         else:
+            can_shrink = max_nodes is None or min_nodes < max_nodes
+            lost = any(f.kind == "node_lost" for f in parsed)
+            # A node that failed again in place may be left out while the others still make MIN.
+            culprit_node = None if lost else node_to_exclude(cause, rank_nodes or {}, pinned)
+            elastic = can_shrink and active_nodes > 0 and (
+                (lost and active_nodes >= min_nodes) or (culprit_node is not None and active_nodes > min_nodes))
             decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
-                                          steps_completed_since_last_restart=progress,
-                                          elastic=active_nodes >= min_nodes and active_nodes > 0
-                                          and (max_nodes is None or min_nodes < max_nodes)
-                                          and any(f.kind == "node_lost" for f in parsed),
-                                          replayed=replayed, fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes),
+                                          steps_completed_since_last_restart=progress, elastic=elastic,
+                                          replayed=replayed,
+                                          fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes, lost, culprit_node),
                                           spent=spent)
         self.history.append(decision.record(cause, classification, progress, now, reached=reached,
                                             restored_from=restored_from, replayed=replayed))
@@ -130,10 +174,14 @@ class DetectDecider:
                 hint = ("if a pause this long between steps is expected, raise --hang-floor "
                         "(or --hang-busy-floor for busy ranks) above it")
             detail = f"{detail}\n{hint}; see docs/failures.md".lstrip()
+        exclude: tuple[str, ...] = ()
+        if decision.action is Action.RECONFIGURE and culprit_node is not None:
+            exclude = (culprit_node,)
+            reason += f"; the job goes on without node {culprit_node}"
         return Decision(action=decision.action.value, backoff_s=decision.backoff_s,
                         reason=reason if error is None else f"{reason}\n{detail}".rstrip(),
                         severity=decision.severity.value, rule=classification.rule,
-                        exit_code=error.exit_code if error is not None else 0, culprits=culprits)
+                        exit_code=error.exit_code if error is not None else 0, culprits=culprits, exclude=exclude)
 
 
 UNEVEN_END = "uneven-end"  # a rank exited 0 while its peers trained on, and they then lost it
@@ -157,10 +205,18 @@ def _uneven_end(finished: Sequence[tuple[int, int | None]], victim: Fault, class
             + (f" ({said.splitlines()[0][:200]})" if said else ""))
 
 
-def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None) -> str:
-    """Why the job cannot go on without a lost node, in the decision's words."""
-    if (max_nodes is None or min_nodes < max_nodes) and active_nodes < min_nodes:
+def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None, lost: bool = True,
+               culprit_node: str | None = "") -> str:
+    """Why the job cannot go on without the failed node, in the decision's words. ``lost``: the
+    node is gone already; else ``culprit_node`` is the node it would leave out (None: none named)."""
+    if max_nodes is not None and min_nodes >= max_nodes:
+        return "the job is not elastic (min nodes = current nodes)"
+    if lost and active_nodes < min_nodes:
         return f"the job cannot shrink below --nnodes MIN ({min_nodes} nodes; {active_nodes} left)"
+    if not lost and culprit_node is None:
+        return "the failure does not point at one node that the job could go on without"
+    if not lost and active_nodes <= min_nodes:
+        return f"the job cannot shrink below --nnodes MIN ({min_nodes} nodes)"
     return "the job is not elastic (min nodes = current nodes)"
 
 

@@ -16,11 +16,12 @@ from typing import Any
 from unicron.coord.assign import attempt_messages
 from unicron.coord.decide import Decider, Decision, decide_attempt
 from unicron.coord.evidence import job_activity, join_mismatch, past_last_step, silent_nodes
+from unicron.coord.exclude import leave_out
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.coord.restore import Holdings, choose_restore
-from unicron.coord.resume import take_back
+from unicron.coord.resume import rejoined, take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
 from unicron.events import decision_line
@@ -57,12 +58,14 @@ class JobCore:
         self._told_silent: frozenset[str] = frozenset()  # silent nodes the others were told of
         self._refused: dict[str, str] = {}  # node -> why its last join was refused (logged once)
         self.awaiting_resume: set[str] = set()  # nodes of an attempt taken back, not heard resuming yet
+        self.pinned: set[str] = set()  # nodes never left out: the one whose agent hosts this coordinator
+        self.excluded: dict[str, str] = {}  # node -> why a reconfigure left it out (its joins are refused)
 
     # ---- messages from agents ------------------------------------------------------
     def on_join(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         if self.phase in (Phase.DONE, Phase.FAILED):
             return self.refuse(node_id, body["host"], f"job {self.spec.job_id} is over")
-        mismatch = join_mismatch(self.spec, body)
+        mismatch = join_mismatch(self.spec, body) or self.excluded.get(node_id)
         if mismatch is not None:
             return self.refuse(node_id, body["host"], mismatch)
         if "resume" in body:
@@ -78,7 +81,7 @@ class JobCore:
         out.append(Emit("join", {"node_id": node_id, "host": body["host"], "nproc": body["nproc"],
                                  "epoch": self.members.epoch,
                                  **({"rejoin_attempt": body["attempt"]} if "attempt" in body else {})}))
-        out += self._rejoined(node_id, body, now)
+        out += rejoined(self, node_id, body, now)
         if self.phase is Phase.RUNNING and self.attempt is not None:
             # A late joiner below MAX: re-form the job with it (torchrun re-rendezvouses too).
             self.attempt.scale_up = True
@@ -94,23 +97,6 @@ class JobCore:
             self._refused[node_id] = reason
             out.append(Emit("join_refused", {"node_id": node_id, "host": host, "reason": reason, "waits": waits}))
         return out
-
-    def _rejoined(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
-        """A node of the current attempt is back (fenced, its workers stopped, its snapshots
-        kept): its join counts as its stop of that attempt, no ``stop`` having reached it. What
-        it holds counts only if it says it was lost from this very attempt."""
-        attempt = self.attempt
-        if attempt is None or node_id not in attempt.nodes:
-            return []
-        held = body if body.get("attempt") == attempt.number else {}
-        if self.phase is Phase.STOPPING and node_id not in attempt.stopped:
-            attempt.stopped[node_id] = {"snapshots": held.get("snapshots", {}),
-                                        "snapshot_bytes": held.get("snapshot_bytes", {})}
-            return self._after_stop(now) if self._all_stopped() else []
-        if held and self.phase is Phase.WAITING and self.holdings is not None \
-                and self.holdings.attempt == attempt.number:
-            self.holdings.add(node_id, held)
-        return []
 
     def awaits_resume(self, node_id: str) -> bool:
         """A node of an attempt taken back after a restart (``unicron.coord.resume``), not heard
@@ -205,8 +191,8 @@ class JobCore:
         attempt.stopped[node_id] = body
         self.members.heartbeat(node_id, now)  # any message is a sign of life
         out: list[Out] = [Emit("node_stopped", {"node_id": node_id, "attempt": attempt.number})]
-        if self._all_stopped():
-            out += self._after_stop(now)
+        if self.all_stopped():
+            out += self.after_stop(now)
         return out
 
     def on_leave(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -247,8 +233,8 @@ class JobCore:
                     if gone is not None:
                         out.append(Emit("node_lost", {"node_id": node_id, "host": gone.host,
                                                       "reason": "did not stop its workers in time"}))
-                if self._all_stopped():
-                    out += self._after_stop(now)
+                if self.all_stopped():
+                    out += self.after_stop(now)
         if self.phase is Phase.WAITING and not self.store_pending:
             have = len(self.members.active())
             waited_out = now - self.waiting_since > self.spec.join_timeout_s
@@ -334,8 +320,8 @@ class JobCore:
         if self.phase is Phase.STOPPING:
             attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                    "ts": now, "reported_at": now, "attempt": attempt.number})
-            if self._all_stopped():
-                return self._after_stop(now)
+            if self.all_stopped():
+                return self.after_stop(now)
         return []
 
     def stop_attempt(self, reason: str, now: float, *, want_stacks: bool) -> list[Out]:
@@ -350,8 +336,8 @@ class JobCore:
             if self.members.is_active(node_id):
                 out.append(Send(node_id, "stop", {"attempt": attempt.number, "reason": reason,
                                                   "want_stacks": want_stacks}))
-        if self._all_stopped():
-            out += self._after_stop(now)
+        if self.all_stopped():
+            out += self.after_stop(now)
         return out
 
     def _unacked(self) -> list[str]:
@@ -359,10 +345,10 @@ class JobCore:
         assert attempt is not None
         return [n for n in attempt.nodes if self.members.is_active(n) and n not in attempt.stopped]
 
-    def _all_stopped(self) -> bool:
+    def all_stopped(self) -> bool:
         return not self._unacked()
 
-    def _after_stop(self, now: float) -> list[Out]:
+    def after_stop(self, now: float) -> list[Out]:
         attempt = self.attempt
         assert attempt is not None
         out: list[Out] = []
@@ -371,7 +357,7 @@ class JobCore:
             out.append(Emit("stacks", {"attempt": attempt.number, "ranks": sorted(r for r, s in stacks.items() if s)}))
         active = len(self.members.active())
         decision = decide_attempt(self.decider, attempt, self.spec, stacks, now, active_nodes=active,
-                                  spent=self.restarts_used)
+                                  spent=self.restarts_used, pinned=frozenset(self.pinned))
         if attempt.faults:
             self.history.append(decision)
         event = {"attempt": attempt.number, "action": decision.action, "severity": decision.severity,
@@ -386,6 +372,9 @@ class JobCore:
             self.restarts.append({"attempt": attempt.number + 1, "ts": now, "cause": decision.reason,
                                   "severity": decision.severity, "action": decision.action,
                                   "rule": decision.rule})
+        if decision.exclude:
+            out += leave_out(self.members, self.excluded, self.spec.job_id, decision.exclude, decision.reason)
+            active = len(self.members.active())
         self.holdings = Holdings(attempt.number, attempt.world_size)
         for node_id, body in attempt.stopped.items():
             self.holdings.add(node_id, body)

@@ -16,6 +16,7 @@ class NodeState(str, Enum):
     ACTIVE = "healthy"
     LOST = "lost"
     LEFT = "left"
+    EXCLUDED = "excluded"  # left out by a reconfigure: it failed again in place
 
 
 @dataclass

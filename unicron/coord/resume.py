@@ -187,3 +187,21 @@ def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
         out += core.stop_attempt(f"node {extra[0].host} joined: growing to {len(core.members.active())} nodes",
                                  now, want_stacks=False)
     return out
+
+
+def rejoined(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+    """A node of the current attempt is back (fenced, its workers stopped, its snapshots
+    kept): its join counts as its stop of that attempt, no ``stop`` having reached it. What
+    it holds counts only if it says it was lost from this very attempt."""
+    attempt = core.attempt
+    if attempt is None or node_id not in attempt.nodes:
+        return []
+    held = body if body.get("attempt") == attempt.number else {}
+    if core.phase is Phase.STOPPING and node_id not in attempt.stopped:
+        attempt.stopped[node_id] = {"snapshots": held.get("snapshots", {}),
+                                    "snapshot_bytes": held.get("snapshot_bytes", {})}
+        return core.after_stop(now) if core.all_stopped() else []
+    if held and core.phase is Phase.WAITING and core.holdings is not None \
+            and core.holdings.attempt == attempt.number:
+        core.holdings.add(node_id, held)
+    return []

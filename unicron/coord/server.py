@@ -82,6 +82,9 @@ class CoordinatorServer:
         # Told to the user (not just counted): messages that say a node is misconfigured.
         self.warn = warn
         self._warned_peers: set[bytes] = set()
+        # Nodes a reconfigure never leaves out: the agent this coordinator is embedded in (its
+        # exit would end the coordinator, and with it every job). Shared with each job's core.
+        self.pinned: set[str] = set()
         self.slots: dict[str, JobSlot] = {}
         self.ctx: zmq.Context = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -300,6 +303,7 @@ class CoordinatorServer:
                        join_timeout_s=float(b["join_timeout_s"]), stop_timeout_s=float(b["stop_timeout_s"]),
                        hang=dict(b.get("hang") or {}))
         core = JobCore(spec, self.decider_for(), now)
+        core.pinned = self.pinned
         events = self.events_for(msg.job)
         events.listeners.append(core.recent_events.append)
         slot = JobSlot(core, events)

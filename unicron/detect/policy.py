@@ -303,8 +303,8 @@ class RestartPolicy:
                          else f"the same error came back ({fault.where()})")
                 return stop(
                     StopReason.CANNOT_RECONFIGURE,
-                    f"{again} after a restart without completing a step, and the job "
-                    f"is not elastic, so the node cannot be excluded (use --nnodes MIN:MAX); last cause: {cause}",
+                    f"{again} after a restart without completing a step, and {fixed_why}, so no node can be "
+                    f"left out{' (use --nnodes MIN:MAX)' if 'not elastic' in fixed_why else ''}; last cause: {cause}",
                     escalated=True,
                 )
             action, escalated = Action.RECONFIGURE, True
