@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from unicron.agent import failing
 from unicron.agent.attempt import (
     EarlierAttempts,
     attempt_line,
@@ -346,8 +347,13 @@ class Agent:
         stacks: dict[str, str] = {}
         finished: list[dict[str, Any]] = []
         if group is not None and group.spec.attempt == body["attempt"]:
-            # What the workers said before the stop came (an `exiting` may be queued behind it).
+            # What the workers said before the stop came (an `exiting` may be queued behind it),
+            # and what ranks caught failing say within a second (unicron.agent.failing).
             self._drain_workers()
+            deadline = time.monotonic() + failing.WAIT_S
+            while failing.failing_ranks(group.ranks.values(), time.time()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+                self._drain_workers()
             faults, finished, stacks = stop_answer(group, body["want_stacks"])
             for fault in faults:
                 self._report(fault)

@@ -1,0 +1,56 @@
+"""A rank that breaks its peers' connections before its own exception reaches Python (as gloo
+does on its way to throwing) is still the root cause: the stop waits for it, not killing it
+while its victims' reports arrive first."""
+
+from __future__ import annotations
+
+import pytest
+from e2e import read_events, run_unicron
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+SCRIPT = r"""
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+marker = sys.argv[1]
+for step in range(20):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    if first and step == 5 and dist.get_rank() == 1:
+        # What native code does on its way to an exception: log the error, tear the connections
+        # down (rank 0 fails on that at once: below), and only then throw.
+        sys.stderr.write("[E1206 08:22:42.078670627 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed\n")
+        sys.stderr.flush()
+        open(marker, "w").close()
+        time.sleep(0.6)
+        raise RuntimeError("Gloo connectFullMesh failed: timed out connecting to rank 0")
+    if first and step == 5 and dist.get_rank() == 0:
+        while not os.path.exists(marker):
+            time.sleep(0.001)
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:40123")
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_that_breaks_its_peers_before_it_throws_is_the_root_cause(workdir) -> None:
+    (workdir / "tears_down.py").write_text(SCRIPT)
+    code, _out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                                   "--log-dir", str(workdir / "logs"), str(workdir / "tears_down.py"),
+                                   str(workdir / "torn")],
+                                  workdir, timeout=150)
+    assert code == 0, err
+    decisions = [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    assert len(decisions) == 1, decisions
+    reason = decisions[0]["reason"]
+    assert "rank 1" in reason and "timed out connecting to rank 0" in reason, reason
+    assert decisions[0]["rule"] != "peer-connection-lost", decisions[0]
