@@ -219,6 +219,25 @@ def test_signal_stops_everything_and_leaves_no_orphans(workdir, launch, sig, cod
     assert end[0]["restarts"] == 0, end
 
 
+def test_an_interrupt_whose_workers_take_longer_to_stop_than_the_heartbeat_timeout_is_no_node_loss(
+        workdir, launch) -> None:
+    """The workers save a checkpoint for 4 s on SIGTERM (a preemption handler): the agent, busy
+    stopping them, sends no heartbeat for longer than the 3 s timeout. Its own coordinator ends
+    the job first, so the log records the interruption, not a lost node and a budget stop."""
+    item = _two_ready_workers(workdir, launch, "saver.py", "20", (
+        "import signal, sys, time, torch.distributed as dist\n"
+        "def save(*_):\n    time.sleep(4)\n    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, save)\n"
+        "dist.init_process_group('gloo')\n"))
+    item.proc.send_signal(signal.SIGTERM)
+    rc, _, err = item.wait(60)
+    assert rc == 143, err
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] in ("node_lost", "decision", "stop")], events
+    end = [e for e in events if e["kind"] == "job_end"]
+    assert len(end) == 1 and end[0]["exit_code"] == 143 and "interrupted" in end[0]["reason"], end
+
+
 def test_a_second_signal_cuts_the_grace_period_short(workdir, launch) -> None:
     """Workers that ignore SIGTERM get --grace-period (60 s here) before SIGKILL; a second
     signal to the launcher (Ctrl-C twice) kills them at once."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -35,10 +36,30 @@ class EventLog:
         self.node = node
         self._lock = threading.Lock()
         self._fh = None
+        self._failed: str | None = None  # why the last write failed (said once): the job goes on
         self.listeners: list[Any] = []  # callables(event_dict), e.g. the status ring buffer
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", encoding="utf-8", buffering=1)
+
+    def _write(self, line: str) -> None:
+        """Append one line. A full or failing disk must not stop the job (the coordinator writes
+        here between a stop and its decision): it is said once on stderr, and later writes are
+        tried again (a torn line is skipped by readers)."""
+        assert self._fh is not None
+        try:
+            self._fh.write(line + "\n")
+        except (OSError, ValueError) as err:
+            why = getattr(err, "strerror", None) or str(err)
+            if why != self._failed:
+                self._failed = why
+                try:
+                    print(f"unicron: warning: cannot write the event log {self.path}: {why}; events are "
+                          "missing from it until it can", file=sys.stderr, flush=True)
+                except (OSError, ValueError):
+                    pass
+            return
+        self._failed = None
 
     def emit(self, kind: str, /, *, ts: float | None = None, **fields: Any) -> dict[str, Any]:
         event: dict[str, Any] = {"ts": time.time() if ts is None else ts, "kind": kind, "job": self.job}
@@ -50,7 +71,7 @@ class EventLog:
         line = json.dumps(event, default=str, separators=(",", ":"))
         with self._lock:
             if self._fh is not None:
-                self._fh.write(line + "\n")
+                self._write(line)
             for listener in list(self.listeners):
                 listener(event)
         return event
@@ -58,7 +79,10 @@ class EventLog:
     def close(self) -> None:
         with self._lock:
             if self._fh is not None:
-                self._fh.close()
+                try:
+                    self._fh.close()
+                except OSError:  # its last buffered line could not be written: said when it failed
+                    pass
                 self._fh = None
 
 

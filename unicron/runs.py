@@ -79,6 +79,22 @@ def register_run_or_warn(info: RunInfo, warn: Callable[[str], object]) -> bool:
     return True
 
 
+def write_secret_file(directory: str | os.PathLike[str], secret: bytes, warn: Callable[[str], object]) -> str:
+    """Keep the job's secret (mode 0600) where ``unicron status`` finds it; returns its path, or
+    "" with a warning when it cannot be written (a full disk): the job runs without it."""
+    path = Path(directory) / "secret"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(secret)
+    except OSError as err:
+        warn(f"cannot keep the job's secret in {path} ({err.strerror}); `unicron status` will need "
+             "UNICRON_SECRET or --secret-file")
+        return ""
+    return str(path)
+
+
 def unregister_run(job: str, pid: int | None = None) -> None:
     """Remove the entry this process (or ``pid``) wrote for ``job``."""
     try:

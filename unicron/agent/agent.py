@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -69,6 +70,8 @@ class Agent:
                  ui: Any, signals: Any, hosts_coordinator: bool = False) -> None:
         self.s = s
         self.hosts_coordinator = hosts_coordinator  # its coordinator ends the job when this launcher stops
+        # Set by run_agent when it does: ends that coordinator's job (reason, exit code).
+        self.end_own_job: Callable[[str, int], None] | None = None
         self.endpoint = endpoint
         self.run_logs = run_logs
         self.events = events
@@ -182,6 +185,10 @@ class Agent:
                 if self.joining.welcomed and self.link.lost(now_m, stepped, done=done):
                     return self.rejoiner.lost(done)
         except (Interrupted, UnicronError) as err:
+            if self.end_own_job is not None:
+                # Our own coordinator ends the job first: stopping the workers may take the grace
+                # period, longer than its heartbeat timeout, and it would judge this node lost.
+                self.end_own_job(str(err), int(getattr(err, "exit_code", 1)))
             # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
             self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
             # Another node's coordinator re-plans without this node; our own ends the job when
@@ -350,10 +357,7 @@ class Agent:
             # What the workers said before the stop came (an `exiting` may be queued behind it),
             # and what ranks caught failing say within a second (unicron.agent.failing).
             self._drain_workers()
-            deadline = time.monotonic() + failing.WAIT_S
-            while failing.failing_ranks(group.ranks.values(), time.time()) and time.monotonic() < deadline:
-                time.sleep(0.01)
-                self._drain_workers()
+            failing.wait_for_failing(group.ranks.values(), self._drain_workers)
             faults, finished, stacks = stop_answer(group, body["want_stacks"])
             for fault in faults:
                 self._report(fault)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from unicron.agent.proctree import is_exiting
 from unicron.agent.ranks import RankState
@@ -51,3 +52,13 @@ def failing_ranks(ranks: Iterable[RankState], now: float) -> list[int]:
     return [r.rank for r in ranks
             if r.exitcode is None and r.exception is None and r.exiting_code is None
             and looks_failing(r.logs.stderr_path, now) and r.proc.poll() is None and not is_exiting(r.proc.pid)]
+
+
+def wait_for_failing(ranks: Iterable[RankState], drain: Callable[[], object], wait_s: float = WAIT_S) -> None:
+    """Up to ``wait_s``, while some rank is failing, ``drain()`` the workers' messages (their
+    exception reports)."""
+    ranks = list(ranks)
+    deadline = time.monotonic() + wait_s
+    while failing_ranks(ranks, time.time()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        drain()

@@ -24,7 +24,7 @@ from unicron.coord.decide import DetectDecider
 from unicron.coord.server import CoordinatorServer
 from unicron.errors import UsageError, WorkerFailedError
 from unicron.events import EVENTS_FILE, EventLog
-from unicron.runs import RunInfo, register_run_or_warn, unregister_run
+from unicron.runs import RunInfo, register_run_or_warn, unregister_run, write_secret_file
 
 # How long to keep trying to host the coordinator while its port is taken but nobody listens.
 _HOST_RACE_S = 2.0
@@ -66,7 +66,7 @@ def run_agent(s: AgentSettings) -> int:
         try:
             server, endpoint = _coordinator(s, events, ui.warn)
             if server is not None:
-                secret_file = s.secret_file or _write_secret(events_dir, s.secret)
+                secret_file = s.secret_file or write_secret_file(events_dir, s.secret, ui.warn)
                 register_run_or_warn(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}",
                                              pid=os.getpid(), secret_file=secret_file, log_dir=events_dir,
                                              started_at=time.time()), ui.warn)
@@ -86,6 +86,8 @@ def run_agent(s: AgentSettings) -> int:
                           hosts_coordinator=server is not None)
             if server is not None:
                 server.pinned.add(agent.node_id)  # a reconfigure must not end the coordinator's own agent
+                agent.end_own_job = lambda why, code: server.stop(
+                    reason=f"the coordinator's node stopped: {why}", exit_code=code)
             code = agent.run()
             if code == 0:
                 run_logs.discard_worker_logs()  # the temporary copies of a job that succeeded
@@ -198,11 +200,3 @@ def _is_local(host: str) -> bool:
     except (OSError, UnicodeError):
         return False
     return any(info[4][0] in addrs for info in infos)
-
-
-def _write_secret(directory: str, secret: bytes) -> str:
-    path = os.path.join(directory, "secret")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(secret)
-    return path

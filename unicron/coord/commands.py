@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         from unicron.coord.decide import DetectDecider
         from unicron.coord.server import CoordinatorServer
         from unicron.events import EVENTS_FILE, EventLog
-        from unicron.runs import RunInfo, register_run_or_warn, unregister_run
+        from unicron.runs import RunInfo, register_run_or_warn, unregister_run, write_secret_file
 
         if not 0 <= port <= 65535:
             raise UsageError(f"--port: {port} is not a TCP port")
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
                 # Its decisions on this console (no agent's console shows them: none hosts it).
                 console = AgentUI("never", name="unicron coordinator", label=f"job {job!r}: ")
                 logs[job].listeners.append(console.on_event)
-                sfile = secret_file or _write_secret(base, secret)
+                sfile = secret_file or write_secret_file(base, secret, console.warn)
                 register_run_or_warn(RunInfo(job=job, endpoint=f"{_shown(host)}:{server.port}", pid=os.getpid(),
                                              secret_file=sfile, log_dir=str(base / safe), started_at=time.time()),
                                      console.warn)
@@ -101,15 +101,6 @@ def _secret(secret_file: str) -> bytes:
     if not secret:
         raise ConfigError("no job secret: set UNICRON_SECRET or pass --secret-file (the agents need the same one)")
     return secret
-
-
-def _write_secret(base: Path, secret: bytes) -> str:
-    base.mkdir(parents=True, exist_ok=True)
-    path = base / "secret"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(secret)
-    return str(path)
 
 
 def _shown(host: str) -> str:

@@ -162,7 +162,10 @@ def write_error_file(exc: BaseException, tb_text: str, started_at: float) -> Non
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(error_file_record(exc, tb_text, time.time()), fh)
     except (OSError, ValueError, TypeError) as err:  # never instead of the exception it records
-        print(f"unicron: could not write error file {path}: {err}", file=sys.stderr)
+        try:
+            print(f"unicron: could not write error file {path}: {err}", file=sys.stderr)
+        except (OSError, ValueError):
+            pass  # stderr is a file in the same full log directory
 
 
 def _die_of_sigint() -> None:
@@ -227,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         # and the launcher's own error file is copied from this one (unicron.agent.errorfile).
         write_error_file(exc, tb_text, started_at)
         hooks.report_exception(type(exc), exc, tb)
-        sys.excepthook(type(exc), exc, tb)
+        try:
+            sys.excepthook(type(exc), exc, tb)
+        except (OSError, ValueError):
+            pass  # stderr cannot be written (a full disk): the agent has the report
         if isinstance(exc, KeyboardInterrupt):
             _die_of_sigint()
         return 1
