@@ -32,13 +32,15 @@ TRAIN = """
 
     # Overhead of the boundary hook, measured on real opt.step() calls (tiny model, no grads:
     # the step itself is nearly free, so the difference is the hook).
+    opt_tail = torch.optim.Adam(head.parameters(), lr=0.1)
     def timed(n):
         t0 = time.perf_counter()
-        for _ in range(n):
+        for _ in range(n // 2):  # taking turns: neither replaces opt as the counted one
+            opt_tail.step()
             opt_head.step()
         return (time.perf_counter() - t0) / n
     n = 3000
-    hooked = min(timed(n) for _ in range(3))   # opt_head does not count: only opt does
+    hooked = min(timed(n) for _ in range(3))   # opt_head and opt_tail do not count: only opt does
     t0 = time.perf_counter()
     for _ in range(n):
         hooks._on_optimizer_step(opt, (), {})  # the counted path: emit + fault check
@@ -93,3 +95,24 @@ def test_step_counter_rules() -> None:
     assert counter.on_explicit_step(10) == 10 and counter.on_explicit_step(None) == 11
     custom = StepCounter()  # no optimizer at all: every call counts
     assert [custom.on_explicit_step(None) for _ in range(3)] == [1, 2, 3]
+
+
+def test_a_second_optimizer_that_replaces_the_first_is_counted() -> None:
+    """Two-phase fine-tuning: a probe's optimizer, then a new one over every parameter while
+    the first is still referenced. Optimizers that take turns (a GAN) keep the first counted."""
+    class Opt:
+        pass
+
+    counter = StepCounter()
+    probe, full, gen = Opt(), Opt(), Opt()
+    assert [counter.on_optimizer_step(probe) for _ in range(3)] == [1, 2, 3]
+    assert counter.on_optimizer_step(full) is None  # the first step of another: maybe a GAN's
+    assert counter.on_optimizer_step(full) == 4  # twice with no step of the probe's: it took over
+    assert [counter.on_optimizer_step(full) for _ in range(2)] == [5, 6]
+    assert counter.on_optimizer_step(probe) is None
+    gan = StepCounter()
+    steps = [gan.on_optimizer_step(o) for _ in range(4) for o in (probe, gen)]
+    assert steps == [1, None, 2, None, 3, None, 4, None]  # alternating: the first one counts
+    critic = StepCounter()  # a critic stepped 3 times per generator step, the critic first
+    steps = [critic.on_optimizer_step(o) for _ in range(2) for o in (probe, probe, probe, gen)]
+    assert steps == [1, 2, 3, None, 4, 5, 6, None]
