@@ -445,3 +445,20 @@ def test_where_names_the_rank_a_hang_blames_or_the_node() -> None:
     assert Fault("health", 1.0, host="h", gpu=2).where() == "GPU 2 on h"
     assert Fault("hang", 1.0).where() == "the job"
     assert Fault("exit", 1.0).where() == "the job"
+
+
+def test_a_rank_killed_by_a_signal_is_no_victim_of_an_old_connection_reset_in_its_stderr() -> None:
+    """A background uploader thread's connection was reset 20 steps before the OOM killer
+    SIGKILLed the rank: the kill is the cause. A lost peer ends a rank with an exception, an
+    exit code or SIGABRT (a C++ exception that escapes), never SIGKILL or SIGSEGV."""
+    tail = ("Exception in thread uploader:\nTraceback (most recent call last):\n"
+            "  File \"train.py\", line 20, in run\n"
+            "ConnectionResetError: [Errno 104] Connection reset by peer\n")
+    for sig, rule in ((9, "sigkill"), (11, "crash-signal")):
+        c = classify(Fault(kind="exit", ts=1.0, rank=1, exitcode=-sig, signal=sig, stderr_tail=tail), ())
+        assert c.rule == rule and c.severity is Severity.SEV2, (sig, c)
+    aborted = classify(Fault(kind="exit", ts=1.0, rank=1, exitcode=-6, signal=6, stderr_tail=tail), ())
+    assert aborted.rule == "peer-connection-lost"
+    raised = classify(Fault(kind="exception", ts=1.0, rank=1, error_type="RuntimeError",
+                            message="Connection reset by peer"), ())
+    assert raised.rule == "peer-connection-lost"

@@ -54,3 +54,67 @@ def test_a_rank_that_breaks_its_peers_before_it_throws_is_the_root_cause(workdir
     reason = decisions[0]["reason"]
     assert "rank 1" in reason and "timed out connecting to rank 0" in reason, reason
     assert decisions[0]["rule"] != "peer-connection-lost", decisions[0]
+
+
+THREAD_THEN_KILL = r"""
+import os, signal, threading
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+
+def upload():  # a metrics uploader whose endpoint resets the connection; training goes on
+    raise ConnectionResetError(104, "Connection reset by peer")
+
+for step in range(12):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    if first and dist.get_rank() == 1 and step == 2:
+        t = threading.Thread(target=upload, name="uploader")
+        t.start()
+        t.join()
+    if first and dist.get_rank() == 1 and step == 8:
+        os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, a preemption
+dist.destroy_process_group()
+"""
+
+
+def test_a_background_threads_old_exception_does_not_explain_a_later_sigkill(workdir) -> None:
+    (workdir / "thread_then_kill.py").write_text(THREAD_THEN_KILL)
+    code, _out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                                   "--log-dir", str(workdir / "logs"), str(workdir / "thread_then_kill.py")],
+                                  workdir, timeout=150)
+    assert code == 0, err
+    decisions = [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    assert len(decisions) == 1 and decisions[0]["rule"] == "sigkill", decisions
+    assert "ConnectionResetError" not in decisions[0]["reason"], decisions[0]
+    said = next(line for line in err.splitlines() if "exit on rank 1" in line)
+    assert said.rstrip().endswith("signal SIGKILL (9)"), said
+
+
+HIDDEN_ABORT = r"""
+import os, sys, time
+if os.environ["LOCAL_RANK"] == "0":
+    sys.stderr.write("terminate called after throwing an instance of 'c10::Error'\n"
+                     "  what():  CUDA error: an illegal memory access was encountered\n")
+    sys.stderr.flush()
+    os.abort()
+time.sleep(30)
+"""
+
+
+def test_a_rank_hidden_by_local_ranks_filter_keeps_its_stderr_for_the_classifier(workdir) -> None:
+    """``--local-ranks-filter 1`` hides rank 0 from the console, not from the failure report."""
+    (workdir / "hidden.py").write_text(HIDDEN_ABORT)
+    code, _out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "1",
+                                   "--log-dir", str(workdir / "logs"), str(workdir / "hidden.py")], workdir, timeout=90)
+    assert code == 1, err
+    decision = next(e for e in read_events(workdir / "logs") if e["kind"] == "decision")
+    assert decision["rule"] == "cuda-error" and "illegal memory access" in decision["reason"], decision
+    assert list((workdir / "logs").rglob("0/stderr.log")), "rank 0's stderr.log"

@@ -82,6 +82,17 @@ def test_an_exception_that_cannot_be_printed_is_still_the_root_cause(workdir) ->
     assert fault["error_type"] == "BadBatch" and fault["message"] == "<exception str() failed>", fault
 
 
+def test_control_characters_of_a_workers_message_are_escaped_in_the_final_error_line(workdir) -> None:
+    """unicron's own last line (the one a user reads) must not recolour the terminal, ring its
+    bell, or lose what follows a carriage return in the message."""
+    (workdir / "ctrl.py").write_text('raise RuntimeError("bad \\x1b[31mred\\x1b[0m \\x07bell\\rafter the CR")\n')
+    code, _out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "1", str(workdir / "ctrl.py")],
+                                  workdir, timeout=60)
+    assert code == 1
+    last = next(line for line in err.splitlines() if line.startswith("unicron: error:"))
+    assert "bad \\x1b[31mred\\x1b[0m \\x07bell\\x0dafter the CR" in last, last
+
+
 def test_garbage_a_worker_writes_on_its_channel_is_survived_and_the_job_heals(workdir) -> None:
     """A script can reach its agent's channel: an ``exc`` with a number for its traceback and a
     dict for its message, and JSON nested deeper than Python parses. They used to end the

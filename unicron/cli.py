@@ -49,7 +49,9 @@ def _register_all() -> None:
 
 
 def error_line(message: str) -> None:
-    sys.stderr.write(f"unicron: error: {message}\n")
+    from unicron.textclip import printable
+
+    sys.stderr.write(f"unicron: error: {printable(message)}\n")
     sys.stderr.flush()
 
 

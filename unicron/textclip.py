@@ -4,6 +4,7 @@ console line should be read by a person, and a 5 MB exception message must not s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,13 @@ from typing import Any
 FAULT_FIELD_LIMITS: Mapping[str, int] = {"message": 16_000, "traceback": 64_000, "stderr_tail": 16_000,
                                          "summary": 2_000, "error_type": 200}
 LINE_LIMIT = 500  # what a console line shows of a worker's message
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters but tab and newline shown as escapes (``\\x1b``):
+    a worker's message in unicron's own lines must not recolour the terminal or ring its bell."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text.replace("\r\n", "\n"))
 
 
 def clip(text: str, limit: int) -> str:

@@ -50,7 +50,7 @@ def failing_ranks(ranks: Iterable[RankState], now: float) -> list[int]:
     """Live ranks that have not reported a failure yet and whose stderr shows one under way (one
     that exits is done: its exit is the report)."""
     return [r.rank for r in ranks
-            if r.exitcode is None and r.exception is None and r.exiting_code is None
+            if r.exitcode is None and not r.exception_fatal and r.exiting_code is None
             and looks_failing(r.logs.stderr_path, now) and r.proc.poll() is None and not is_exiting(r.proc.pid)]
 
 

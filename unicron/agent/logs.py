@@ -191,10 +191,12 @@ def plan_rank_logs(
     tee_err = Std.ERR in teed
     shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
     if not shown:
-        # Filtered-out ranks keep their files but print nothing on the console.
+        # Filtered-out ranks keep their files but print nothing on the console. Their stderr is
+        # kept all the same: the classifier and the failure report read it (a hidden rank's CUDA
+        # error), and every rank's stderr.log exists.
         tee_out = tee_err = False
         stdout_path = stdout_path or os.devnull
-        stderr_path = stderr_path or os.devnull
+        stderr_path = stderr_path or os.path.join(directory, "stderr.log")
     out_filters, err_filters = spec.duplicate_stdout_filters, spec.duplicate_stderr_filters
     return RankLogs(
         local_rank=local_rank,

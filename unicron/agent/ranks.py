@@ -23,6 +23,8 @@ class RankState:
     last_step_at: float | None = None
     iter_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     exception: dict[str, Any] | None = None
+    exception_fatal: bool = False  # the exception ended the script (not a background thread's)
+    exception_step: int = 0  # the rank's step when it came
     exitcode: int | None = None
     exited_at: float | None = None
     snapshot_step: int | None = None
@@ -54,8 +56,11 @@ class RankState:
             if msg.get("ready") is True:
                 self.ready_at = self.ready_at or at
         elif t == "exc":
-            # The worker's text, whatever it sent (a script can write to the channel): strings only.
-            self.exception = {k: v if isinstance(v := msg.get(k), str) else "" for k in ("type", "msg", "tb")}
+            fatal = msg.get("fatal") is not False  # False: a background thread's; the process goes on
+            if fatal or not self.exception_fatal:  # a thread dying in teardown does not hide the cause
+                # The worker's text, whatever it sent (a script can write to the channel): strings only.
+                self.exception = {k: v if isinstance(v := msg.get(k), str) else "" for k in ("type", "msg", "tb")}
+                self.exception_fatal, self.exception_step = fatal, self.step
             if msg.get("ready") is True:
                 self.ready_at = self.ready_at or at
         elif t == "step" and isinstance(msg.get("step"), int):

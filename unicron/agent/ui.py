@@ -6,7 +6,6 @@ lines, one per event, nothing redrawn.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from typing import Any
@@ -15,17 +14,11 @@ from rich.console import Console
 from rich.text import Text
 
 from unicron.events import decision_line
-from unicron.textclip import clip_line
+from unicron.textclip import clip_line, printable
 
 # C0 and C1 control characters but tab and newline, and DEL: a worker's exception message can
 # hold NULs or terminal escapes, which must not recolour or rewrite the user's terminal through
 # our lines.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters but tab and newline shown as escapes (``\\x1b``)."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text.replace("\r\n", "\n"))
 
 
 class AgentUI:

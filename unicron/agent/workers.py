@@ -386,9 +386,15 @@ class WorkerGroup:
                          summary=failure.summary or describe_exit(failure.exitcode))
             if failure.error is not None:
                 fault["message"] = failure.error.message[-2000:]
-            if r.exception is not None:
+            # A background thread's exception explains an exit only if it came at the same step and
+            # the process exited rather than being killed (it died 20 steps before a SIGKILL: no).
+            explains = r.exception is not None and (r.exception_fatal or (
+                failure.signal_name is None and r.exception_step == r.step))
+            if explains and r.exception is not None:
                 fault.setdefault("error_type", r.exception.get("type"))
-                fault.setdefault("message", f"{r.exception.get('type')}: {r.exception.get('msg')}")
+                fault.setdefault("message", r.exception.get("msg"))
                 fault["traceback"] = fault.get("traceback") or r.exception.get("tb")
+            elif r.exception is not None and failure.signal_name is not None and failure.error is None:
+                fault["summary"] = describe_exit(failure.exitcode)  # not the old traceback in its stderr
         fault.update({k: v for k, v in fields.items() if v is not None})
         return clip_fields(json.loads(json.dumps(fault, default=str)))  # a worker's text is unbounded

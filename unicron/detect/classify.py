@@ -58,6 +58,14 @@ def _failed_process(fault: Fault) -> bool:
     return fault.kind in ("exit", "exception") and not _clean_exit(fault)
 
 
+def _may_be_a_victim(ev: Evidence) -> bool:
+    """A lost peer ends a rank with an exception, an exit code, or SIGABRT (a C++ exception that
+    escapes: NCCL's watchdog); never with SIGKILL, SIGSEGV or SIGTERM. Such a death is its own
+    cause, whatever its stderr said earlier (a background thread's connection reset 20 steps
+    before an OOM kill)."""
+    return ev.signal is None or ev.signal == _signal.SIGABRT
+
+
 def _clean_exit(fault: Fault) -> bool:
     return fault.kind == "exit" and fault.exitcode == 0 and fault.signal is None
 
@@ -240,7 +248,7 @@ RULES: tuple[Rule, ...] = (
             "CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS_", "CUDNN_STATUS_",
             "cuDNN error")(f, ev)),
          lambda f, ev: f"{f.where()} hit a CUDA error ({error_summary(f, ev)})"),
-    Rule("nccl-remote", Severity.SEV3, lambda f, ev: _failed_process(f) and _has(
+    Rule("nccl-remote", Severity.SEV3, lambda f, ev: _failed_process(f) and _may_be_a_victim(ev) and _has(
         "ncclRemoteError", "Connection closed by remote peer", "remote process exited")(f, ev),
          lambda f, ev: f"{f.where()} lost an NCCL peer ({error_summary(f, ev)})", victim=True),
     Rule("nccl-error", Severity.SEV2, lambda f, ev: _failed_process(f) and _has(
@@ -252,7 +260,8 @@ RULES: tuple[Rule, ...] = (
         or bool(re.search(r"Timed out waiting \d+ms for (recv|send)", ev.text))),
          lambda f, ev: f"{f.where()} timed out waiting in a collective for a peer ({error_summary(f, ev)})",
          victim=True),
-    Rule("peer-connection-lost", Severity.SEV3, lambda f, ev: _failed_process(f) and _peer_connection_lost(ev),
+    Rule("peer-connection-lost", Severity.SEV3,
+         lambda f, ev: _failed_process(f) and _may_be_a_victim(ev) and _peer_connection_lost(ev),
          lambda f, ev: f"{f.where()} lost its connection to a peer ({error_summary(f, ev)})", victim=True),
     Rule("oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGKILL and any(
         h.error_type == "oom_kill" for h in ev.health),

@@ -106,7 +106,8 @@ def gather(fault: Fault, health: Sequence[Fault]) -> Evidence:
 
 
 def short(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
+    # Lines end at "\n" only: a "\r" (a progress-style message) is part of the line, shown escaped.
+    line = text.strip().split("\n")[0].rstrip("\r") if text.strip() else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
