@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+import re
 import json
 import os
 import signal
@@ -261,6 +262,29 @@ def test_an_untouched_stream_shows_partial_lines_at_once_and_byte_for_byte(tmp_p
     finish()
     tee.close(timeout_s=30)
     assert console.getvalue() == b"\rprogress 0\rprogress 1\rprogress 2\rdone\nlast words, unterminated"
+
+
+def test_raw_streams_of_two_ranks_never_splice_a_line(tmp_path: Path) -> None:
+    """Two ranks flood stderr at once (logging, warnings): each line reaches the console whole,
+    though the files are read 64 KiB at a time, cut anywhere (torchrun's workers write to the
+    console themselves, a line per write)."""
+    console = io.BytesIO()
+    tee = ConsoleTee(stderr=console, interval_s=0.01)
+    finishes, total = [], 0
+    for name in "ab":
+        log = tmp_path / f"{name}.log"
+        log.write_bytes(b"".join(f"{name} line {i:06d} {'x' * (i % 50)}\n".encode() for i in range(20000)))
+        total += log.stat().st_size
+    for name in "ab":  # both followed while still being written to: read in turns, 64 KiB at a time
+        finishes.append(tee.follow(str(tmp_path / f"{name}.log"), "", stream="stderr", raw=True))
+    wait_until(lambda: len(console.getvalue()) >= total, timeout_s=30, what="everything on the console")
+    for finish in finishes:
+        finish()
+    tee.close(timeout_s=60)
+    lines = console.getvalue().decode().split("\n")
+    assert lines.pop() == ""
+    bad = [line for line in lines if not re.fullmatch(r"[ab] line \d{6} x*", line)]
+    assert not bad and len(lines) == 40000, bad[:3]
 
 
 def test_slow_console_does_not_block_the_worker(tmp_path: Path, workers: list[WorkerProcess]) -> None:

@@ -57,6 +57,7 @@ class _Follow:
         self.copy = copy
         self.handle: IO[bytes] | None = None
         self.partial = b""
+        self.raw_held = b""  # raw: an unfinished last line, shown once the writer pauses
         self.finished = False
 
 
@@ -173,9 +174,20 @@ class ConsoleTee:
                 return False
         data = entry.handle.read(1 << 16)
         if not data:
+            if entry.raw_held:  # the writer paused mid-line (a prompt, a progress bar): show it now
+                self._emit(entry, entry.raw_held)
+                entry.raw_held = b""
             return False
         if entry.raw:
-            self._emit(entry, data)
+            # Up to the last line end only: another rank's output (or unicron's own line) must not
+            # land inside this line, between two reads of it or two writes of one print.
+            chunk = entry.raw_held + data
+            end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
+            if len(chunk) - end > self.max_line_bytes:
+                end = len(chunk)  # a line with no end in sight is shown in pieces
+            entry.raw_held = chunk[end:]
+            if end:
+                self._emit(entry, chunk[:end])
         buffered = entry.partial + data
         held = b""
         if buffered.endswith(b"\r"):  # maybe half of a \r\n: decided with the next read
@@ -197,6 +209,9 @@ class ConsoleTee:
         return True
 
     def _flush_partial(self, entry: _Follow) -> None:
+        if entry.raw_held:
+            self._emit(entry, entry.raw_held)
+            entry.raw_held = b""
         if entry.partial:
             if not entry.raw:  # raw: shown already, and the worker chose not to end the line
                 self._emit(entry, entry.prefix + entry.partial.removesuffix(b"\r") + b"\n")
