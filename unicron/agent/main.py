@@ -22,7 +22,7 @@ from unicron.agent.signals import LauncherSignals, set_child_subreaper
 from unicron.agent.ui import AgentUI
 from unicron.coord.decide import DetectDecider
 from unicron.coord.server import CoordinatorServer
-from unicron.errors import UsageError, WorkerFailedError
+from unicron.errors import UnicronError, UsageError, WorkerFailedError
 from unicron.events import EVENTS_FILE, EventLog
 from unicron.runs import RunInfo, register_run_or_warn, unregister_run, write_secret_file
 
@@ -95,8 +95,15 @@ def run_agent(s: AgentSettings) -> int:
         except BaseException as err:
             stopped_by = str(err) or type(err).__name__
             stopped_code = getattr(err, "exit_code", 1)
-            if isinstance(err, WorkerFailedError) and launcher_error_file:
+            if launcher_error_file and isinstance(err, WorkerFailedError):
                 _record_failure(launcher_error_file, err, run_logs, agent, ui)
+            elif launcher_error_file and isinstance(err, UnicronError) and not isinstance(err, UsageError):
+                # As torchrun's @record'ed main writes any exception that leaves it: a SIGTERM
+                # (preemption, eviction), a rendezvous timeout, a lost coordinator.
+                problem = errorfile.write(launcher_error_file, errorfile.record(
+                    (str(err) or type(err).__name__).splitlines()[0], stopped_code, None))
+                if problem is not None:
+                    ui.warn(problem)
             raise
         finally:
             if metrics is not None:
