@@ -56,6 +56,10 @@ def test_plan_table_and_yaml_input(app: typer.Typer, tmp_path: Path) -> None:
      "transition_s: must be <= 1e+15, got 1e+308"),  # finite, but its products overflowed to -Infinity
     ("{not json", ".json", "is not valid JSON"),
     ("nodes: [unclosed", ".yaml", "is not valid YAML"),
+    ("[" * 100_000 + "]" * 100_000, ".json", "is not valid JSON (maximum recursion depth exceeded"),
+    ('{"nodes": [{"name": "n0"}], "horizon_s": ' + "9" * 5000 + "}", ".json",
+     "is not valid JSON (Exceeds the limit (4300 digits)"),
+    ("a: " + "[" * 5000 + "]" * 5000, ".yaml", "is not valid YAML (maximum recursion depth exceeded"),
 ])
 def test_bad_input_is_one_error_naming_the_field(app: typer.Typer, tmp_path: Path, content: str, suffix: str,
                                                  message: str) -> None:

@@ -41,10 +41,21 @@ def load_document(path: Path, what: str = "--input") -> Any:
             where = f" (line {mark.line + 1})" if mark is not None else ""
             if suffix in (".yaml", ".yml"):
                 raise InputError(f"{what}: {path} is not valid YAML{where}") from exc
+        except (RecursionError, ValueError) as exc:  # nested too deep; an integer of 5000 digits
+            if suffix in (".yaml", ".yml"):
+                raise InputError(f"{what}: {path} is not valid YAML ({_first_clause(exc)})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{what}: {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+    except (RecursionError, ValueError) as exc:
+        raise InputError(f"{what}: {path} is not valid JSON ({_first_clause(exc)})") from None
+
+
+def _first_clause(exc: BaseException) -> str:
+    """``maximum recursion depth exceeded``, ``Exceeds the limit (4300 digits) for integer string
+    conversion``: the reason, without Python's advice on how to lift the limit."""
+    return (str(exc) or type(exc).__name__).split(";")[0].split(":")[0].strip()
 
 
 def load_plan_input(path: Path) -> PlanInput:
