@@ -139,6 +139,19 @@ def test_runs_table_shows_unreachable_runs() -> None:
     assert "no answer" in text and "812" in text and "1/3" in text
 
 
+def test_runs_table_into_a_pipe_keeps_ids_and_endpoints_on_one_line() -> None:
+    """``unicron status | awk``: a uuid job id and an endpoint folded onto two lines cannot be
+    read back; a pipe has no width to respect."""
+    from unicron.status.commands import print_runs
+
+    job = "7ddb2a69-53c6-4acd-bbf8-2aa81b32552b"
+    rows = [({"job": job, "endpoint": "127.0.0.1:37893", "started_at": NOW - 5}, healed_snapshot(NOW), "")]
+    out = io.StringIO()
+    print_runs(Console(width=80, file=out, color_system=None), render_runs(rows, NOW))
+    row = next(line for line in out.getvalue().splitlines() if job in line)
+    assert "127.0.0.1:37893" in row, out.getvalue()
+
+
 def test_nodes_show_what_their_ranks_do_between_steps() -> None:
     snapshot = healed_snapshot(NOW)
     snapshot["nodes"][0]["activity"] = "working"

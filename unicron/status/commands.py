@@ -18,6 +18,20 @@ from unicron.status.render import render_runs, render_status
 from unicron.status.watch import RunsPoller, SnapshotPoller, run_watch
 
 
+def print_runs(console: Console, table: Any) -> None:
+    """The runs table; into a pipe, as wide as its rows (no terminal width to respect there,
+    and a job id or an endpoint folded onto two lines cannot be read back by a script)."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    saved = console.width
+    console.width = max(saved, console.measure(table, options=console.options.update_width(10_000)).maximum)
+    try:
+        console.print(table)
+    finally:
+        console.width = saved
+
+
 def _console() -> Console:
     # Built per call, so a test runner's redirected stdout is the one written to.
     return Console(file=sys.stdout, highlight=False)
@@ -62,7 +76,7 @@ def status(
     if len(targets) == 1:
         console.print(render_status(fetch_snapshot(targets[0], timeout), time.time()))
         return 0
-    console.print(render_runs(poll_targets(targets, timeout), time.time()))
+    print_runs(console, render_runs(poll_targets(targets, timeout), time.time()))
     console.print("pick one with --job ID for the full view", style="dim")
     return 0
 
