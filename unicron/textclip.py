@@ -32,6 +32,12 @@ def clip(text: str, limit: int) -> str:
     return f"{text[:head]} ... [{len(text) - limit} characters left out] ... {text[len(text) - tail:]}"
 
 
+def first_line(text: str) -> str:
+    """The first line of ``text`` that holds something (torch's own messages may start with a
+    newline): what a one-line report shows of a multi-line message."""
+    return next((line.strip() for line in text.split("\n") if line.strip()), "")
+
+
 def clip_line(value: object, limit: int = LINE_LIMIT) -> str:
     """What a console line shows of ``value`` (as text): at most ``limit`` characters of it."""
     text = value if isinstance(value, str) else str(value)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from unicron.events import decision_line
-from unicron.textclip import clip_line, printable
+from unicron.textclip import clip_line, first_line, printable
 
 # C0 and C1 control characters but tab and newline, and DEL: a worker's exception message can
 # hold NULs or terminal escapes, which must not recolour or rewrite the user's terminal through
@@ -100,7 +100,7 @@ def fault_line(fault: dict[str, Any], node_id: str) -> str:
     """One line for a fault a node reports: who, at which step, what."""
     node = fault.get("node_id") or node_id
     who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {node}"
-    what = fault.get("summary") or fault.get("message") or ""
+    what = first_line(str(fault.get("summary") or fault.get("message") or ""))
     if fault.get("error_type") and not fault.get("summary"):
         what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
     step = fault.get("steps_completed")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from unicron.coord.membership import NodeState
 from unicron.coord.records import Phase
-from unicron.textclip import clip_line
+from unicron.textclip import clip_line, first_line
 
 if TYPE_CHECKING:
     from unicron.coord.job import JobCore
@@ -70,7 +70,7 @@ def distinct_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def describe_fault(fault: dict[str, Any]) -> str:
     where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('node_id') or fault.get('host', '?')}"
     kind = fault.get("kind", "fault")
-    detail = fault.get("message") or ""
+    detail = first_line(str(fault.get("message") or ""))
     if fault.get("error_type"):
         detail = f"{fault['error_type']}: {detail}" if detail else str(fault["error_type"])
     return f"{kind} on {where}" + (f": {clip_line(detail)}" if detail else "")
