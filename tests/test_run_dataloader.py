@@ -87,3 +87,46 @@ def test_a_loader_stuck_for_good_is_still_a_hang(tmp_path) -> None:
     assert "busy" in hangs[0]["message"], hangs[0]  # held to the busy threshold, not the idle one
     decisions = [e for e in events if e["kind"] == "decision"]
     assert decisions and "culprit rank(s) 0" in decisions[0]["reason"], decisions
+
+
+SLOW_RUN = """
+import time
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+class Reads(Dataset):  # storage slow for a while: rank 0's reads 10-17 each take 1.5 s
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, i):
+        if rank == 0 and 10 <= i < 18:
+            time.sleep(1.5)
+        return torch.full((8,), float(i))
+
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for x in DataLoader(Reads(), batch_size=None, num_workers=0):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+print(f"rank {rank} done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_run_of_slow_reads_is_waited_for_not_only_the_first(tmp_path) -> None:
+    """Once most recent steps were slow, the worker's own idea of a usual step is long: it must
+    still report its wait for data before the agent's idle threshold (from its 50-step median)
+    runs out (acceptance pass 15: the sixth slow read in a row was called a hang)."""
+    (tmp_path / "slow_run.py").write_text(SLOW_RUN)
+    code, out, err = run_unicron(["run", *COMMON, "--log-dir", str(tmp_path / "logs"), str(tmp_path / "slow_run.py")],
+                                 tmp_path, timeout=120)
+    assert code == 0, err[-3000:]
+    assert not [e for e in read_events(tmp_path / "logs") if e["kind"] == "fault"], err[-3000:]
+    assert (out + err).count(" done") == 2

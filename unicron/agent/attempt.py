@@ -75,6 +75,7 @@ def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, st
             env["UNICRON_INJECT"] = spec.inject
         if watch_start_s is not None:
             env["UNICRON_WATCH_START"] = f"{watch_start_s:.3f}"
+        env["UNICRON_HANG_IDLE"] = f"{s.hang_factor:g},{s.hang_floor_s:g}"
         return env
 
     return env_for

@@ -24,6 +24,9 @@ INJECT = "UNICRON_INJECT"  # fault-injection specs KIND@RANK:STEP[;...]
 # Seconds from the worker's start after which the agent samples the start-up's activity (before
 # the first step: unicron.agent.workers): the worker reports its own from then on too
 WATCH_START = "UNICRON_WATCH_START"
+# "K,FLOOR": the agent's idle threshold between steps, max(K x median step, FLOOR) seconds; the
+# worker's evidence of a wait (data, motion) must come before it runs out
+HANG_IDLE = "UNICRON_HANG_IDLE"
 
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchelastic's per-worker error file (JSON)
 
@@ -61,6 +64,17 @@ def restore_step(env: Mapping[str, str] | None = None) -> int | None:
 def path_or_none(name: str, env: Mapping[str, str] | None = None) -> str | None:
     value = (os.environ if env is None else env).get(name, "")
     return value or None
+
+
+def numbers_or_none(name: str, count: int, env: Mapping[str, str] | None = None) -> tuple[float, ...] | None:
+    """``count`` comma-separated non-negative numbers from ``name``; None when unset or not such."""
+    parts = (os.environ if env is None else env).get(name, "").split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        return None
+    ok = len(values) == count and all(math.isfinite(v) and v >= 0 for v in values)
+    return values if ok else None
 
 
 def seconds_or_none(name: str, env: Mapping[str, str] | None = None) -> float | None:

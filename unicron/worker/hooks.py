@@ -383,6 +383,9 @@ def install() -> None:
     spec = env.path_or_none(env.INJECT)
     _rt.faults = parse_inject_spec(spec) if spec else []
     channel.get().emit("hello", local_rank=env.local_rank(), pid=os.getpid())
+    idle = env.numbers_or_none(env.HANG_IDLE, 2)
+    if idle is not None:
+        _rt.frames.idle_threshold(*idle)
     watch_start = env.seconds_or_none(env.WATCH_START)
     if watch_start is not None:
         # The agent judges the start-up from then on: say from the start, not the first step,

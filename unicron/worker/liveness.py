@@ -228,6 +228,10 @@ def thread_cpu(native_id: int) -> float | None:
         return None
 
 
+def _median(values: deque[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def _rate(samples: deque[tuple[float, float]]) -> float:
     if len(samples) < 2:
         return 0.0
@@ -287,6 +291,8 @@ class FrameWatch:
         self._judge = MotionJudge()
         self._last_sent = 0.0
         self._intervals: deque[float] = deque(maxlen=9)  # recent step intervals
+        self._history: deque[float] = deque(maxlen=50)  # the window of the agent's step median
+        self._idle: tuple[float, float] | None = None  # the agent's idle threshold: (k, floor)
         self._overdue_s = OVERDUE_S
         self._pid = os.getpid()
         self._thread: threading.Thread | None = None
@@ -299,11 +305,23 @@ class FrameWatch:
         self._overdue_s = max(OVERDUE_S, overdue_s)
         self._start_thread()
 
+    def idle_threshold(self, k: float, floor_s: float) -> None:
+        """The agent calls a still job hung after ``max(k x median step, floor_s)``."""
+        self._idle = (k, floor_s)
+
     def boundary(self) -> None:
         now = self._clock()
         self._intervals.append(now - self._last_boundary)
-        # Overdue: well past a usual step, so a healthy step is never sampled.
-        self._overdue_s = max(OVERDUE_S, 1.5 * sorted(self._intervals)[len(self._intervals) // 2])
+        self._history.append(now - self._last_boundary)
+        # Overdue: well past a usual step, so a healthy step is never sampled. But never later
+        # than the agent starts looking (0.4 x its idle threshold, from a median over 50 steps):
+        # after a run of slow steps (a storage hiccup) the recent median is long, and a wait
+        # for data sampled only then would be reported after the agent called it idle.
+        usual = 1.5 * _median(self._intervals)
+        if self._idle is not None:
+            k, floor_s = self._idle
+            usual = min(usual, 0.4 * max(k * _median(self._history), floor_s))
+        self._overdue_s = max(OVERDUE_S, usual)
         self._last_boundary = now
         self._start_thread()
 
