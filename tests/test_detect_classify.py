@@ -462,3 +462,12 @@ def test_a_rank_killed_by_a_signal_is_no_victim_of_an_old_connection_reset_in_it
     raised = classify(Fault(kind="exception", ts=1.0, rank=1, error_type="RuntimeError",
                             message="Connection reset by peer"), ())
     assert raised.rule == "peer-connection-lost"
+
+
+def test_a_libzmq_assertion_names_the_broken_agent_channel_and_no_inject() -> None:
+    """A script that closes every inherited descriptor (os.closerange(3, N)) closes the worker's
+    channel to its agent under libzmq, which aborts."""
+    for tail in ("Invalid argument (src/signaler.cpp:157)\n",
+                 "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)\n"):
+        c = classify(Fault(kind="exit", ts=1.0, rank=1, exitcode=-6, signal=6, stderr_tail=tail), ())
+        assert c.rule == "agent-channel-broken" and "--no-inject" in c.reason and "src/signaler.cpp" in c.reason, c

@@ -193,3 +193,16 @@ def test_a_failing_collector_gives_500_and_the_server_survives() -> None:
         assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200
     finally:
         server.stop()
+
+
+def test_a_metrics_port_in_use_is_one_usage_error() -> None:
+    import socket
+
+    from unicron.errors import UsageError
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UsageError, match=f"--metrics-port: cannot listen on 0.0.0.0:{port}: .*pick a free port"):
+            start_metrics_server(port, lambda: {})

@@ -171,3 +171,15 @@ def test_a_waiting_job_shows_no_rate_and_a_node_without_a_place_no_rank() -> Non
     assert "it/s" not in text.splitlines()[1] and "waiting" in text
     line_b = next(line for line in text.splitlines() if "trn-b" in line and "%" in line)
     assert line_b.strip("│ ").split()[0] == "-", line_b
+
+
+def test_a_workers_terminal_escapes_are_shown_not_obeyed() -> None:
+    """An exception message with escapes (clear screen, set title, colour) in the restarts table
+    and the events: ``unicron status`` in a terminal must not clear or retitle it."""
+    snapshot = healed_snapshot(NOW)
+    evil = "bad \x1b[31mRED\x1b[0m \x1b]0;pwned\x07 \x1b[2J cleared\x00"
+    snapshot["events"].append({"ts": NOW - 1, "kind": "fault", "job": "gpt-demo", "rank": 1, "message": evil})
+    snapshot["restarts"][0]["cause"] = evil
+    text = capture(render_status(snapshot, NOW), width=200)
+    assert "\x1b" not in text and "\x00" not in text and "\x07" not in text
+    assert "\\x1b[31mRED" in text

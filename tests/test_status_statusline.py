@@ -93,6 +93,8 @@ def test_live_mode_draws_and_updates_one_line() -> None:
     raw = out.getvalue()
     assert "\x1b[" in raw  # drawn with cursor control, not appended lines
     assert "gpt-demo" in raw and "restarting" in raw and "rank 1 exited" in raw
+    # Closed, the line is erased: its last state ("restarting", "running") would outlive the job.
+    assert raw.endswith("\x1b[1A\x1b[2K"), repr(raw[-80:])
 
 
 def test_always_forces_the_live_line_outside_a_terminal() -> None:

@@ -3,6 +3,7 @@ with torch's real config modules): apply, name, leave alone, or fail as torch wo
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -63,3 +64,21 @@ def test_a_torch_logs_torch_refuses_fails_as_it_would_cold(tmp_path) -> None:
         "    print(type(refused.error).__name__, ' '.join(str(refused.error).split())[:200])\n")
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=100)
     assert out.stdout.startswith("ValueError") and "Invalid log settings" in out.stdout, out.stdout + out.stderr
+
+
+def test_torch_distributed_debug_is_applied_and_cpp_stacktraces_named(tmp_path) -> None:
+    """The DDP debugging recipe, ``os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"`` above
+    ``import torch``, takes effect in a warm worker as in a cold one."""
+    import subprocess
+
+    child = (
+        "import os\n"
+        "import torch, torch.distributed as dist\n"
+        "from unicron.worker import lateenv\n"
+        "os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'\n"
+        "os.environ['TORCH_SHOW_CPP_STACKTRACES'] = '1'\n"
+        "left = lateenv.reconcile(lateenv.changed_since({}, os.environ), torch)\n"
+        "print(dist.get_debug_level(), left)\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=100,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("TORCH")})
+    assert "DebugLevel.DETAIL" in out.stdout and "'TORCH_SHOW_CPP_STACKTRACES'" in out.stdout, out.stdout + out.stderr

@@ -58,6 +58,9 @@ def _failed_process(fault: Fault) -> bool:
     return fault.kind in ("exit", "exception") and not _clean_exit(fault)
 
 
+_ZMQ_ASSERT = re.compile(r"\(src/[a-z_]+\.(?:cpp|hpp):\d+\)")
+
+
 def _may_be_a_victim(ev: Evidence) -> bool:
     """A lost peer ends a rank with an exception, an exit code, or SIGABRT (a C++ exception that
     escapes: NCCL's watchdog); never with SIGKILL, SIGSEGV or SIGTERM. Such a death is its own
@@ -268,6 +271,13 @@ RULES: tuple[Rule, ...] = (
          lambda f, _ev: f"{f.where()} was killed by the kernel OOM killer (out of memory: the host's, or its cgroup's limit)"),
     Rule("sigkill", Severity.SEV2, _signal_in(frozenset({_signal.SIGKILL})),
          lambda f, _ev: f"{f.where()} was killed by SIGKILL (from outside, or by the kernel OOM killer)"),
+    # libzmq asserts ("Invalid argument (src/signaler.cpp:157)") when the descriptors of the
+    # worker's channel to its agent were closed under it: a script's os.closerange(3, N).
+    Rule("agent-channel-broken", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGABRT
+         and bool(_ZMQ_ASSERT.search(ev.text)),
+         lambda f, ev: f"{f.where()} aborted in ZeroMQ ({_ZMQ_ASSERT.search(ev.text).group(0)}): its channel to its "  # type: ignore[union-attr]
+                       "agent broke, as when a script closes file descriptors it did not open (os.closerange); "
+                       "run such a script with --no-inject"),
     Rule("crash-signal", Severity.SEV2, _signal_in(CRASH_SIGNALS),
          lambda f, ev: f"{f.where()} crashed with {signal_name(ev.signal or 0)}"),
     Rule("terminated", Severity.SEV2, _signal_in(TERMINATION_SIGNALS),

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from unicron.textclip import printable
+
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 12
 # Fields every event carries that the "details" column need not repeat.
@@ -91,7 +93,9 @@ def short_value(value: Any, limit: int = 48) -> str:
         text += " …}" if len(value) > 4 else "}"
     else:
         text = str(value)
-    text = " ".join(text.split())  # tracebacks and messages stay on one line
+    # Tracebacks and messages stay on one line; a worker's control characters (a terminal escape
+    # in an exception's message) are shown, not obeyed: they would clear or recolour the view.
+    text = printable(" ".join(text.split()))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from unicron.errors import UsageError
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Detection targets are sub-second for crashes and a few seconds for hangs and lost nodes.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
@@ -227,7 +229,11 @@ def start_metrics_server(port: int, collect: Callable[[], Mapping[str, Any]],
     Returns the server and the port it is bound to. Binds all interfaces by default so
     Prometheus can scrape the coordinator from another machine.
     """
-    server = MetricsServer((host, port), collect)
+    try:
+        server = MetricsServer((host, port), collect)
+    except OSError as err:
+        raise UsageError(f"--metrics-port: cannot listen on {host}:{port}: {err.strerror or err}; "
+                         "pick a free port (or 0 for any)") from None
     server.thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                      name="unicron-metrics", daemon=True)
     server.thread.start()

@@ -156,11 +156,12 @@ class StatusLine:
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
-        """Stop the live line, leaving its last state on screen. Safe to call twice."""
+        """Stop the live line and take it off the screen: its last state was drawn while the job
+        ran ("running"), and the lines printed above it say how the job ended. Safe to call twice."""
         with self._lock:
             live, self._live = self._live, None
         if live is not None:
-            live.refresh()
+            live.transient = True
             live.stop()
 
     def __enter__(self) -> StatusLine:

@@ -6,7 +6,8 @@ A script that sets, say, ``os.environ["TORCHINDUCTOR_MAX_AUTOTUNE"] = "1"`` or
 ``OMP_NUM_THREADS`` above its ``import torch`` gets its value under torchrun and would silently
 not under unicron. So the script's first ``import torch`` (``from torch ...``) is watched: what
 the script changed since the worker started is applied where torch can take it again
-(``OMP_NUM_THREADS``: ``torch.set_num_threads``; ``TORCH_LOGS``: torch's logging set up again)
+(``OMP_NUM_THREADS``: ``torch.set_num_threads``; ``TORCH_LOGS``: torch's logging set up again;
+``TORCH_DISTRIBUTED_DEBUG``: ``torch.distributed.set_debug_level_from_env``)
 and named on stderr where it cannot (dynamo's and inductor's configs, the OpenMP/MKL runtimes),
 with the fix: ``--no-warm``. Variables torch reads later (process group, CUDA allocator, the
 many ``TORCHINDUCTOR_*`` read when compiling, such as ``TORCHINDUCTOR_CACHE_DIR``) are left
@@ -24,8 +25,9 @@ from typing import Any
 
 # Read while torch (or its OpenMP/MKL runtimes, dynamo, inductor) imports: too late once imported.
 _READ_AT_IMPORT = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHELASTIC_ENABLE_FILE_TIMER",
-                   "TORCH_CPP_LOG_LEVEL", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_")
-_REAPPLIED = ("OMP_NUM_THREADS", "TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT")
+                   "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES", "OMP_", "KMP_", "GOMP_", "MKL_",
+                   "OPENBLAS_")
+_REAPPLIED = ("OMP_NUM_THREADS", "TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT", "TORCH_DISTRIBUTED_DEBUG")
 
 
 def changed_since(start: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
@@ -86,6 +88,16 @@ def reconcile(changed: list[str], torch: Any, modules: Mapping[str, Any] | None 
                 try:
                     logging_internal._init_logs()
                 except ValueError as err:  # "Invalid log settings": what import torch says cold
+                    raise TorchRefused(err) from None
+            else:
+                left.append(name)
+        elif name == "TORCH_DISTRIBUTED_DEBUG":  # the DDP recipe: read as torch.distributed imports
+            distributed = modules.get("torch.distributed")
+            setter = getattr(distributed, "set_debug_level_from_env", None)
+            if callable(setter):
+                try:
+                    setter()
+                except (RuntimeError, ValueError) as err:  # a bad level: what import torch says cold
                     raise TorchRefused(err) from None
             else:
                 left.append(name)
