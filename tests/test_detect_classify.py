@@ -126,6 +126,7 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
     ("oom-killer", F(exitcode=-9), (OOM_EVIDENCE,)),
     ("sigkill", F(exitcode=-9), ()),
     ("sigkill", F(exitcode=137), ()),
+    ("agent-channel-broken", F(exitcode=-6, stderr_tail="Invalid argument (src/signaler.cpp:157)\n"), ()),
     ("crash-signal", F(exitcode=-11), ()),
     ("crash-signal", F(exitcode=139), ()),
     ("crash-signal", F(signal=7, exitcode=None), ()),
