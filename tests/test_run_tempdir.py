@@ -30,3 +30,19 @@ def test_a_succeeded_jobs_temporary_worker_logs_are_removed_a_failed_ones_kept(w
         assert not stderr_logs and not [k for k in kept if k.startswith("attempt_")], kept
     else:
         assert len(stderr_logs) == 2, kept
+
+
+def test_streams_the_user_redirected_are_kept_after_success(workdir) -> None:
+    """``-r 3`` without ``--log-dir``: the files are the job's only copy of its output (rank 0's
+    metrics, eval results); torchrun keeps them in its temp dir, and so must unicron."""
+    tmp = workdir / "tmp"
+    tmp.mkdir()
+    (workdir / "hello.py").write_text("import os, sys\nprint('hello from rank', os.environ['RANK'])\n"
+                                      "print('warn', file=sys.stderr)\n")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "-r", "3", str(workdir / "hello.py")],
+                                 workdir, env=clean_env(TMPDIR=str(tmp)))
+    assert code == 0, err
+    assert "hello from rank" not in out
+    outs = sorted(tmp.glob("unicron_*/*/attempt_0/*/stdout.log"))
+    assert [p.read_text() for p in outs] == ["hello from rank 0\n", "hello from rank 1\n"], outs
+    assert len(list(tmp.glob("unicron_*/*/attempt_0/*/stderr.log"))) == 2

@@ -22,6 +22,7 @@ into the file: :meth:`unicron.agent.tee.ConsoleTee.follow`'s finish drains it to
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import re
@@ -240,15 +241,29 @@ class RunLogDir:
         self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self.root)
 
     def discard_worker_logs(self) -> None:
-        """Without ``--log-dir`` the workers' streams are copied to a temporary directory only
-        for the failure report (an exception's stderr, the error files): once the job succeeded
-        nobody reads them, and a chatty stderr (tqdm, NCCL_DEBUG) left tens of MB per run in
-        the temp dir (acceptance pass 14). The event log stays."""
+        """Without ``--log-dir``, a worker's stderr that the user did not redirect is copied to a
+        temporary directory only for the failure report (the classifier reads its tail; the
+        console showed it): once the job succeeded nobody reads it, and a chatty stderr (tqdm,
+        NCCL_DEBUG) left tens of MB per run in the temp dir (acceptance pass 14). What the user
+        asked for stays, as torchrun keeps it in its temp dir: streams redirected or teed
+        (``-r``, ``-t``: their only copy), error files, the filtered copies, the event log."""
         if not self.is_temporary or self.run_dir is None:
             return
-        for name in os.listdir(self.run_dir):
-            if name.startswith("attempt_"):
-                shutil.rmtree(os.path.join(self.run_dir, name), ignore_errors=True)
+        for attempt in os.listdir(self.run_dir):
+            attempt_dir = os.path.join(self.run_dir, attempt)
+            if not attempt.startswith("attempt_") or not os.path.isdir(attempt_dir):
+                continue
+            for name in os.listdir(attempt_dir):
+                rank_dir = os.path.join(attempt_dir, name)
+                asked = std_for_rank(self.spec.redirects, int(name)) | std_for_rank(self.spec.tee, int(name)) \
+                    if name.isdigit() else Std.ERR
+                if Std.ERR not in asked:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(rank_dir, "stderr.log"))
+                with contextlib.suppress(OSError):
+                    os.rmdir(rank_dir)  # only if nothing else is there
+            with contextlib.suppress(OSError):
+                os.rmdir(attempt_dir)
 
     def attempt_dir(self, attempt: int) -> str | None:
         if self.run_dir is None:
