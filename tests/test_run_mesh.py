@@ -657,3 +657,13 @@ def test_a_one_node_job_whose_port_is_taken_fails_at_once(workdir) -> None:
     assert code == 2, out + err
     assert f"cannot listen on port {port}: another process listens there" in err, err
     assert "hi" not in out
+
+
+def test_a_one_node_job_that_joins_a_coordinator_elsewhere_without_a_secret_is_refused_at_once(workdir) -> None:
+    """Its drawn secret could match no coordinator but its own: it used to wait out the join
+    timeout (600 s) asking a question."""
+    code, _out, err = run_unicron(["run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                   "--rdzv-endpoint", "192.0.2.1:29411", "--rdzv-id", "x",
+                                   str(workdir / "train_state.py")], workdir, timeout=60, env=clean_env())
+    assert code == 2, err
+    assert "needs the same secret on every node" in err and "192.0.2.1 is not this machine" in err, err

@@ -135,6 +135,11 @@ def _coordinator(s: AgentSettings, events: EventLog,
     if s.coordinator:
         return None, _tcp(s.coordinator)
     if not s.embed_coordinator or s.is_host is False or (s.is_host is None and not _is_local(s.rdzv_host)):
+        if s.secret_generated:  # a drawn secret matches no coordinator but this node's own
+            where = ("--rdzv-conf is_host=0" if s.is_host is False
+                     else f"the rendezvous endpoint {s.rdzv_host} is not this machine")
+            raise UsageError(f"this node joins a coordinator elsewhere ({where}), so the job needs the same "
+                             "secret on every node: set UNICRON_SECRET or pass --secret-file PATH")
         return None, _tcp(f"{s.rdzv_host}:{s.rdzv_port}")
     host = _display_host(s)
     # Told to host, or the job's only node: another listener is another job (or any process),

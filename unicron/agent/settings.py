@@ -52,3 +52,4 @@ class AgentSettings:
     is_host: bool | None = None
     signals: tuple[int, ...] = (15, 2, 1, 3)  # SIGTERM, SIGINT, SIGHUP, SIGQUIT (torchrun's default)
     warnings: tuple[str, ...] = ()
+    secret_generated: bool = False  # no secret was given: one was drawn for a job hosting its own coordinator

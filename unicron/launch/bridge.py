@@ -73,6 +73,7 @@ def settings_from_config(cfg: LaunchConfig) -> AgentSettings:
         join_timeout_s=cfg.rdzv_conf.join_timeout,
         secret=cfg.secret,
         secret_file=cfg.secret_file,
+        secret_generated=cfg.secret_source == "generated",
         weight=cfg.weight,
         status_line=cfg.status_line,
         metrics_port=cfg.metrics_port,
