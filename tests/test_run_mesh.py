@@ -667,3 +667,24 @@ def test_a_one_node_job_that_joins_a_coordinator_elsewhere_without_a_secret_is_r
                                    str(workdir / "train_state.py")], workdir, timeout=60, env=clean_env())
     assert code == 2, err
     assert "needs the same secret on every node" in err and "192.0.2.1 is not this machine" in err, err
+
+
+def test_a_console_that_goes_away_costs_its_lines_not_the_job(workdir) -> None:
+    """``unicron run ... 2>&1 | head``: once the reader is gone every console line fails with
+    EPIPE. The job still heals and finishes (torchrun's does); the event log has it all."""
+    import subprocess
+
+    from e2e import unicron_cmd
+
+    args = ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--redirects", "3",
+            "--log-dir", str(workdir / "logs"), "--inject", "kill@1:8", str(workdir / "train_state.py"), "--no-state",
+            "--steps", "20", "--sleep", "0.05", "--out", str(workdir / "out.txt")]
+    proc = subprocess.Popen(unicron_cmd(*args), cwd=workdir, env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    proc.stderr.readline()  # the first line, then the reader leaves
+    proc.stderr.close()
+    assert proc.wait(120) == 0
+    events = read_events(workdir / "logs")
+    assert [e["action"] for e in events if e["kind"] == "decision"] == ["restart"], events
+    assert (workdir / "out.txt").exists()

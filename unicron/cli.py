@@ -51,8 +51,11 @@ def _register_all() -> None:
 def error_line(message: str) -> None:
     from unicron.textclip import printable
 
-    sys.stderr.write(f"unicron: error: {printable(message)}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"unicron: error: {printable(message)}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass  # the console is gone (a closed terminal, a pipe whose reader left): the exit code says it
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,7 +73,10 @@ class EventLog:
             if self._fh is not None:
                 self._write(line)
             for listener in list(self.listeners):
-                listener(event)
+                try:
+                    listener(event)
+                except Exception:  # noqa: BLE001 - a listener (a console, the status ring) never stops the emitter
+                    pass
         return event
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ class AgentUI:
         # ``name`` and ``label`` (e.g. "job 'x': ") say who speaks: a standalone coordinator
         # tells several jobs' decisions on one console.
         self.name, self.label = name, label
+        self.console_gone = False  # a write to it failed: nothing more is written there
         self.console = Console(file=sys.stderr, highlight=False, soft_wrap=True)
         # The workers write to the terminal themselves (as under torchrun), past any line drawn
         # in place: ``auto`` draws the live line only where none of their output reaches it.
@@ -48,19 +49,26 @@ class AgentUI:
         self._print("bold yellow", printable(self.label + text))
 
     def _print(self, style: str, plain: str) -> None:
+        if self.console_gone:
+            return
         if self._line is not None:
             try:
                 self._line.event(plain)
                 return
             except Exception:
                 self._line = None
-        if self.console.is_terminal:
-            line = Text(self.name, style=style)  # a Text: a worker's "[/tmp/x]" is not markup
-            line.append(f": {plain}")
-            self.console.print(line)
-        else:
-            sys.stderr.write(f"{self.name}: {time.strftime('%H:%M:%S')} {plain}\n")
-            sys.stderr.flush()
+        try:
+            if self.console.is_terminal:
+                line = Text(self.name, style=style)  # a Text: a worker's "[/tmp/x]" is not markup
+                line.append(f": {plain}")
+                self.console.print(line)
+            else:
+                sys.stderr.write(f"{self.name}: {time.strftime('%H:%M:%S')} {plain}\n")
+                sys.stderr.flush()
+        except (OSError, ValueError):
+            # The console is gone (`| head` exited: EPIPE; the terminal closed: EIO). That costs
+            # its lines, not the job: the event log keeps everything.
+            self.console_gone = True
 
     def on_event(self, event: dict[str, Any]) -> None:
         """Show the coordinator's decisions as they happen (the JSONL log has the details)."""
