@@ -688,3 +688,23 @@ def test_a_console_that_goes_away_costs_its_lines_not_the_job(workdir) -> None:
     events = read_events(workdir / "logs")
     assert [e["action"] for e in events if e["kind"] == "decision"] == ["restart"], events
     assert (workdir / "out.txt").exists()
+
+
+def test_the_node_hosting_the_coordinator_defines_the_job_whoever_joins_first(workdir, launch) -> None:
+    """A guest started first with another --nnodes used to define the job, and the host's own
+    agent was refused by its own coordinator, told the guest's values as its own."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    wrong = launch(agent_args(workdir, port, "3", steps=3, sleep=0, rdzv_conf="last_call_timeout=1,is_host=0"),
+                   workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "agent_start"], 60,
+             "the misconfigured guest to start")
+    host = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="last_call_timeout=1,is_host=1"),
+                  workdir, env)
+    code, _out, err = wrong.wait(90)
+    assert code == 4 and "--nnodes mismatch: this node says 3:3, the job is 2:2" in err, err
+    right = launch(agent_args(workdir, port, "2", steps=3, sleep=0, rdzv_conf="last_call_timeout=1,is_host=0"),
+                   workdir, env)
+    for item in (host, right):
+        code, _out, err = item.wait(90)
+        assert code == 0, err

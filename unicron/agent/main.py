@@ -16,6 +16,7 @@ import zmq
 
 from unicron.agent import errorfile
 from unicron.agent.agent import Agent
+from unicron.agent.joining import join_body
 from unicron.agent.logs import RunLogDir
 from unicron.agent.settings import AgentSettings
 from unicron.agent.signals import LauncherSignals, set_child_subreaper
@@ -70,6 +71,8 @@ def run_agent(s: AgentSettings) -> int:
                 register_run_or_warn(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}",
                                              pid=os.getpid(), secret_file=secret_file, log_dir=events_dir,
                                              started_at=time.time()), ui.warn)
+                # This node's own flags define the job, not those of whichever node joins first.
+                server.job_settings[s.run_id] = join_body(s, "", _display_host(s), os.getpid(), {})
                 server.start()
                 ui.info(f"coordinator for job {s.run_id} on port {server.port}; events in {events.path}")
                 if s.metrics_port is not None:

@@ -85,6 +85,7 @@ class CoordinatorServer:
         # Nodes a reconfigure never leaves out: the agent this coordinator is embedded in (its
         # exit would end the coordinator, and with it every job). Shared with each job's core.
         self.pinned: set[str] = set()
+        self.job_settings: dict[str, dict[str, Any]] = {}  # job -> a join body whose settings define it
         self.slots: dict[str, JobSlot] = {}
         self.ctx: zmq.Context = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -295,7 +296,10 @@ class CoordinatorServer:
         self._run(msg.job, slot, handler(node_id, msg.body, now))
 
     def _create_job(self, msg: Message, now: float) -> JobSlot:
-        b = msg.body
+        # An embedded coordinator's job is defined by its own node's flags, known before anyone
+        # joins; otherwise by the first node to join. A node whose flags differ is refused,
+        # naming its own values, whichever joins first.
+        b = self.job_settings.get(msg.job) or msg.body
         spec = JobSpec(job_id=msg.job, min_nodes=b["min_nodes"], max_nodes=b["max_nodes"],
                        max_restarts=b["max_restarts"], last_call_s=float(b["last_call_s"]),
                        heartbeat_timeout_s=float(b["heartbeat_timeout_s"]),
