@@ -62,11 +62,12 @@ def test_membership_honours_requested_ranks_and_keeps_layout() -> None:
     m = Membership(1, 3, last_call_s=1, heartbeat_timeout_s=3)
     assert m.join("a", "ha", 1, None, 0).accepted
     assert m.join("b", "hb", 1, 0, 1).accepted
-    assert not m.join("c", "hc", 1, 0, 2).accepted  # rank 0 already requested
     assert not m.join("d", "hd", 1, 5, 2).accepted  # not below max
     ranks = {n.node_id: n.node_rank for n in m.assign_ranks()}
     assert ranks == {"b": 0, "a": 1}
-    assert m.join("c", "hc", 1, None, 3).accepted
+    # rank 0 already requested: admitted all the same, in a free rank (torchrun's c10d ignores it)
+    taken = m.join("c", "hc", 1, 0, 3)
+    assert taken.accepted and "--node-rank 0 is already taken by hb: node hc gets a free node rank" in taken.reason
     assert {n.node_id: n.node_rank for n in m.assign_ranks()} == {"b": 0, "a": 1, "c": 2}
     assert not m.join("e", "he", 1, None, 4).accepted  # full
     epoch = m.epoch

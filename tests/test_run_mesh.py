@@ -708,3 +708,15 @@ def test_the_node_hosting_the_coordinator_defines_the_job_whoever_joins_first(wo
     for item in (host, right):
         code, _out, err = item.wait(90)
         assert code == 0, err
+
+
+def test_two_nodes_given_the_same_node_rank_still_form_the_job(workdir, launch) -> None:
+    """A copied command line: both nodes say --node-rank 0. torchrun's c10d ignores the flag and
+    runs; unicron used to leave both waiting for the other until the join timeout."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    agents = [launch(agent_args(workdir, port, "2", "--node-rank", "0", steps=3, sleep=0), workdir, env)
+              for _ in range(2)]
+    results = [item.wait(90) for item in agents]
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    assert any("--node-rank 0 is already taken" in err for _, _, err in results)

@@ -78,6 +78,8 @@ class AgentUI:
         elif kind == "join_refused":
             say = self.info if event.get("waits") else self.warn
             say(f"node {event.get('host')} refused: {event.get('reason')}")
+        elif kind == "join_note":
+            self.warn(str(event.get("note")))
         elif kind == "node_lost":
             self.warn(f"node {event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
         elif kind == "job_resumed":  # a standalone coordinator's own console, after it restarted

@@ -76,6 +76,8 @@ class JobCore:
             return self.refuse(node_id, body["host"], result.reason, waits=result.transient)
         self._refused.pop(node_id, None)
         out: list[Out] = [Send(node_id, "welcome", {"node_id": node_id, "epoch": self.members.epoch})]
+        if result.reason:
+            out.append(Emit("join_note", {"node_id": node_id, "host": body["host"], "note": result.reason}))
         if known:
             return out
         out.append(Emit("join", {"node_id": node_id, "host": body["host"], "nproc": body["nproc"],

@@ -37,7 +37,7 @@ class NodeRecord:
 @dataclass(frozen=True)
 class JoinResult:
     accepted: bool
-    reason: str = ""
+    reason: str = ""  # why it was refused; for an accepted join, what was changed in it
     # No place now, but there may be one soon (a member about to be declared lost): the agent
     # keeps asking, as torchrun's extra nodes wait in the rendezvous, instead of ending.
     transient: bool = False
@@ -91,10 +91,16 @@ class Membership:
         if requested_rank is not None:
             if requested_rank >= self.max_nodes:
                 return JoinResult(False, f"--node-rank {requested_rank} is not below --nnodes {self.max_nodes}")
+        note = ""
+        if requested_rank is not None:
             taken = [n for n in self.active() if n.requested_rank == requested_rank]
             if taken:
-                return JoinResult(False, f"node rank {requested_rank} is already taken by {taken[0].host}",
-                                  transient=True)
+                # Two nodes given one --node-rank (a copied command line): the job has room, so
+                # this one takes a free rank, as torchrun's c10d rendezvous ignores the flag;
+                # refusing it would leave both waiting for the other until the join timeout.
+                note = (f"--node-rank {requested_rank} is already taken by {taken[0].host}: node {host} gets "
+                        "a free node rank (give each node its own --node-rank)")
+                requested_rank = None
         record = NodeRecord(node_id, host, nproc, requested_rank, now, now)
         if existing is not None:
             # A fenced node back (same agent): it asks for its old place, so the ranks it holds
@@ -104,7 +110,7 @@ class Membership:
         self.epoch += 1
         if self._min_reached_at is None and len(self.active()) >= self.min_nodes:
             self._min_reached_at = now
-        return JoinResult(True)
+        return JoinResult(True, note)
 
     def adopt(self, nodes: list[tuple[str, str, int]], epoch: int, now: float) -> None:
         """Take back the nodes of a running attempt, each in its node rank (a restarted
