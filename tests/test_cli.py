@@ -68,5 +68,5 @@ def test_ctrl_c_while_importing_is_one_line() -> None:
     proc = subprocess.run([sys.executable, "-c", _CTRL_C_DURING_IMPORT], capture_output=True, text=True,
                           timeout=60, env=clean_env())
     assert proc.returncode == 130, proc.stderr
-    assert proc.stderr == "unicron: error: interrupted\n", proc.stderr
+    assert proc.stderr == "unicron: error: interrupted by SIGINT\n", proc.stderr
     assert proc.stdout == ""

@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         # typer vendors click (typer._click); match its exceptions by shape, not by import.
         code = getattr(exc, "exit_code", None)
         if type(exc).__name__ == "Exit" and isinstance(code, int):
+            if isinstance(exc.__cause__, KeyboardInterrupt):  # typer's own Ctrl-C: Exit(130), silent
+                error_line("interrupted")
             return code
         if hasattr(exc, "format_message") and isinstance(code, int):
             # No command at all: the help just printed says it (click's message is empty there).
