@@ -63,6 +63,24 @@ def current_layouts() -> list[Layout | None]:
     return out
 
 
+def rebuild_pending() -> bool:
+    """Some DDP ran its first iteration and rebuilds its buckets at the next forward. A snapshot
+    taken now could not be restored bit for bit: its layout is not known yet, and a DDP made in
+    a restored worker would run the next iteration with the initial buckets where this one uses
+    the rebuilt ones (with 3 or more ranks, the ring sums in another order)."""
+    for index, ref in enumerate(_instances):
+        inst = ref()
+        if inst is None or index in _recorded or getattr(inst, "_has_rebuilt_buckets", False):
+            continue
+        try:
+            data = inst._get_ddp_logging_data()
+        except Exception:  # other torch internals: assume nothing is pending
+            continue
+        if isinstance(data, dict) and data.get("iteration") == 0:
+            return True
+    return False
+
+
 def _read_layout(inst: Any) -> Layout | None:
     try:
         params = inst._build_params_for_reducer()[0]

@@ -54,7 +54,9 @@ Usage::
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.
     Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
     restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
-    continues bit for bit.
+    continues bit for bit. DDP rebuilds its buckets at its second forward, so the commit after
+    its first iteration writes no snapshot (its layout is not known yet): a failure before the
+    next commit restarts from the script's start, not from a step that would not replay exactly.
 ``flush(timeout=None) -> bool``
     Waits until the last commit's snapshot is complete (False if ``timeout`` passed first).
     Needed only with a background commit, before changing parameters or optimizer state in place *outside*
@@ -278,6 +280,8 @@ class State:
         if self._root is None:
             return
         self._take_directory(taking_over=False)
+        if ddplayout.rebuild_pending():  # after a DDP's first iteration: no exact restore possible yet
+            return
         encoder = snapcodec.Encoder(self._memo)  # refuses what it cannot give back, with its path
         tree = {
             "rank": self._rank,
