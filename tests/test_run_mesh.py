@@ -720,3 +720,52 @@ def test_two_nodes_given_the_same_node_rank_still_form_the_job(workdir, launch) 
     results = [item.wait(90) for item in agents]
     assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
     assert any("--node-rank 0 is already taken" in err for _, _, err in results)
+
+
+SAVES_ON_SIGTERM = """
+import signal, sys, time
+import torch, torch.distributed as dist
+
+def save(*_):  # a preemption handler: a checkpoint that takes longer than the heartbeat timeout
+    time.sleep(4)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, save)
+dist.init_process_group("gloo")
+t = torch.ones(1)
+for step in range(int(sys.argv[1])):
+    dist.all_reduce(t)
+    if step == 3:
+        print("running", flush=True)
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+def test_an_interrupted_node_whose_workers_stop_slowly_leaves_rather_than_being_lost(workdir, launch) -> None:
+    """Node b (not hosting the coordinator) gets SIGTERM and its workers take 4 s to stop: it
+    says it leaves first, so the coordinator records why, not "stopped answering heartbeats"."""
+    (workdir / "saves.py").write_text(SAVES_ON_SIGTERM)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+
+    def args() -> list[str]:
+        return ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "meshjob", "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3",
+                "--grace-period", "10", "--redirects", "1", "--log-dir", str(workdir / "logs"),
+                str(workdir / "saves.py"), "150"]
+
+    a = launch(args(), workdir, env)
+    wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "a's coordinator to listen")
+    b = launch(args(), workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"
+                      and e.get("nnodes") == 2], 90, "the two-node attempt")
+    _wait_for_output(workdir, "running", 2)
+    b.proc.send_signal(signal.SIGTERM)
+    code_b, _, err_b = b.wait(60)
+    assert code_b == 143, err_b
+    left = wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] in ("leave", "node_lost")], 30,
+                    "the coordinator to hear of b")
+    assert left[0]["kind"] == "leave" and "interrupted by SIGTERM" in str(left[0].get("reason")), left
+    code_a, _, err_a = a.wait(120)
+    assert code_a == 0, err_a

@@ -185,20 +185,20 @@ class Agent:
                 if self.joining.welcomed and self.link.lost(now_m, stepped, done=done):
                     return self.rejoiner.lost(done)
         except (Interrupted, UnicronError) as err:
+            # Told first, since stopping the workers may take the grace period, longer than the
+            # heartbeat timeout, and this node would be judged lost meanwhile: another node's
+            # coordinator re-plans without it ("leave"); our own ends the job, recording why
+            # (told "leave", it would decide a node loss, a restart or a budget stop, that never
+            # happens).
             if self.end_own_job is not None:
-                # Our own coordinator ends the job first: stopping the workers may take the grace
-                # period, longer than its heartbeat timeout, and it would judge this node lost.
                 self.end_own_job(str(err), int(getattr(err, "exit_code", 1)))
-            # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
-            self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
-            # Another node's coordinator re-plans without this node; our own ends the job when
-            # this launcher stops (run_agent), recording why: told "leave", it would first decide
-            # a node loss (a restart, a budget stop) that never happens.
-            if not self.hosts_coordinator:
+            elif not self.hosts_coordinator:
                 try:
                     self._send("leave", {"node_id": self.node_id, "reason": str(err)})
                 except zmq.ZMQError:
                     pass
+            # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
+            self._stop_group(reason=str(err), sig=self.signals.signum or signal.SIGTERM)
             self.events.emit("agent_exit", error=str(err))
             raise
         finally:
