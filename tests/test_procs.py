@@ -126,7 +126,8 @@ def test_plan_matches_torchrun_rules(tmp_path: Path) -> None:
     spec = LogSpec(tee=Std.OUT, local_ranks_filter=frozenset({0}))
     hidden = plan_rank_logs(spec, attempt, local_rank=1, rank=1, role="d")
     assert not hidden.tee_stdout and hidden.stdout_path and hidden.stdout_path.endswith("stdout.log")
-    assert hidden.stderr_path == os.devnull
+    # hidden from the console, but its stderr kept for the classifier (acceptance pass 15)
+    assert hidden.stderr_path is not None and hidden.stderr_path.endswith("stderr.log") and not hidden.tee_stderr
     # --log-dir /dev/null: everything on the console, no error file
     devnull = plan_rank_logs(
         LogSpec(log_dir=os.devnull, redirects=Std.ALL), None, local_rank=0, rank=0, role="d"

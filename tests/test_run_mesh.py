@@ -108,9 +108,14 @@ def test_a_crashed_nodes_replacement_that_asks_too_early_waits_for_its_place(wor
     wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "a's coordinator to listen")
     b = launch(args, workdir, env)
     _wait_for_output(workdir, "starts at step", 2)
+    # The replacement asks first, then b crashes: its join surely arrives while b still counts
+    # (started after the kill, a replacement slow to import on a busy machine may ask only after
+    # b was declared lost, and never be turned away).
+    replacement = launch(args, workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "join_refused"], 90,
+             "the replacement to be turned away while b counts")
     b.proc.send_signal(signal.SIGKILL)  # its workers die with it (PDEATHSIG)
     b.proc.wait(10)
-    replacement = launch(args, workdir, env)
     for item in (a, replacement):
         code, out, err = item.wait(120)
         assert code == 0, err
