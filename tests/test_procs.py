@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import errno
 import io
-import re
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
