@@ -75,3 +75,19 @@ def join_mismatch(spec: JobSpec, body: dict[str, Any]) -> str | None:
     if differ:  # each agent judges the whole job's hang by its own: a node alone with a longer floor is no use
         return "hang settings differ from the job's (give every node the same): this node has " + "; ".join(differ)
     return None
+
+
+def next_tick_s(spec: JobSpec, members: Membership, phase: Phase, told_silent: frozenset[str], now: float) -> float:
+    """How long the job core's ``tick`` has nothing to do unless a message comes first: 0 while
+    waiting or stopping (their deadlines are short-lived: tick at the shell's pace), the first
+    node's heartbeat deadline while running (or its silence to tell the others of, for nodes
+    not ``told_silent`` yet), inf once the job ended."""
+    if phase in (Phase.DONE, Phase.FAILED):
+        return float("inf")
+    if phase is not Phase.RUNNING:
+        return 0.0
+    deadlines = [n.last_heartbeat + members.heartbeat_timeout_s for n in members.active()]
+    deadlines += [n.last_heartbeat + 2 * spec.heartbeat_interval_s for n in members.active()
+                  if n.node_id not in told_silent]
+    # expire() wants silence longer than the timeout: a hair past the deadline, not on it.
+    return max(0.0, min(deadlines, default=float("inf")) - now + 0.001)

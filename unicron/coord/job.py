@@ -15,7 +15,7 @@ from typing import Any
 
 from unicron.coord.assign import attempt_messages
 from unicron.coord.decide import Decider, Decision, decide_attempt
-from unicron.coord.evidence import job_activity, join_mismatch, past_last_step, silent_nodes
+from unicron.coord.evidence import job_activity, join_mismatch, next_tick_s, past_last_step, silent_nodes
 from unicron.coord.exclude import leave_out
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
@@ -264,18 +264,8 @@ class JobCore:
             self.attempt.stop_sent_at += gap_s
 
     def next_tick_s(self, now: float) -> float:
-        """How long ``tick`` has nothing to do unless a message comes first: 0 while waiting or
-        stopping (their deadlines are short-lived: tick at the shell's pace), the first node's
-        heartbeat deadline while running, inf once the job ended."""
-        if self.phase in (Phase.DONE, Phase.FAILED):
-            return float("inf")
-        if self.phase is not Phase.RUNNING:
-            return 0.0
-        deadlines = [n.last_heartbeat + self.members.heartbeat_timeout_s for n in self.members.active()]
-        deadlines += [n.last_heartbeat + 2 * self.spec.heartbeat_interval_s for n in self.members.active()
-                      if n.node_id not in self._told_silent]
-        # expire() wants silence longer than the timeout: a hair past the deadline, not on it.
-        return max(0.0, min(deadlines, default=float("inf")) - now + 0.001)
+        """How long ``tick`` has nothing to do unless a message comes first (coord.evidence)."""
+        return next_tick_s(self.spec, self.members, self.phase, self._told_silent, now)
 
     def start_attempt(self, master_addr: str, master_port: int, now: float) -> list[Out]:
         """Called by the shell once a fresh store for ``self.next_attempt`` is listening."""

@@ -41,7 +41,6 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from collections.abc import Callable
 from types import ModuleType, TracebackType
 from typing import IO, Any, NoReturn
@@ -50,56 +49,12 @@ from unicron.textclip import FAULT_FIELD_LIMITS, clip
 from unicron.worker import channel, env, importwatch
 from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
 from unicron.worker.liveness import FrameWatch, count_batches_of
+from unicron.worker.steps import StepCounter
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 READY_POLL_S = 0.2
 DDP_MODULE = "torch.nn.parallel.distributed"
 C10D_MODULE = "torch.distributed.distributed_c10d"
-
-
-class StepCounter:
-    """Completed-step bookkeeping (pure: no I/O)."""
-
-    def __init__(self) -> None:
-        self.completed = 0
-        self.explicit = False  # set by the first unicron.step(): optimizer steps stop counting
-        self._first_optimizer: weakref.ref[Any] | None = None
-        self._other: tuple[int, int] | None = None  # (id, steps) of another optimizer since the counted one's last
-
-    def on_optimizer_step(self, optimizer: object) -> int | None:
-        """New completed count if this optimizer step ends an iteration, else None.
-
-        The optimizer that steps first counts; others in the same loop (a GAN's, a critic's)
-        step between its steps. Another one that steps twice with no step of the counted one in
-        between has replaced it (a second phase of fine-tuning with a new optimizer over every
-        parameter, the first one still referenced): it counts from then on."""
-        if self.explicit:
-            return None
-        first = self._first_optimizer() if self._first_optimizer is not None else None
-        if first is None:  # no optimizer yet, or the first one was garbage collected
-            self._first_optimizer = weakref.ref(optimizer)
-        elif first is not optimizer:
-            seen = self._other[1] if self._other is not None and self._other[0] == id(optimizer) else 0
-            if seen + 1 < 2:
-                self._other = (id(optimizer), seen + 1)
-                return None
-            self._first_optimizer = weakref.ref(optimizer)
-        self._other = None
-        self.completed += 1
-        return self.completed
-
-    def on_explicit_step(self, completed: int | None) -> int | None:
-        """New completed count, or None when there is no new boundary to announce.
-
-        The first ``unicron.step()`` of a loop that also steps an optimizer comes right after
-        the hook counted that iteration: it takes the boundary over instead of counting twice.
-        """
-        takes_over = not self.explicit and self._first_optimizer is not None and completed is None
-        self.explicit = True
-        if takes_over:
-            return None
-        self.completed = self.completed + 1 if completed is None else int(completed)
-        return self.completed
 
 
 class _Runtime:
