@@ -111,3 +111,24 @@ def test_a_hang_is_pinned_on_a_node_only_when_its_culprits_ran_there() -> None:
     blind.decide([hang], {0: waiting, 1: waiting, 2: waiting}, 2.0, **kw)
     none = blind.decide([dict(hang, attempt=1, ts=9.0)], {0: waiting, 1: waiting, 2: waiting}, 9.0, **kw)
     assert none.exclude == () and none.action != "reconfigure", none
+
+
+def test_a_failure_that_comes_from_every_node_leaves_no_node_out() -> None:
+    """A script bug that raises on every node before the first step is no node's fault: the job
+    stops as it did before nodes could be left out, rather than shrinking on a wrong guess."""
+    core = three_nodes()
+    for attempt_at in (7.0, 9.0):
+        attempt = core.attempt
+        assert attempt is not None
+        _alive(core, attempt_at)
+        bug = {"kind": "exception", "ts": attempt_at, "attempt": attempt.number, "error_type": "RuntimeError",
+               "message": "bad config", "steps_completed": 0, "progress": 0}
+        outs = core.on_fault("c", {"attempt": attempt.number, "fault": dict(bug, rank=2)}, attempt_at)
+        outs += core.on_fault("b", {"attempt": attempt.number, "fault": dict(bug, rank=1)}, attempt_at)
+        for n in attempt.nodes:
+            outs += core.on_stopped(n, {"attempt": attempt.number, "snapshots": {}, "stacks": {}}, attempt_at + 0.5)
+        if attempt_at == 7.0:
+            _start(core, 8.0)
+    decision = next(o.fields for o in outs if isinstance(o, Emit) and o.kind == "decision")
+    assert decision["action"] == "stop" and "does not point at one node" in decision["reason"], decision
+    assert not sends(outs, "reject") and core.members.nodes["c"].state is NodeState.ACTIVE

@@ -69,15 +69,23 @@ def rank_nodes(attempt: Attempt) -> dict[int, str]:
     return out
 
 
-def node_to_exclude(cause: Fault, rank_nodes: Mapping[int, str], pinned: frozenset[str]) -> str | None:
+def node_to_exclude(cause: Fault, rank_nodes: Mapping[int, str], pinned: frozenset[str],
+                    faults: Sequence[Fault] = ()) -> str | None:
     """The node a reconfigure leaves out for ``cause``: the node its rank ran on (a hang's
     culprits, when they all ran on one node), or the node a node-level fault names. None when
-    the fault does not point at one node, or points at a pinned one."""
+    the fault does not point at one node (the same kind of failure, by the classifier's rule,
+    came from a rank of another node in ``faults``: a script bug that fails everywhere is no
+    node's fault), or points at a pinned one."""
     if cause.kind == "node_lost":
         return None  # out already
     node: str | None
     if cause.rank is not None:
         node = rank_nodes.get(cause.rank) or cause.node
+        rule = classify(cause).rule
+        for other in faults:
+            where = (rank_nodes.get(other.rank) if other.rank is not None else None) or other.node
+            if where and where != node and other.kind == cause.kind and classify(other).rule == rule:
+                return None
     elif cause.culprit_ranks:
         nodes = {rank_nodes.get(r) for r in cause.culprit_ranks}
         node = nodes.pop() if len(nodes) == 1 else None
@@ -148,7 +156,7 @@ class DetectDecider:
             can_shrink = max_nodes is None or min_nodes < max_nodes
             lost = any(f.kind == "node_lost" for f in parsed)
             # A node that failed again in place may be left out while the others still make MIN.
-            culprit_node = None if lost else node_to_exclude(cause, rank_nodes or {}, pinned)
+            culprit_node = None if lost else node_to_exclude(cause, rank_nodes or {}, pinned, parsed)
             elastic = can_shrink and active_nodes > 0 and (
                 (lost and active_nodes >= min_nodes) or (culprit_node is not None and active_nodes > min_nodes))
             decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
