@@ -127,6 +127,9 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
     ("sigkill", F(exitcode=-9), ()),
     ("sigkill", F(exitcode=137), ()),
     ("agent-channel-broken", F(exitcode=-6, stderr_tail="Invalid argument (src/signaler.cpp:157)\n"), ()),
+    ("connect-failed", F("exception", exitcode=None, error_type="RuntimeError",
+                         message="Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: "
+                                 "No route to host, remote=[10.1.2.2]:62352"), ()),
     ("crash-signal", F(exitcode=-11), ()),
     ("crash-signal", F(exitcode=139), ()),
     ("crash-signal", F(signal=7, exitcode=None), ()),

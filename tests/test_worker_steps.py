@@ -108,11 +108,16 @@ def test_a_second_optimizer_that_replaces_the_first_is_counted() -> None:
     assert [counter.on_optimizer_step(probe) for _ in range(3)] == [1, 2, 3]
     assert counter.on_optimizer_step(full) is None  # the first step of another: maybe a GAN's
     assert counter.on_optimizer_step(full) == 4  # twice with no step of the probe's: it took over
-    assert [counter.on_optimizer_step(full) for _ in range(2)] == [5, 6]
-    assert counter.on_optimizer_step(probe) is None
+    assert [counter.on_optimizer_step(full) for _ in range(20)] == list(range(5, 25))
     gan = StepCounter()
     steps = [gan.on_optimizer_step(o) for _ in range(4) for o in (probe, gen)]
     assert steps == [1, None, 2, None, 3, None, 4, None]  # alternating: the first one counts
     critic = StepCounter()  # a critic stepped 3 times per generator step, the critic first
     steps = [critic.on_optimizer_step(o) for _ in range(2) for o in (probe, probe, probe, gen)]
     assert steps == [1, 2, 3, None, 4, 5, 6, None]
+    # the generator first, then its critic 3 times: the critic looks like a replacement until the
+    # generator steps again; from then on they take turns and the generator counts
+    wgan = StepCounter()
+    steps = [wgan.on_optimizer_step(o) for _ in range(4) for o in (gen, probe, probe, probe)]
+    assert steps == [1, None, 2, 3, 2, None, None, None, 3, None, None, None, 4, None, None, None], steps
+    assert wgan.completed == 4

@@ -88,5 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         error_line(f"internal error: {type(exc).__name__}: {exc} (set UNICRON_DEBUG=1 for the traceback)")
         return 70
+    if rv == 130:  # typer turned a Ctrl-C into Exit(130), which standalone_mode=False returns
+        error_line("interrupted")
     return rv if isinstance(rv, int) else 0
 

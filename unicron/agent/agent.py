@@ -190,11 +190,12 @@ class Agent:
             # coordinator re-plans without it ("leave"); our own ends the job, recording why
             # (told "leave", it would decide a node loss, a restart or a budget stop, that never
             # happens).
+            why = str(err).removesuffix("; all workers stopped")  # they are being stopped now
             if self.end_own_job is not None:
-                self.end_own_job(str(err), int(getattr(err, "exit_code", 1)))
+                self.end_own_job(why, int(getattr(err, "exit_code", 1)))
             elif not self.hosts_coordinator:
                 try:
-                    self._send("leave", {"node_id": self.node_id, "reason": str(err)})
+                    self._send("leave", {"node_id": self.node_id, "reason": why})
                 except zmq.ZMQError:
                     pass
             # Forward the signal we got (torchrun does too); SIGTERM for any other reason.
@@ -245,6 +246,8 @@ class Agent:
             body = msg.body
             if msg.kind == "welcome":
                 self.epoch = body["epoch"]
+                if body.get("note") and not self.hosts_coordinator:  # the host's console had it as an event
+                    self.ui.warn(body["note"])
                 self.rejoiner.welcomed(self.epoch, self.last_attempt)
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
@@ -357,7 +360,8 @@ class Agent:
             # What the workers said before the stop came (an `exiting` may be queued behind it),
             # and what ranks caught failing say within a second (unicron.agent.failing).
             self._drain_workers()
-            failing.wait_for_failing(group.ranks.values(), self._drain_workers)
+            if body.get("victim"):  # the first report is a lost peer's: its cause may still be on its way
+                failing.wait_for_failing(group.ranks.values(), self._drain_workers)
             faults, finished, stacks = stop_answer(group, body["want_stacks"])
             for fault in faults:
                 self._report(fault)

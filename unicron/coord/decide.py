@@ -71,11 +71,11 @@ def rank_nodes(attempt: Attempt) -> dict[int, str]:
 
 def node_to_exclude(cause: Fault, rank_nodes: Mapping[int, str], pinned: frozenset[str],
                     faults: Sequence[Fault] = ()) -> str | None:
-    """The node a reconfigure leaves out for ``cause``: the node its rank ran on (a hang's
-    culprits, when they all ran on one node), or the node a node-level fault names. None when
-    the fault does not point at one node (the same kind of failure, by the classifier's rule,
-    came from a rank of another node in ``faults``: a script bug that fails everywhere is no
-    node's fault), or points at a pinned one."""
+    """The node a reconfigure leaves out for ``cause``: the node its rank ran on, or the node a
+    node-level fault (a GPU's health) names. None when the fault does not point at one node (a
+    hang of the job; the same kind of failure, by the classifier's rule, from a rank of another
+    node in ``faults``: a script bug that fails everywhere is no node's fault), or points at a
+    pinned one."""
     if cause.kind == "node_lost":
         return None  # out already
     node: str | None
@@ -86,12 +86,19 @@ def node_to_exclude(cause: Fault, rank_nodes: Mapping[int, str], pinned: frozens
             where = (rank_nodes.get(other.rank) if other.rank is not None else None) or other.node
             if where and where != node and other.kind == cause.kind and classify(other).rule == rule:
                 return None
-    elif cause.culprit_ranks:
-        nodes = {rank_nodes.get(r) for r in cause.culprit_ranks}
-        node = nodes.pop() if len(nodes) == 1 else None
     else:
-        node = cause.node if cause.kind == "health" else None  # a hang without culprits names no node
+        node = cause.node if cause.kind == "health" else None
     return node if node and node not in pinned else None
+
+
+def reports_a_victim(raw: dict[str, Any]) -> bool:
+    """The fault, as an agent reported it, is most likely another rank's doing (a lost peer): the
+    rank that caused it may still be on its way to saying so (``unicron.agent.failing``)."""
+    try:
+        fault = to_fault(raw)
+    except (ValueError, TypeError):
+        return False
+    return is_victim(fault, classify(fault))
 
 
 def to_fault(raw: dict[str, Any]) -> Fault:
@@ -145,6 +152,8 @@ class DetectDecider:
         repeat = uneven and self.history and self.history[-1].rule == UNEVEN_END and left == self._last_uneven
         self._last_uneven = left
         culprit_node: str | None = None
+        pinned_node: str | None = None  # the node the failure points at, kept: it hosts the coordinator
+        on_node = False
         if repeat:
             # The same ranks left after the same steps, again after a restart: the script's own logic
             # (uneven inputs). Another rank or step (a second preemption) is another one-off.
@@ -155,14 +164,20 @@ class DetectDecider:
         else:
             can_shrink = max_nodes is None or min_nodes < max_nodes
             lost = any(f.kind == "node_lost" for f in parsed)
-            # A node that failed again in place may be left out while the others still make MIN.
-            culprit_node = None if lost else node_to_exclude(cause, rank_nodes or {}, pinned, parsed)
+            # A node that failed again in place may be left out while the others still make MIN,
+            # when what failed points at the machine (its GPU, its network), not at the script.
+            on_node = classification.severity is Severity.SEV1 or classification.rule in NODE_RULES
+            culprit_node = None if lost or not on_node else node_to_exclude(cause, rank_nodes or {}, pinned, parsed)
+            if culprit_node is None and on_node and not lost:
+                held = node_to_exclude(cause, rank_nodes or {}, frozenset(), parsed)
+                pinned_node = held if held in pinned else None
             elastic = can_shrink and active_nodes > 0 and (
                 (lost and active_nodes >= min_nodes) or (culprit_node is not None and active_nodes > min_nodes))
             decision = self.policy.decide(self.history, cause, classification, now, max_restarts=max_restarts,
                                           steps_completed_since_last_restart=progress, elastic=elastic,
                                           replayed=replayed,
-                                          fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes, lost, culprit_node),
+                                          fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes, lost, culprit_node,
+                                                               on_node, pinned_node),
                                           spent=spent)
         self.history.append(decision.record(cause, classification, progress, now, reached=reached,
                                             restored_from=restored_from, replayed=replayed))
@@ -192,6 +207,10 @@ class DetectDecider:
                         exit_code=error.exit_code if error is not None else 0, culprits=culprits, exclude=exclude)
 
 
+# Failures that point at the machine (besides SEV1's): a node whose ranks fail so again after a
+# restart may be left out. A Python exception of the script's own points at the script.
+NODE_RULES = frozenset({"cuda-error", "nccl-error", "connect-failed"})
+
 UNEVEN_END = "uneven-end"  # a rank exited 0 while its peers trained on, and they then lost it
 _COLLECTIVE_MARKS = ("gloo", "nccl", "processgroup", "c10d", "torch/distributed", "torch.distributed")
 
@@ -214,13 +233,21 @@ def _uneven_end(finished: Sequence[tuple[int, int | None]], victim: Fault, class
 
 
 def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None, lost: bool = True,
-               culprit_node: str | None = "") -> str:
+               culprit_node: str | None = "", on_node: bool = True, pinned_node: str | None = None) -> str:
     """Why the job cannot go on without the failed node, in the decision's words. ``lost``: the
-    node is gone already; else ``culprit_node`` is the node it would leave out (None: none named)."""
+    node is gone already; else ``culprit_node`` is the node it would leave out (None: none
+    named), ``on_node`` whether what failed points at a machine at all, and ``pinned_node`` the
+    node it points at when that one hosts the coordinator."""
     if max_nodes is not None and min_nodes >= max_nodes:
         return "the job is not elastic (min nodes = current nodes)"
     if lost and active_nodes < min_nodes:
         return f"the job cannot shrink below --nnodes MIN ({min_nodes} nodes; {active_nodes} left)"
+    if not lost and not on_node:
+        return ("what failed points at the script, not at its machine (only a GPU, CUDA, NCCL or network "
+                "failure points at a node)")
+    if not lost and pinned_node is not None:
+        return (f"node {pinned_node} hosts the job's coordinator and is never left out (a standalone "
+                "`unicron coordinator` would let the job go on without it)")
     if not lost and culprit_node is None:
         return "the failure does not point at one node that the job could go on without"
     if not lost and active_nodes <= min_nodes:

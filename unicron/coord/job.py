@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from unicron.coord.assign import attempt_messages
-from unicron.coord.decide import Decider, Decision, decide_attempt
+from unicron.coord.decide import Decider, Decision, decide_attempt, reports_a_victim
 from unicron.coord.evidence import job_activity, join_mismatch, next_tick_s, past_last_step, silent_nodes
 from unicron.coord.exclude import leave_out
 from unicron.coord.membership import Membership, NodeState
@@ -75,9 +75,10 @@ class JobCore:
         if not result.accepted:
             return self.refuse(node_id, body["host"], result.reason, waits=result.transient)
         self._refused.pop(node_id, None)
-        out: list[Out] = [Send(node_id, "welcome", {"node_id": node_id, "epoch": self.members.epoch})]
-        if result.reason:
-            out.append(Emit("join_note", {"node_id": node_id, "host": body["host"], "note": result.reason}))
+        note = {"note": result.reason} if result.reason else {}
+        out: list[Out] = [Send(node_id, "welcome", {"node_id": node_id, "epoch": self.members.epoch, **note})]
+        if note:
+            out.append(Emit("join_note", {"node_id": node_id, "host": body["host"], **note}))
         if known:
             return out
         out.append(Emit("join", {"node_id": node_id, "host": body["host"], "nproc": body["nproc"],
@@ -170,7 +171,8 @@ class JobCore:
             self.detections.append(float(fault["latency_s"]))
         out: list[Out] = [Emit("fault", fault_fields(fault))]
         if self.phase is Phase.RUNNING:
-            out += self.stop_attempt(describe_fault(fault), now, want_stacks=fault.get("kind") == "hang")
+            out += self.stop_attempt(describe_fault(fault), now, want_stacks=fault.get("kind") == "hang",
+                                     victim=reports_a_victim(fault))
         return out
 
     def on_finished(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -316,7 +318,7 @@ class JobCore:
                 return self.after_stop(now)
         return []
 
-    def stop_attempt(self, reason: str, now: float, *, want_stacks: bool) -> list[Out]:
+    def stop_attempt(self, reason: str, now: float, *, want_stacks: bool, victim: bool = False) -> list[Out]:
         attempt = self.attempt
         assert attempt is not None
         self.phase = Phase.STOPPING
@@ -327,7 +329,7 @@ class JobCore:
         for node_id in attempt.nodes:
             if self.members.is_active(node_id):
                 out.append(Send(node_id, "stop", {"attempt": attempt.number, "reason": reason,
-                                                  "want_stacks": want_stacks}))
+                                                  "want_stacks": want_stacks, **({"victim": True} if victim else {})}))
         if self.all_stopped():
             out += self.after_stop(now)
         return out

@@ -58,6 +58,8 @@ def _failed_process(fault: Fault) -> bool:
     return fault.kind in ("exit", "exception") and not _clean_exit(fault)
 
 
+_CONNECT_FAILED = re.compile(r"connectFullMesh failed|timed out connecting|No route to host|Network is unreachable"
+                             r"|EHOSTUNREACH|ENETUNREACH")
 _ZMQ_ASSERT = re.compile(r"\(src/[a-z_]+\.(?:cpp|hpp):\d+\)")
 
 
@@ -266,6 +268,11 @@ RULES: tuple[Rule, ...] = (
     Rule("peer-connection-lost", Severity.SEV3,
          lambda f, ev: _failed_process(f) and _may_be_a_victim(ev) and _peer_connection_lost(ev),
          lambda f, ev: f"{f.where()} lost its connection to a peer ({error_summary(f, ev)})", victim=True),
+    # This rank could not reach a peer at all (its process group's connections never formed): its
+    # node, or the link to the peer, is at fault; not a victim of a peer that died.
+    Rule("connect-failed", Severity.SEV2, lambda f, ev: _failed_process(f) and _may_be_a_victim(ev)
+         and bool(_CONNECT_FAILED.search(ev.exception_message if ev.exception_type else ev.text)),
+         lambda f, ev: f"{f.where()} could not connect to a peer ({error_summary(f, ev)})"),
     Rule("oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGKILL and any(
         h.error_type == "oom_kill" for h in ev.health),
          lambda f, _ev: f"{f.where()} was killed by the kernel OOM killer (out of memory: the host's, or its cgroup's limit)"),

@@ -298,13 +298,16 @@ class RestartPolicy:
             last is not None and action is Action.RESTART and last.action is Action.RESTART
             and _no_progress(progress) and (_same_place(last, fault) or same_error)
         ):
-            if not elastic:
-                again = (f"{fault.where()} failed again" if _same_place(last, fault)
-                         else f"the same error came back ({fault.where()})")
+            same_place = _same_place(last, fault)
+            if not elastic or not same_place:
+                # The same error on another rank is no one node's fault (a script bug that fails
+                # everywhere): no node is left out for it, elastic or not.
+                again = f"{fault.where()} failed again" if same_place else f"the same error came back ({fault.where()})"
+                why = fixed_why if same_place else "it came on another rank, so it is no one node's fault"
                 return stop(
                     StopReason.CANNOT_RECONFIGURE,
-                    f"{again} after a restart without completing a step, and {fixed_why}, so no node can be "
-                    f"left out{' (use --nnodes MIN:MAX)' if 'not elastic' in fixed_why else ''}; last cause: {cause}",
+                    f"{again} after a restart without completing a step, and {why}, so no node can be left "
+                    f"out{' (use --nnodes MIN:MAX)' if 'not elastic' in why else ''}; last cause: {cause}",
                     escalated=True,
                 )
             action, escalated = Action.RECONFIGURE, True

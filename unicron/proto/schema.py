@@ -32,7 +32,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "leave": {"node_id": str, "reason": str},
     "status_req": {},
     # coordinator -> agent
-    "welcome": {"node_id": str, "epoch": int},
+    "welcome": {"node_id": str, "epoch": int, "note?": str},  # note: what was changed in the join
     # done: the attempt (its number) in which some rank is past its last step: no hang can be called
     "ack": {"epoch": int, "state": str, "activity?": str, "done?": int},
     "assign": {"epoch": int, "attempt": int, "restart_count": int, "node_rank": int, "nnodes": int,
@@ -44,7 +44,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                # every node of the attempt in node-rank order ([node id, host]) and the restarts
                # spent: what a restarted coordinator needs to take the attempt back
                "nodes": list, "restarts_used": int},
-    "stop": {"attempt": int, "reason": str, "want_stacks": bool},
+    # victim: the first report is a victim's (a lost peer): ranks caught failing are waited for
+    "stop": {"attempt": int, "reason": str, "want_stacks": bool, "victim?": bool},
     "shutdown": {"exit_code": int, "reason": str},
     # fenced: no longer a member (re-join); wait: no place yet, ask again (a member may be lost soon);
     # unknown_job: a coordinator that does not know the job (it restarted): register it again

@@ -14,6 +14,8 @@ class StepCounter:
         self.explicit = False  # set by the first unicron.step(): optimizer steps stop counting
         self._first_optimizer: weakref.ref[Any] | None = None
         self._other: tuple[int, int] | None = None  # (id, steps) of another optimizer since the counted one's last
+        self._replaced: tuple[weakref.ref[Any], int] | None = None  # the optimizer taken over from, and the count then
+        self._turns: set[int] = set()  # ids of optimizers known to take turns: neither replaces the other
 
     def on_optimizer_step(self, optimizer: object) -> int | None:
         """New completed count if this optimizer step ends an iteration, else None.
@@ -21,18 +23,26 @@ class StepCounter:
         The optimizer that steps first counts; others in the same loop (a GAN's, a critic's)
         step between its steps. Another one that steps twice with no step of the counted one in
         between has replaced it (a second phase of fine-tuning with a new optimizer over every
-        parameter, the first one still referenced): it counts from then on."""
+        parameter, the first one still referenced): it counts from then on. Unless the first one
+        steps again: then the two take turns (a critic stepped n times per generator step), the
+        first counts again, and the count goes back to where it was when it was taken over."""
         if self.explicit:
             return None
         first = self._first_optimizer() if self._first_optimizer is not None else None
         if first is None:  # no optimizer yet, or the first one was garbage collected
             self._first_optimizer = weakref.ref(optimizer)
         elif first is not optimizer:
-            seen = self._other[1] if self._other is not None and self._other[0] == id(optimizer) else 0
-            if seen + 1 < 2:
-                self._other = (id(optimizer), seen + 1)
-                return None
-            self._first_optimizer = weakref.ref(optimizer)
+            replaced = self._replaced
+            if replaced is not None and replaced[0]() is optimizer:  # it was not replaced: they take turns
+                self._turns.update((id(first), id(optimizer)))
+                self._first_optimizer, self.completed, self._replaced = replaced[0], replaced[1], None
+            else:
+                seen = self._other[1] if self._other is not None and self._other[0] == id(optimizer) else 0
+                if seen + 1 < 2 or {id(first), id(optimizer)} <= self._turns:
+                    self._other = (id(optimizer), seen + 1)
+                    return None
+                self._replaced = (weakref.ref(first), self.completed)
+                self._first_optimizer = weakref.ref(optimizer)
         self._other = None
         self.completed += 1
         return self.completed
