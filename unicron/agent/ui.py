@@ -77,11 +77,11 @@ class AgentUI:
             self.warn(decision_line(event))
         elif kind == "join_refused":
             say = self.info if event.get("waits") else self.warn
-            say(f"node {event.get('host')} refused: {event.get('reason')}")
+            say(f"node {event.get('node_id') or event.get('host')} refused: {event.get('reason')}")
         elif kind == "join_note":
             self.warn(str(event.get("note")))
         elif kind == "node_lost":
-            self.warn(f"node {event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
+            self.warn(f"node {event.get('node_id') or event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
         elif kind == "job_resumed":  # a standalone coordinator's own console, after it restarted
             self.info(f"took back attempt {event.get('attempt')} ({event.get('nnodes')} node(s), "
                       f"{event.get('restarts_used')} restart(s) spent) from its agents")

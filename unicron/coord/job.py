@@ -88,7 +88,7 @@ class JobCore:
         if self.phase is Phase.RUNNING and self.attempt is not None:
             # A late joiner below MAX: re-form the job with it (torchrun re-rendezvouses too).
             self.attempt.scale_up = True
-            out += self.stop_attempt(f"node {body['host']} joined: growing to "
+            out += self.stop_attempt(f"node {node_id} joined: growing to "
                                       f"{len(self.members.active())} nodes", now, want_stacks=False)
         return out
 
@@ -310,7 +310,7 @@ class JobCore:
         if self.phase is Phase.RUNNING:
             attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                    "ts": now, "reported_at": now, "attempt": attempt.number})
-            return self.stop_attempt(f"node {host} {how}: {why}", now, want_stacks=False)
+            return self.stop_attempt(f"node {node_id} {how}: {why}", now, want_stacks=False)
         if self.phase is Phase.STOPPING:
             attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                    "ts": now, "reported_at": now, "attempt": attempt.number})

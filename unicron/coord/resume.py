@@ -184,7 +184,7 @@ def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
                                                   "joined", "fenced": True}))
     if extra[:room]:
         attempt.scale_up = True
-        out += core.stop_attempt(f"node {extra[0].host} joined: growing to {len(core.members.active())} nodes",
+        out += core.stop_attempt(f"node {extra[0].node_id} joined: growing to {len(core.members.active())} nodes",
                                  now, want_stacks=False)
     return out
 

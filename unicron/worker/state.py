@@ -26,6 +26,8 @@ Usage::
     and changes nothing in the objects. The worker's step counter continues from the restored
     step. Snapshots this rank holds of later steps (the failed attempt's) are dropped.
 ``commit(step)``
+    A restore resumes right after the commit it restores: code after ``commit(S)`` in the same
+    iteration (an evaluation at step S) is not run again for S when the failure came there.
     ``step`` counts the steps completed over the whole run: it must not go back (a per-epoch
     counter would have the agent restore the newest step, another epoch's). Snapshots the
     state as it is now into a slot of shared memory that stays mapped from one
