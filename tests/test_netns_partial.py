@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from e2e import clean_env, read_events, unicron_cmd
 from test_netns import _free_port_in, _ip, _reap
+from test_run_exclude import SCRIPT  # trains 5 steps; rank 0 writes the world size it ended with
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -69,25 +70,6 @@ def three_hosts() -> Iterator[dict[str, Any]]:
             _ip("netns", "del", name, check=False)
 
 
-SCRIPT = """
-import sys
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(5):
-    opt.zero_grad()
-    model(torch.ones(2, 4)).sum().backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    opt.step()
-if dist.get_rank() == 0:
-    with open(sys.argv[1], "w") as f:
-        f.write(str(dist.get_world_size()))
-dist.destroy_process_group()
-"""
 
 
 def test_a_node_cut_off_from_another_is_left_out_and_the_job_goes_on(three_hosts, workdir) -> None:
