@@ -760,7 +760,7 @@ def test_an_interrupted_node_whose_workers_stop_slowly_leaves_rather_than_being_
         return ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
                 "--rdzv-id", "meshjob", "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3",
                 "--grace-period", "10", "--redirects", "1", "--log-dir", str(workdir / "logs"),
-                str(workdir / "saves.py"), "150"]
+                str(workdir / "saves.py"), "80"]
 
     a = launch(args(), workdir, env)
     wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "a's coordinator to listen")
