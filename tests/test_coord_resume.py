@@ -256,3 +256,35 @@ def test_the_budget_spent_before_the_restart_still_counts() -> None:
     outs = core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 103)
     assert core.phase is Phase.FAILED, core.final_reason
     assert "restart budget spent: 3 of 3" in core.final_reason and [o for o in outs if isinstance(o, Finish)]
+
+
+def test_a_job_taken_back_keeps_its_age_and_its_restarts_for_status() -> None:
+    # The first coordinator restarts the job once; its next assign carries the job's start and
+    # that restart, and the coordinator that takes the job back shows both (not its own start).
+    old = JobCore(spec(), ScriptedDecider(RESTART), now=10)
+    old.on_join("a", join("a"), 10)
+    old.on_join("b", join("b"), 10)
+    started(old, 11)
+    old.on_fault("b", {"attempt": 0, "fault": FAULT}, 20)
+    old.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 21)
+    old.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 21)
+    assigns = next_assigns(old, 21.5)
+    assert assigns["a"]["started_at"] == 10 and len(assigns["a"]["restarts"]) == 1
+    assert all(schema_errors("assign", body) is None for body in assigns.values())
+    body = dict(join("a"), **resume_fields(assigns["a"], epoch=7, state="running", faults=[], snapshots={},
+                                           snapshot_bytes={}))
+    core = JobCore(spec(), ScriptedDecider(), now=500)
+    core.on_join("a", body, 500)
+    view = core.snapshot()
+    assert view["job"]["started_at"] == 10 and view["job"]["attempt"] == 1 and view["job"]["restarts"] == 1
+    assert view["restarts"] == old.snapshot()["restarts"] and view["restarts"][0]["attempt"] == 1
+
+
+@pytest.mark.parametrize("bad", [{"started_at": "yesterday"}, {"started_at": float("nan")}, {"restarts": {}},
+                                 {"restarts": [{"attempt": 1, "ts": 2.0, "cause": "c", "severity": "SEV2",
+                                                "action": "restart"}]},
+                                 {"restarts": [{"attempt": True, "ts": 2.0, "cause": "c", "severity": "SEV2",
+                                                "action": "restart", "rule": "r"}]}])
+def test_a_resume_with_a_malformed_age_or_history_is_refused(bad: dict[str, Any]) -> None:
+    raw = resumed_join("a", first_assigns()["a"])["resume"]
+    assert isinstance(parse_resume(dict(raw, **bad), "a"), str)

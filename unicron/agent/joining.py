@@ -69,7 +69,8 @@ def resume_fields(assign: dict[str, Any] | None, *, epoch: int, state: str, faul
     return {"resume": {"attempt": assign["attempt"], "nodes": assign["nodes"],
                        "local_world_sizes": assign["local_world_sizes"], "restarts_used": assign["restarts_used"],
                        "epoch": epoch, "state": state, "faults": faults[-MAX_FAULTS:],
-                       "snapshots": snapshots, "snapshot_bytes": snapshot_bytes}}
+                       "snapshots": snapshots, "snapshot_bytes": snapshot_bytes,
+                       **{k: assign[k] for k in ("started_at", "restarts") if k in assign}}}
 
 
 class JoinState:

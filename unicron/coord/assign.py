@@ -20,7 +20,8 @@ class Placed(Protocol):
 
 def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restarts_used: int,
                      master_addr: str, master_port: int, restore_step: int | None,
-                     restore_note: str = "", why: str = "") -> list[Out]:
+                     restore_note: str = "", why: str = "", started_at: float | None = None,
+                     restarts: Sequence[dict[str, Any]] = ()) -> list[Out]:
     """The event that opens attempt ``number`` on ``nodes`` (in node-rank order), then one
     ``assign`` per node: its node rank, the global rank of its first worker, the world's sizes,
     the store, the step every rank restores, and ``why`` (the decision that led to it, for the
@@ -45,6 +46,8 @@ def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restar
             **({"why": why} if why else {}),
             # faults are injected into the first attempt only (a restart must be able to heal)
             "inject": number == 0, "restarts_used": restarts_used,
-            "nodes": [[n.node_id, n.host] for n in nodes]}))
+            "nodes": [[n.node_id, n.host] for n in nodes],
+            **({"started_at": started_at} if started_at is not None else {}),
+            "restarts": list(restarts)}))
         offset += node.nproc
     return out

@@ -21,7 +21,7 @@ from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.coord.restore import Holdings, choose_restore
-from unicron.coord.resume import rejoined, take_back
+from unicron.coord.resume import MAX_HISTORY, rejoined, take_back
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
 from unicron.events import decision_line
@@ -291,7 +291,8 @@ class JobCore:
         why, self.why_next = self.why_next, ""
         return attempt_messages(number, nodes, epoch=self.members.epoch, restarts_used=self.restarts_used,
                                 master_addr=master_addr, master_port=master_port,
-                                restore_step=self.restore_step, restore_note=self.restore_note, why=why)
+                                restore_step=self.restore_step, restore_note=self.restore_note, why=why,
+                                started_at=self.created_at, restarts=self.restarts[-MAX_HISTORY:])
 
     def fail(self, reason: str, now: float, exit_code: int = 1) -> list[Out]:
         """The shell could not do what the job needs (e.g. open a store), or the coordinator's

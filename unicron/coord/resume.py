@@ -18,6 +18,7 @@ if just reported) or workers already stopped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 
 STATES = ("running", "finished", "stopped")
 MAX_FAULTS = 16  # the newest of an attempt's faults a resume carries
+MAX_HISTORY = 16  # the newest of the job's restarts an assign, and so a resume, carries
+# A restart as status shows it (JobCore.restarts): field -> type
+RESTART_FIELDS: dict[str, Any] = {"attempt": int, "ts": (int, float), "cause": str, "severity": str,
+                                  "action": str, "rule": str}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class ResumedAttempt:
     faults: tuple[dict[str, Any], ...]
     snapshots: dict[str, Any]  # with ``stopped``: what the node holds (as in its ``stopped`` report)
     snapshot_bytes: dict[str, Any]
+    started_at: float | None = None  # when the job was created (wall clock), as its assign said
+    restarts: tuple[dict[str, Any], ...] = ()  # the job's restarts before this attempt, newest last
 
     @property
     def node_ids(self) -> list[str]:
@@ -86,12 +93,26 @@ def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
     snapshots, nbytes = raw.get("snapshots", {}), raw.get("snapshot_bytes", {})
     if not isinstance(snapshots, dict) or not isinstance(nbytes, dict):
         return "snapshots is not an object"
+    started_at: Any = raw.get("started_at")
+    if started_at is not None and not (isinstance(started_at, (int, float)) and not isinstance(started_at, bool)
+                                       and math.isfinite(started_at)):
+        return "started_at is not a time"
+    history = raw.get("restarts", [])
+    if not isinstance(history, list) or not all(_is_restart(r) for r in history):
+        return "restarts is not a list of restarts"
     extra = set(raw) - {"attempt", "nodes", "local_world_sizes", "restarts_used", "epoch", "state", "faults",
-                        "snapshots", "snapshot_bytes"}
+                        "snapshots", "snapshot_bytes", "started_at", "restarts"}
     if extra:
         return f"unexpected field(s) {sorted(extra)}"
     return ResumedAttempt(attempt, tuple((n[0], n[1], int(s)) for n, s in zip(nodes, sizes, strict=True)), restarts, epoch,
-                          state, tuple(faults[-MAX_FAULTS:]), snapshots, nbytes)
+                          state, tuple(faults[-MAX_FAULTS:]), snapshots, nbytes,
+                          None if started_at is None else float(started_at),
+                          tuple({k: r[k] for k in RESTART_FIELDS} for r in history[-MAX_HISTORY:]))
+
+
+def _is_restart(record: Any) -> bool:
+    return isinstance(record, dict) and all(
+        isinstance(record.get(k), t) and not isinstance(record.get(k), bool) for k, t in RESTART_FIELDS.items())
 
 
 def fault_key(fault: dict[str, Any]) -> tuple[str, ...]:
@@ -169,6 +190,11 @@ def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
     core.members.adopt(list(resumed.nodes), resumed.epoch, now)
     attempt = core.attempt = Attempt(resumed.attempt, now, resumed.node_ids, resumed.world_size)
     core.next_attempt, core.restarts_used = resumed.attempt + 1, resumed.restarts_used
+    # The job's story as status tells it: its age and why it restarted, not this coordinator's.
+    if resumed.started_at is not None and resumed.started_at < core.created_at:
+        core.created_at = resumed.started_at
+    if not core.restarts:
+        core.restarts = [dict(r) for r in resumed.restarts]
     core.phase = Phase.RUNNING
     core.awaiting_resume = set(resumed.node_ids)
     out: list[Out] = [Emit("job_resumed", {"attempt": attempt.number, "nnodes": len(attempt.nodes),

@@ -43,7 +43,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "inject": bool,
                # every node of the attempt in node-rank order ([node id, host]) and the restarts
                # spent: what a restarted coordinator needs to take the attempt back
-               "nodes": list, "restarts_used": int},
+               "nodes": list, "restarts_used": int,
+               # when the job was created and its restarts so far (newest last): what status
+               # shows, given back by a resume so a restarted coordinator keeps the job's story
+               "started_at?": NUM, "restarts?": list},
     # victim: the first report is a victim's (a lost peer): ranks caught failing are waited for
     "stop": {"attempt": int, "reason": str, "want_stacks": bool, "victim?": bool},
     "shutdown": {"exit_code": int, "reason": str},
