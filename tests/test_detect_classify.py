@@ -475,3 +475,27 @@ def test_a_libzmq_assertion_names_the_broken_agent_channel_and_no_inject() -> No
                  "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)\n"):
         c = classify(Fault(kind="exit", ts=1.0, rank=1, exitcode=-6, signal=6, stderr_tail=tail), ())
         assert c.rule == "agent-channel-broken" and "--no-inject" in c.reason and "src/signaler.cpp" in c.reason, c
+
+
+@pytest.mark.parametrize("error_type, message, traceback", [
+    ("ConnectionError", "HTTPSConnectionPool(host='api.wandb.ai', port=443): Max retries exceeded with url: "
+     "/graphql (Caused by ProtocolError('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer')))",
+     '  File "/site-packages/requests/adapters.py", line 682, in send\n'),
+    ("ConnectionResetError", "[Errno 104] Connection reset by peer",  # http.client under urllib
+     '  File "/usr/lib/python3.11/http/client.py", line 1395, in getresponse\n'),
+    ("EndpointConnectionError", 'Could not connect to the endpoint URL: "https://bucket.s3.amazonaws.com/ckpt"',
+     '  File "/site-packages/botocore/httpsession.py", line 493, in send\n'),
+])
+def test_a_web_clients_reset_is_the_ranks_own_failure_not_a_lost_peer(error_type: str, message: str,
+                                                                        traceback: str) -> None:
+    """The script failed talking to a service (a metrics logger, object storage): the rank's own
+    exception (SEV2, the root cause), not a victim of a peer that went away."""
+    c = classify(Fault(kind="exception", ts=1.0, rank=0, error_type=error_type, message=message,
+                       traceback="Traceback (most recent call last):\n" + traceback), ())
+    assert c.rule == "uncaught-exception" and c.severity is Severity.SEV2, c
+    # The same reset out of gloo is a lost peer, even when a web client had warned earlier in stderr.
+    gloo = classify(Fault(kind="exception", ts=1.0, rank=0, error_type="DistBackendError",
+                          message="[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+                          traceback='  File "/site-packages/torch/distributed/distributed_c10d.py", line 2806\n',
+                          stderr_tail="WARNING urllib3.connectionpool: Retrying after connection broken\n"), ())
+    assert gloo.rule == "peer-connection-lost", gloo

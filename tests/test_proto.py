@@ -4,6 +4,7 @@ survives garbage."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -139,6 +140,64 @@ def _join_body(node: str) -> dict:
             "join_timeout_s": 60, "stop_timeout_s": 5}
 
 
+def _unsigned(ts: str, body: str = "{}") -> bytes:
+    return (f'{{"v":{PROTOCOL_VERSION},"kind":"status_req","job":"j","sender":"x","seq":1,"ts":{ts},'
+            f'"body":{body},"mac":"00"}}').encode()
+
+
+@pytest.mark.parametrize("raw", [_unsigned("NaN"), _unsigned("1e400"), _unsigned("1.0", body='{"a":Infinity}')])
+def test_what_json_takes_but_no_peer_can_sign_is_malformed(raw: bytes) -> None:
+    _, receiver = _codecs()
+    with pytest.raises(ProtocolError, match="malformed"):
+        receiver.decode(raw)
+
+
+def test_a_body_nested_as_deep_as_json_reads_is_dropped_whatever_the_depth() -> None:
+    # Somewhere below json's own limit the signature check's re-encoding, one frame deeper,
+    # runs out of stack: every depth is a dropped message, never a RecursionError.
+    _, receiver = _codecs()
+    for depth in range(900, 1100):
+        with pytest.raises(ProtocolError):
+            receiver.decode(_unsigned("1.0", body="[" * depth + "]" * depth))
+
+
+def test_a_node_whose_clock_is_off_takes_the_coordinators_time(tmp_path) -> None:
+    # Messages carry wall-clock time against replays. A node 200 s ahead would have every
+    # message dropped (torchrun does not care): the coordinator answers with its clock, which
+    # the node's codec adopts, and says so once on its console.
+    events = EventLog(tmp_path / "events.jsonl", job="j")
+    warnings: list[str] = []
+    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
+                               decider_for=DetectDecider, jobs={"j"}, warn=warnings.append)
+    server.start()
+    try:
+        ep = f"127.0.0.1:{server.port}"
+        ahead = Codec(KEY, "ahead", job="j", clock=lambda: time.time() + 200)
+        with pytest.raises(ProtocolError, match="stale"):  # a codec that does not follow drops the answer
+            ahead.decode(server.codec.encode("reject", {"reason": "r", "clock": time.time()}, job="j"))
+        follower = Codec(KEY, "f", job="j", clock=lambda: time.time() + 200, follows_clock=True)
+        follower.decode(server.codec.encode("reject", {"reason": "r", "clock": time.time()}, job="j"))
+        assert abs(follower.clock() - time.time()) < 5 and abs(follower.offset_s + 200) < 5
+        with pytest.raises(ProtocolError, match="stale"):  # only a reject with a clock moves it
+            Codec(KEY, "g", job="j", clock=lambda: time.time() + 200, follows_clock=True).decode(
+                server.codec.encode("welcome", {"node_id": "n", "epoch": 1}, job="j"))
+        import unicron.proto.client as client
+        real = client.Codec
+        client.Codec = lambda *a, **k: real(*a, clock=lambda: time.time() + 200, **k)  # type: ignore[misc]
+        try:
+            welcome = request(ep, "join", _join_body("n1"), job="j", key=KEY, timeout_s=5, expect="welcome")
+            status = request(ep, "status_req", {}, job="j", key=KEY, timeout_s=5, expect="status")
+        finally:
+            client.Codec = real  # type: ignore[misc]
+        assert welcome.body["node_id"] == "n1" and status.body["snapshot"]["job"]["state"] == "waiting"
+        # Once per peer (each request is a socket of its own), naming how far off it is.
+        assert len(warnings) == 2 and all(re.search(r"clock is (199|200) s ahead of the coordinator's .*NTP", w)
+                                          for w in warnings), warnings
+    finally:
+        server.stop()
+        events.close()
+
+
 def test_coordinator_survives_garbage_and_keeps_serving(live_coordinator) -> None:
     ep = f"127.0.0.1:{live_coordinator.port}"
     ctx = zmq.Context.instance()
@@ -149,7 +208,11 @@ def test_coordinator_survives_garbage_and_keeps_serving(live_coordinator) -> Non
     garbage = [b"", b"not json", b"{}", b"\x00" * 1000, json.dumps({"v": 1}).encode(),
                wrong_key.encode("join", _join_body("evil")),
                # deeper than json parses: it used to raise RecursionError, which ended the thread
-               b"[" * 200_000 + b"]" * 200_000]
+               b"[" * 200_000 + b"]" * 200_000,
+               # no secret needed: what json.loads takes but the signature check cannot re-encode
+               # (NaN, an overflowing float, a body nested just short of json's limit) ended it too
+               *(_unsigned(ts) for ts in ("NaN", "Infinity", "-Infinity", "1e400")),
+               *(_unsigned("1.0", body="[" * depth + "]" * depth) for depth in range(975, 1000, 3))]
     for raw in garbage:
         attacker.send(raw)
     attacker.send_multipart([b"a", b"b", b"c"])

@@ -51,6 +51,28 @@ def test_two_agents_on_loopback_form_one_job(workdir, launch) -> None:
     assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
 
 
+def test_a_node_whose_clock_is_200_s_ahead_joins_and_the_job_runs(workdir, launch) -> None:
+    # Messages carry wall-clock time against replays; a node whose clock is off by more than
+    # the window (no NTP, a VM resumed from a suspend) had all its messages dropped and waited
+    # out the join timeout, blaming the secret. torchrun does not care: nor does unicron now.
+    skew = workdir / "skew"
+    skew.mkdir()
+    (skew / "sitecustomize.py").write_text("import time\n_real = time.time\ntime.time = lambda: _real() + 200\n")
+    port = free_port()
+    a = launch(agent_args(workdir, port, "2", steps=5, sleep=0, rdzv_conf="last_call_timeout=1,join_timeout=60"),
+               workdir, clean_env(UNICRON_SECRET=SECRET))
+    wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "a's coordinator to listen")
+    b = launch(agent_args(workdir, port, "2", steps=5, sleep=0, rdzv_conf="last_call_timeout=1,join_timeout=60"),
+               workdir, clean_env(UNICRON_SECRET=SECRET, PYTHONPATH=str(skew)))
+    results = {name: item.wait(90) for name, item in (("a", a), ("b", b))}
+    for code, _out, err in results.values():
+        assert code == 0, err
+    assert (workdir / "out.txt").exists()
+    told = [line for line in results["b"][2].splitlines() if "clock is" in line]
+    assert len(told) == 1 and "200 s ahead of the coordinator's" in told[0] and "NTP" in told[0], results["b"][2]
+    assert "this node's clock is 200 s ahead" in results["a"][2]  # the coordinator's console names it too
+
+
 def test_rdzv_conf_is_host_picks_the_node_that_hosts_the_coordinator(workdir, launch) -> None:
     """torchrun's is_host: the node started first with is_host=0 joins, and waits, rather than
     binding the endpoint as the first to come otherwise would; the one with is_host=1 hosts."""

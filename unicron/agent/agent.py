@@ -79,7 +79,7 @@ class Agent:
         self.signals = signals
         self.host = s.local_addr
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.codec = Codec(s.secret, self.node_id, job=s.run_id)
+        self.codec = Codec(s.secret, self.node_id, job=s.run_id, follows_clock=True)
         self.ctx: zmq.Context = zmq.Context.instance()
         self.work_dir = make_work_dir()  # short: ipc paths are limited to ~100 bytes
         self.shm_dir = make_shm_dir(s.run_id)
@@ -108,6 +108,7 @@ class Agent:
         self.rejoiner = Rejoiner(self.joining, self.link, endpoint=endpoint, shm_dir=self.shm_dir, ui=ui, events=events)
         self.last_attempt: int | None = None  # the attempt of the last workers, once any started
         self.assignment: dict[str, Any] | None = None  # the last ``assign``: what a resume takes back
+        self.clock_told = False  # the coordinator said this machine's clock is off (once on the console)
 
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -269,6 +270,11 @@ class Agent:
                     raise WorkerFailedError(body["reason"], int(body["exit_code"]))
                 self.ui.info("job finished: all workers exited 0")
                 return 0
+            elif msg.kind == "reject" and "clock" in body:  # the codec took the coordinator's time
+                if not self.clock_told:
+                    self.clock_told = True
+                    self.ui.warn(body["reason"])
+                    self.events.emit("clock_offset", offset_s=round(self.codec.offset_s, 3))
             elif msg.kind == "reject":
                 refusal = self.joining.on_reject(body)
                 if refusal is Refusal.FENCED:

@@ -28,7 +28,7 @@ from unicron.coord.records import JobSpec
 from unicron.detect.stall import StallWatch
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
-from unicron.proto.messages import Codec, Message
+from unicron.proto.messages import Codec, Message, StaleMessage
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class CoordinatorServer:
         # Told to the user (not just counted): messages that say a node is misconfigured.
         self.warn = warn
         self._warned_peers: set[bytes] = set()
+        self._clock_told: dict[bytes, float] = {}  # peer -> when it was last told this clock
         # Nodes a reconfigure never leaves out: the agent this coordinator is embedded in (its
         # exit would end the coordinator, and with it every job). Shared with each job's core.
         self.pinned: set[str] = set()
@@ -224,15 +225,46 @@ class CoordinatorServer:
         identity, raw = frames
         try:
             msg = self.codec.decode(raw)
+        except StaleMessage as err:
+            self._clock_off(identity, err)
+            return
         except ProtocolError as err:
             log.debug("dropped message: %s", err)
             self._warn_misconfigured(identity, str(err))
+            return
+        except Exception:  # noqa: BLE001 - one peer's bytes must never take the coordinator down
+            log.exception("dropped a message that could not be read")
+            self.codec.dropped.add("malformed")
             return
         try:
             self._on_message(identity, msg)
         except Exception:  # a bug must not take the coordinator down with the job
             log.exception("error handling %s from %s", msg.kind, msg.sender)
             self.codec.dropped.add("handler-error")
+
+    def _clock_off(self, identity: bytes, err: StaleMessage) -> None:
+        """An authentic message whose time is too far off this machine's: a replay, or a node
+        whose clock is wrong (no NTP, a VM resumed from a suspend). Tell the sender this
+        clock, at most once a second per peer, and the user once: it then signs with it."""
+        now = self.clock()
+        if now - self._clock_told.get(identity, -math.inf) < 1.0:
+            return
+        if len(self._clock_told) >= 1024:  # replays from many sockets: forget the oldest
+            self._clock_told.pop(next(iter(self._clock_told)))
+        self._clock_told[identity] = now
+        ahead = "ahead of" if err.skew_s > 0 else "behind"
+        why = (f"this node's clock is {abs(err.skew_s):.0f} s {ahead} the coordinator's (messages may differ by "
+               f"{self.codec.window_s:g} s, against replays); it now signs with the coordinator's time: "
+               "is NTP running on every node?")
+        self._send_raw(identity, err.job, "reject", {"reason": why, "wait": True, "clock": now})
+        if self.warn is not None and identity not in self._warned_peers and len(self._warned_peers) < MAX_PEERS_WARNED:
+            self._warned_peers.add(identity)
+            self.warn(f"messages from {self._peer_name(identity)}: {why}")
+
+    def _peer_name(self, identity: bytes) -> str:
+        # Agents name their socket after their node id; a socket that did not gets a binary one.
+        text = identity.decode("ascii", errors="replace")
+        return text[:80] if text.isprintable() else f"a peer without a node id ({identity.hex()[:16]})"
 
     def _warn_misconfigured(self, identity: bytes, error: str) -> None:
         """A node whose secret, unicron version or job id (``--rdzv-id``) differs gets no answer (it cannot be trusted
@@ -244,9 +276,7 @@ class CoordinatorServer:
                 or len(self._warned_peers) >= MAX_PEERS_WARNED:
             return
         self._warned_peers.add(identity)
-        # Agents name their socket after their node id; a socket that did not gets a binary one.
-        text = identity.decode("ascii", errors="replace")
-        peer = text[:80] if text.isprintable() else f"a peer without a node id ({identity.hex()[:16]})"
+        peer = self._peer_name(identity)
         if reason == "unauthenticated":
             self.warn(f"dropped messages from {peer}: signed with another secret; is UNICRON_SECRET "
                       "(or --secret-file) the same on every node?")

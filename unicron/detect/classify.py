@@ -84,16 +84,25 @@ _PEER_NEEDLES = ("Connection reset by peer", "Connection refused", "Broken pipe"
                  "ECONNRESET", "ECONNREFUSED")
 
 
-def _peer_connection_lost(ev: Evidence) -> bool:
+# A web client's error (requests/urllib3, botocore, http.client, aiohttp, httpx): the rank's own
+# script failed talking to a service (a metrics logger, object storage, a model hub), no peer.
+_WEB_CLIENT = re.compile(r"HTTPS?ConnectionPool|Max retries exceeded|urllib3|botocore|/http/client\.py"
+                         r"|/urllib/request\.py|aiohttp|httpx|Could not connect to the endpoint URL")
+
+
+def _peer_connection_lost(fault: Fault, ev: Evidence) -> bool:
     """The error that ended the process says a connection to a peer broke (gloo's "Connection
     closed by peer", a store's reset). Only that error: an earlier one of a chain (a DataLoader's
     pipe reset while its worker was killed, before "DataLoader worker ... is killed") is not what
     failed. A ``BrokenPipeError`` is a local pipe as often as a peer's (the console's, closed by
-    ``| head``): not a peer's loss. Without a known exception, the whole output is searched."""
+    ``| head``): not a peer's loss; nor is a web client's reset. Without a known exception, the
+    whole output is searched."""
+    # The exception and its traceback, not stderr: a logger's warning printed long before is not it.
+    if ev.exception_type == "BrokenPipeError" or (
+            ev.exception_type and _WEB_CLIENT.search(f"{fault.message or ''}\n{fault.traceback or ''}")):
+        return False
     if ev.exception_type in _PEER_ERRORS:
         return True
-    if ev.exception_type == "BrokenPipeError":
-        return False
     where = ev.exception_message if ev.exception_type else ev.text
     return any(needle in where for needle in _PEER_NEEDLES)
 
@@ -266,7 +275,7 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()} timed out waiting in a collective for a peer ({error_summary(f, ev)})",
          victim=True),
     Rule("peer-connection-lost", Severity.SEV3,
-         lambda f, ev: _failed_process(f) and _may_be_a_victim(ev) and _peer_connection_lost(ev),
+         lambda f, ev: _failed_process(f) and _may_be_a_victim(ev) and _peer_connection_lost(f, ev),
          lambda f, ev: f"{f.where()} lost its connection to a peer ({error_summary(f, ev)})", victim=True),
     # This rank could not reach a peer at all (its process group's connections never formed): its
     # node, or the link to the peer, is at fault; not a victim of a peer that died.

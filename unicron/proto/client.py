@@ -37,7 +37,7 @@ def request(
 
     Never hangs: the socket has no linger and every wait is bounded.
     """
-    codec = Codec(key, f"client-{os.getpid()}-{os.urandom(4).hex()}", job=job)
+    codec = Codec(key, f"client-{os.getpid()}-{os.urandom(4).hex()}", job=job, follows_clock=True)
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IPV6, 1)  # an IPv6 literal endpoint needs it; IPv4 ones are unaffected
@@ -45,6 +45,7 @@ def request(
     try:
         sock.connect(tcp_endpoint(endpoint))
         sock.send(codec.encode(kind, body))
+        resent = False
         deadline_ms = int(timeout_s * 1000)
         while True:
             if not sock.poll(deadline_ms, zmq.POLLIN):
@@ -54,6 +55,10 @@ def request(
                 msg = codec.decode(raw)
             except ProtocolError as err:
                 raise EndpointUnreachableError(f"bad answer from {endpoint}: {err}") from None
+            if msg.kind == "reject" and "clock" in msg.body and not resent:  # ask again in its time
+                resent = True
+                sock.send(codec.encode(kind, body))
+                continue
             if expect is None or msg.kind == expect:
                 return msg
             if msg.kind == "reject":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ from unicron.proto.schema import schema_errors
 # fenced. 3: assign names the attempt's nodes and the restarts spent; join may resume an attempt
 # with a restarted coordinator, which says unknown_job. 4: a heartbeat says whether some rank of
 # the node is past its last step (done), an ack which attempt is (done). Peers of another version
-# do not talk: their messages are dropped and counted.
-PROTOCOL_VERSION = 4
+# do not talk: their messages are dropped and counted. 5: assign carries the job's start and
+# restarts (given back in a resume); reject may carry the coordinator's clock (``clock``).
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 
@@ -45,6 +47,27 @@ def _canonical(obj: dict[str, Any]) -> bytes:
 
 def sign(key: bytes, payload: dict[str, Any]) -> str:
     return hmac.new(key, _canonical(payload), hashlib.sha256).hexdigest()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: json.loads takes them, nothing may send them
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+class StaleMessage(ProtocolError):
+    """An authentic message whose time is outside the replay window: a replay, or a sender
+    whose clock is off this one's by ``skew_s`` (its time minus ours)."""
+
+    def __init__(self, message: str, *, skew_s: float, job: str) -> None:
+        super().__init__(message)
+        self.skew_s = skew_s
+        self.job = job
 
 
 @dataclass
@@ -68,6 +91,12 @@ class Codec:
     coordinator that serves several). Replay protection: per sender, ``seq`` must grow and
     ``ts`` must be within ``window_s`` of our clock. A restarted sender starts a new
     identity (its ``sender`` includes a random incarnation), so growth per sender is sound.
+
+    ``follows_clock`` (an agent, a status client): a node whose clock is off the coordinator's
+    by more than the window would have every message dropped. The coordinator answers such a
+    message with a ``reject`` carrying its ``clock``; a codec that follows adopts it (its
+    messages then carry the coordinator's time: ``offset_s``). Only a signed reject with a clock
+    moves it, and a replayed one is put right by the next.
     """
 
     def __init__(
@@ -79,6 +108,7 @@ class Codec:
         accept_jobs: set[str] | None = None,
         window_s: float = 120.0,
         clock: Callable[[], float] = time.time,
+        follows_clock: bool = False,
     ) -> None:
         if not key:
             raise ProtocolError("empty job secret")
@@ -87,10 +117,15 @@ class Codec:
         self.job = job
         self.accept_jobs = accept_jobs if accept_jobs is not None else {job}
         self.window_s = window_s
-        self.clock = clock
+        self._wall = clock
+        self.follows_clock = follows_clock
+        self.offset_s = 0.0  # added to our clock: the coordinator's time, once a reject gave it
         self._seq = 0
         self._last_seq: dict[str, int] = {}
         self.dropped = DropCounter()
+
+    def clock(self) -> float:
+        return self._wall() + self.offset_s
 
     def encode(self, kind: str, body: dict[str, Any], *, job: str | None = None) -> bytes:
         problem = schema_errors(kind, body)
@@ -116,16 +151,20 @@ class Codec:
     def _decode(self, raw: bytes) -> Message:
         if len(raw) > MAX_MESSAGE_BYTES:
             raise ProtocolError("too large: message over the size limit")
-        try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):  # read before the signature is
+        try:  # read before the signature is: anything may come
+            obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ProtocolError("malformed: not JSON") from None
         if not isinstance(obj, dict) or set(obj) != _ENVELOPE_KEYS:
             raise ProtocolError("malformed: not an envelope")
         if obj["v"] != PROTOCOL_VERSION:
             raise ProtocolError(f"version: unsupported protocol version {obj['v']!r}")
         mac = obj.pop("mac")
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, sign(self.key, obj)):
+        try:
+            expected = sign(self.key, obj)
+        except (ValueError, TypeError, RecursionError):  # e.g. nested deeper than the encoder goes
+            raise ProtocolError("malformed: not canonical JSON") from None
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
             raise ProtocolError("unauthenticated: bad or missing signature")
         kind, job, sender, seq, ts, body = (obj[k] for k in ("kind", "job", "sender", "seq", "ts", "body"))
         if not isinstance(kind, str) or not isinstance(job, str) or not isinstance(sender, str):
@@ -134,8 +173,12 @@ class Codec:
             raise ProtocolError("malformed: bad seq or ts")
         if self.accept_jobs and job not in self.accept_jobs:
             raise ProtocolError(f"wrong job: {job!r}")
-        if abs(self.clock() - ts) > self.window_s:
-            raise ProtocolError("stale: timestamp outside the replay window")
+        skew_s = ts - self.clock()
+        if abs(skew_s) > self.window_s:
+            clock = body.get("clock") if kind == "reject" and isinstance(body, dict) else None
+            if not (self.follows_clock and isinstance(clock, (int, float)) and not isinstance(clock, bool)):
+                raise StaleMessage("stale: timestamp outside the replay window", skew_s=skew_s, job=job)
+            self.offset_s = float(clock) - self._wall()
         if seq <= self._last_seq.get(sender, 0):
             raise ProtocolError("replayed: sequence number not increasing")
         problem = schema_errors(kind, body)

@@ -52,7 +52,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "shutdown": {"exit_code": int, "reason": str},
     # fenced: no longer a member (re-join); wait: no place yet, ask again (a member may be lost soon);
     # unknown_job: a coordinator that does not know the job (it restarted): register it again
-    "reject": {"reason": str, "fenced?": bool, "wait?": bool, "unknown_job?": bool},
+    # clock: this coordinator's time, to a node whose messages carry a time too far off it
+    "reject": {"reason": str, "fenced?": bool, "wait?": bool, "unknown_job?": bool, "clock?": NUM},
     "status": {"snapshot": dict},
 }
 
