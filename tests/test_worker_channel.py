@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from helpers_worker import agent_socket
 
@@ -47,3 +48,37 @@ def test_urgent_messages_ring_the_doorbell_and_still_come_in_order() -> None:
         ch.close()
         agent.wait_for(lambda m: m["t"] == "exc")
     assert [m["t"] for m in agent.messages] == ["step", "step", "exc"]
+
+
+def test_the_agent_drops_a_datagram_whose_numbers_no_coordinator_could_sign(tmp_path) -> None:
+    # NaN, Infinity and 1e400 are taken by json.loads but cannot be signed on the mesh: a fault
+    # carrying one would end the agent when it reports it. They are garbage, dropped and counted.
+    import zmq
+
+    from unicron.agent.inbox import WorkerInbox
+
+    class Sink:
+        def __init__(self) -> None:
+            self.got: list[dict] = []
+
+        def on_message(self, msg: dict, now: float) -> None:
+            self.got.append(msg)
+
+    ctx = zmq.Context.instance()
+    inbox = WorkerInbox(ctx, f"ipc://{tmp_path}/agent.sock")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(f"ipc://{tmp_path}/agent.sock")
+    try:
+        for raw in (b'{"t":"step","step":NaN}', b'{"t":"exc","ts":1e400}', b'{"t":"step","x":-Infinity}',
+                    b'{"t":"step","step":4}'):
+            push.send(raw)
+        sink = Sink()
+        deadline = time.monotonic() + 10
+        while len(sink.got) + inbox.dropped < 4 and time.monotonic() < deadline:
+            inbox.pull.poll(100)
+            inbox.read(sink)
+        assert sink.got == [{"t": "step", "step": 4}] and inbox.dropped == 3
+    finally:
+        push.close(0)
+        inbox.close()

@@ -8,12 +8,12 @@ channel now. What is not a JSON object with a string ``t`` is counted and droppe
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Protocol
 
 import zmq
 
+from unicron.proto.messages import strict_loads
 from unicron.worker.channel import bell_address
 
 MAX_BATCH = 1000  # messages read per drain: a flood cannot hold the loop
@@ -51,7 +51,7 @@ class WorkerInbox:
             except zmq.Again:
                 return count, faults
             try:
-                msg = json.loads(raw)
+                msg = strict_loads(raw)  # what reaches the coordinator must be JSON it can sign
             except (ValueError, RecursionError):  # RecursionError: nested deeper than json parses
                 msg = None
             if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or sink is None:

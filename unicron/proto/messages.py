@@ -60,6 +60,12 @@ def _finite(text: str) -> float:
     return value
 
 
+def strict_loads(raw: bytes | str) -> Any:
+    """``json.loads`` refusing (ValueError) what no JSON writer of ours sends and the signing
+    encoder cannot write back: NaN, Infinity, numbers that overflow to infinity."""
+    return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+
+
 class StaleMessage(ProtocolError):
     """An authentic message whose time is outside the replay window: a replay, or a sender
     whose clock is off this one's by ``skew_s`` (its time minus ours)."""
@@ -152,7 +158,7 @@ class Codec:
         if len(raw) > MAX_MESSAGE_BYTES:
             raise ProtocolError("too large: message over the size limit")
         try:  # read before the signature is: anything may come
-            obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+            obj = strict_loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise ProtocolError("malformed: not JSON") from None
         if not isinstance(obj, dict) or set(obj) != _ENVELOPE_KEYS:
