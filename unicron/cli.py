@@ -35,17 +35,22 @@ def _root(
     """A drop-in torchrun that makes distributed PyTorch training heal itself."""
 
 
-def _register_all() -> None:
-    # Imported here so `unicron --help` stays fast and one broken subsystem names itself.
-    from unicron.coord.commands import register as register_coordinator
-    from unicron.launch.commands import register as register_run
-    from unicron.plan.commands import register as register_plan
-    from unicron.status.commands import register as register_status
+# command -> the module that registers it (``register(app)``), in the order `--help` lists them
+COMMANDS = {"run": "unicron.launch.commands", "coordinator": "unicron.coord.commands",
+            "plan": "unicron.plan.commands", "simulate": "unicron.plan.commands",
+            "status": "unicron.status.commands", "events": "unicron.status.commands"}
 
-    register_run(app)
-    register_coordinator(app)
-    register_plan(app)
-    register_status(app)
+
+def _register(argv: list[str]) -> None:
+    """Register the command ``argv`` names, or every command (help, a mistyped name). Imported
+    here so that one broken subsystem names itself, and `unicron run` does not pay for the
+    planner's imports (networkx, yaml) in every launcher."""
+    import importlib
+
+    first = next((a for a in argv if not a.startswith("-")), None)
+    named = COMMANDS.get(first or "")
+    for module in dict.fromkeys([named] if named else COMMANDS.values()):
+        importlib.import_module(module).register(app)
 
 
 def error_line(message: str) -> None:
@@ -60,8 +65,9 @@ def error_line(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        _register_all()
-        rv = app(args=argv, prog_name="unicron", standalone_mode=False)
+        args = sys.argv[1:] if argv is None else argv
+        _register(args)
+        rv = app(args=args, prog_name="unicron", standalone_mode=False)
     except UnicronError as err:
         error_line(str(err))
         return err.exit_code
