@@ -235,6 +235,32 @@ def test_late_joiner_grows_the_job_without_spending_budget() -> None:
     assert {a["attempt"] for a in assigns.values()} == {1} and {a["restart_count"] for a in assigns.values()} == {0}
 
 
+PEER_RESET = {"kind": "exception", "rank": 2, "error_type": "RuntimeError", "ts": 7.6, "steps_completed": 40,
+              "message": "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8108: "
+                         "Connection reset by peer"}
+
+
+@pytest.mark.parametrize("fault, spends", [(PEER_RESET, False),  # the planned stop's doing
+                                           (dict(PEER_RESET, message="CUDA error: an illegal memory access"), True)])
+def test_a_victim_reported_after_a_late_joiners_stop_is_no_failure(fault: dict[str, Any], spends: bool) -> None:
+    # a and b train; c joins and the attempt is stopped to grow. a's ranks stop first; b's
+    # launcher carries the stop out late, and its rank reports the reset connection as its fault.
+    core = JobCore(spec(1, 3), ScriptedDecider(RESTART), now=0)
+    for node in ("a", "b"):
+        core.on_join(node, join(node, mn=1, mx=3), 0)
+        core.on_heartbeat(node, {"workers": [], "health": {}}, 5.9)
+    started(core, 6)
+    assert set(sends(core.on_join("c", join("c", mn=1, mx=3), 7), "stop")) == {"a", "b"}
+    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 7.5)
+    core.on_fault("b", {"attempt": 0, "fault": fault}, 7.7)
+    outs = core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 7.8)
+    decision = [o.fields for o in outs if isinstance(o, Emit) and o.kind == "decision"]
+    assert core.restarts_used == (1 if spends else 0), decision
+    assert decision[0]["rule"] == ("test" if spends else "scale-up"), decision
+    assigns = sends(core.start_attempt("", 1, 8), "assign")
+    assert set(assigns) == {"a", "b", "c"} and {a["restart_count"] for a in assigns.values()} == {int(spends)}
+
+
 @pytest.mark.parametrize("fault, action", [
     ({"kind": "exit", "rank": 1, "exitcode": -9, "ts": 1.0, "progress": 5}, "restart"),
     ({"kind": "exception", "rank": 0, "error_type": "ModuleNotFoundError",

@@ -125,7 +125,9 @@ def test_a_crashed_nodes_replacement_that_asks_too_early_waits_for_its_place(wor
     # so the replacement keeps asking, gets the place, and the job finishes.
     port = free_port()
     env = clean_env(UNICRON_SECRET=SECRET)
-    args = agent_args(workdir, port, "2", "--redirects", "1", steps=400, sleep=0.05)
+    # With its state kept (no --no-state): the attempt after the loss goes on from memory
+    # rather than training all 400 steps again.
+    args = [x for x in agent_args(workdir, port, "2", "--redirects", "1", steps=400, sleep=0.05) if x != "--no-state"]
     a = launch(args, workdir, env)
     wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "a's coordinator to listen")
     b = launch(args, workdir, env)

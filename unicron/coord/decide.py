@@ -7,6 +7,7 @@ restart policy (which keeps the job-wide history).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
@@ -46,12 +47,29 @@ def decide_attempt(decider: Decider, attempt: Attempt, spec: JobSpec, stacks: di
     """What follows a stopped attempt. One stopped without a fault was a planned re-formation (a
     late joiner): restarted at once, and no budget is spent. ``pinned``: nodes that cannot be
     left out (the one whose agent hosts the coordinator)."""
-    if not attempt.faults:
+    faults = failures(attempt)
+    if not faults:
         return Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up" if attempt.scale_up else "re-form", 0)
-    return decider.decide(attempt.faults, stacks, now, max_restarts=spec.max_restarts, max_nodes=spec.max_nodes,
+    return decider.decide(faults, stacks, now, max_restarts=spec.max_restarts, max_nodes=spec.max_nodes,
                           active_nodes=active_nodes, min_nodes=spec.min_nodes,
                           finished=finished_ranks(attempt.stopped.values()), spent=spent,
                           rank_nodes=rank_nodes(attempt), pinned=pinned)
+
+
+def failures(attempt: Attempt) -> list[dict[str, Any]]:
+    """The faults of ``attempt`` that count as its failure. When its stop was planned (a late
+    joiner), the ranks stopped first break their peers' connections, and a node that carries
+    the stop out late reports that as its ranks' fault: a victim reported after the stop went
+    out is the stop's doing, not a failure (no budget is spent on a planned re-form)."""
+    sent = attempt.stop_sent_at
+    if not attempt.scale_up or sent is None:
+        return attempt.faults
+    return [f for f in attempt.faults if not (_reported_at(f) >= sent and reports_a_victim(f))]
+
+
+def _reported_at(fault: dict[str, Any]) -> float:
+    at = fault.get("reported_at")
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else -math.inf
 
 
 def rank_nodes(attempt: Attempt) -> dict[int, str]:

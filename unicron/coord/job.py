@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from unicron.coord.assign import attempt_messages
-from unicron.coord.decide import Decider, Decision, decide_attempt, reports_a_victim
+from unicron.coord.decide import Decider, Decision, decide_attempt, failures, reports_a_victim
 from unicron.coord.evidence import job_activity, join_mismatch, next_tick_s, past_last_step, silent_nodes
 from unicron.coord.exclude import leave_out
 from unicron.coord.membership import Membership, NodeState
@@ -353,7 +353,8 @@ class JobCore:
         active = len(self.members.active())
         decision = decide_attempt(self.decider, attempt, self.spec, stacks, now, active_nodes=active,
                                   spent=self.restarts_used, pinned=frozenset(self.pinned))
-        if attempt.faults:
+        failed = bool(failures(attempt))  # not a planned re-form
+        if failed:
             self.history.append(decision)
         event = {"attempt": attempt.number, "action": decision.action, "severity": decision.severity,
                  "rule": decision.rule, "reason": decision.reason, "backoff_s": decision.backoff_s,
@@ -362,7 +363,7 @@ class JobCore:
         self.why_next = decision_line(event)  # for every node's console, with the next attempt's assign
         if decision.action in ("stop", "none"):
             return out + self._finish(decision.exit_code or 1, decision.reason, now)
-        if attempt.faults:
+        if failed:
             self.restarts_used += 1
             self.restarts.append({"attempt": attempt.number + 1, "ts": now, "cause": decision.reason,
                                   "severity": decision.severity, "action": decision.action,
