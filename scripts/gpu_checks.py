@@ -222,7 +222,7 @@ def check_hang_item(ctx: Context) -> Result:
 def check_cuda_assert(ctx: Context) -> Result:
     s = run_job(ctx, "cuda-assert", inject=None, max_restarts=1, assert_step=ASSERT_STEP)
     rule = s["decisions"][0]["rule"] if s["decisions"] else None
-    ok = rule == ("cuda-error" if ctx.device == "cuda" else "uncaught-exception") and s["exit_code"] == 0
+    ok = rule == ("cuda-script-error" if ctx.device == "cuda" else "uncaught-exception") and s["exit_code"] == 0
     reason = s["decisions"][0]["reason"] if s["decisions"] else ""
     line = (f"{ctx.backend}: {describe_decision(s)}: {reason[:120]!r}; restore_step {s['restore_step']}, "
             f"exit {s['exit_code']}")
@@ -240,7 +240,7 @@ def check_nccl_faults(ctx: Context) -> Result:
     killed = run_job(ctx, "nccl-crash", inject=f"kill@0:{FAULT_STEP}", max_restarts=1, nproc=1, backend=backend,
                      fault_rank=0)
     rule = asserted["decisions"][0]["rule"] if asserted["decisions"] else None
-    ok = (rule == ("cuda-error" if ctx.device == "cuda" else "uncaught-exception") and asserted["exit_code"] == 0
+    ok = (rule == ("cuda-script-error" if ctx.device == "cuda" else "uncaught-exception") and asserted["exit_code"] == 0
           and killed["exit_code"] == 0 and killed["restore_step"] is not None)
     line = (f"{backend} x1: device-side assert {describe_decision(asserted)}, restore_step {asserted['restore_step']}, "
             f"exit {asserted['exit_code']}; SIGKILL seen {killed['detection_s']}s after the fault, "

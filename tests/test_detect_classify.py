@@ -102,7 +102,10 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
                                 "memory: you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"), ()),
     ("cuda-error", F("exception", error_type="RuntimeError",
                      message="CUDA error: an illegal memory access was encountered"), ()),
-    ("cuda-error", F(exitcode=-6, stderr_tail="terminate called...\n  what():  CUDA error: device-side assert triggered"), ()),
+    ("cuda-error", F(exitcode=-6, stderr_tail="terminate called...\n  what():  CUDA error: unspecified launch failure"), ()),
+    ("cuda-script-error", F(exitcode=-6, stderr_tail="terminate called...\n  what():  CUDA error: device-side assert triggered"), ()),
+    ("cuda-script-error", F("exception", error_type="torch.AcceleratorError",
+                            message="CUDA error: no kernel image is available for execution on the device"), ()),
     ("nccl-remote", F(exitcode=1, stderr_tail=NCCL_REMOTE), ()),
     ("nccl-error", F(exitcode=1, stderr_tail=NCCL_SYSTEM), ()),
     ("nccl-error", F(exitcode=1, stderr_tail=NCCL_INVALID_USAGE.replace("Duplicate GPU", "Other")), ()),
@@ -214,7 +217,7 @@ def test_quoted_source_lines_are_not_evidence() -> None:
     # The same frames with the real error as the exception line still classify as CUDA.
     real = tb.replace("ValueError: labels out of range",
                       "RuntimeError: CUDA error: device-side assert triggered")
-    assert classify(F(exitcode=1, stderr_tail="[rank1]: " + real.replace("\n", "\n[rank1]: "))).rule == "cuda-error"
+    assert classify(F(exitcode=1, stderr_tail="[rank1]: " + real.replace("\n", "\n[rank1]: "))).rule == "cuda-script-error"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,7 +438,7 @@ def test_a_process_ended_by_a_cxx_exception_is_described_by_its_message() -> Non
             "Exception raised from run at ProcessGroupNCCL.cpp:2125 (most recent call first):\n"
             "frame #4: <unknown function> + 0x129ecc (0x7f0194129ecc in /lib/x86_64-linux-gnu/libc.so.6)\n")
     c = classify(Fault(kind="exit", ts=1.0, rank=0, exitcode=-6, stderr_tail=tail), ())
-    assert c.rule == "cuda-error"
+    assert c.rule == "cuda-script-error"
     assert "watchdog thread terminated with exception: CUDA error: device-side assert triggered" in c.reason
     assert "frame #" not in c.reason
 
@@ -475,6 +478,20 @@ def test_a_libzmq_assertion_names_the_broken_agent_channel_and_no_inject() -> No
                  "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)\n"):
         c = classify(Fault(kind="exit", ts=1.0, rank=1, exitcode=-6, signal=6, stderr_tail=tail), ())
         assert c.rule == "agent-channel-broken" and "--no-inject" in c.reason and "src/signaler.cpp" in c.reason, c
+
+
+def test_a_web_clients_unreachable_network_is_the_scripts_failure_not_its_machines() -> None:
+    """wandb.init on a rank whose route to the service is down: not connect-failed (which may
+    leave the node out of the job), the rank's own exception."""
+    for errno in ("[Errno 101] Network is unreachable", "[Errno 113] No route to host"):
+        c = classify(Fault(kind="exception", ts=1.0, rank=2, error_type="ConnectionError",
+                           message="HTTPSConnectionPool(host='api.wandb.ai', port=443): Max retries exceeded with url: "
+                                   "/graphql (Caused by NewConnectionError('<urllib3.connection.HTTPSConnection object>: "
+                                   f"Failed to establish a new connection: {errno}'))"), ())
+        assert c.rule == "uncaught-exception", c
+    gloo = classify(Fault(kind="exception", ts=1.0, rank=2, error_type="DistBackendError",
+                          message="Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:144] no error"), ())
+    assert gloo.rule == "connect-failed"
 
 
 @pytest.mark.parametrize("error_type, message, traceback", [

@@ -90,6 +90,12 @@ _WEB_CLIENT = re.compile(r"HTTPS?ConnectionPool|Max retries exceeded|urllib3|bot
                          r"|/urllib/request\.py|aiohttp|httpx|Could not connect to the endpoint URL")
 
 
+def _web_client(fault: Fault, ev: Evidence) -> bool:
+    """The exception that ended the rank came out of a web client. Its text and traceback, not
+    stderr: a logger's warning printed long before is not it."""
+    return bool(ev.exception_type) and bool(_WEB_CLIENT.search(f"{fault.message or ''}\n{fault.traceback or ''}"))
+
+
 def _peer_connection_lost(fault: Fault, ev: Evidence) -> bool:
     """The error that ended the process says a connection to a peer broke (gloo's "Connection
     closed by peer", a store's reset). Only that error: an earlier one of a chain (a DataLoader's
@@ -97,9 +103,7 @@ def _peer_connection_lost(fault: Fault, ev: Evidence) -> bool:
     failed. A ``BrokenPipeError`` is a local pipe as often as a peer's (the console's, closed by
     ``| head``): not a peer's loss; nor is a web client's reset. Without a known exception, the
     whole output is searched."""
-    # The exception and its traceback, not stderr: a logger's warning printed long before is not it.
-    if ev.exception_type == "BrokenPipeError" or (
-            ev.exception_type and _WEB_CLIENT.search(f"{fault.message or ''}\n{fault.traceback or ''}")):
+    if ev.exception_type == "BrokenPipeError" or _web_client(fault, ev):
         return False
     if ev.exception_type in _PEER_ERRORS:
         return True
@@ -257,6 +261,14 @@ RULES: tuple[Rule, ...] = (
         or _has("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "std::bad_alloc",
                 "DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")(f, ev)),
          lambda f, ev: f"{f.where()} ran out of memory ({error_summary(f, ev)})"),
+    # CUDA errors a script's data or build causes (a class label or token id out of range fails
+    # a kernel's index check: a device-side assert; a build without this GPU's architecture):
+    # restarted, but they point at the script, so no node is left out for them (coord.decide).
+    Rule("cuda-script-error", Severity.SEV2, lambda f, ev: _failed_process(f) and _has(
+        "device-side assert", "no kernel image is available", "invalid device function",
+        "CUBLAS_STATUS_NOT_SUPPORTED", "CUBLAS_STATUS_INVALID_VALUE", "CUDNN_STATUS_NOT_SUPPORTED",
+        "CUDNN_STATUS_BAD_PARAM")(f, ev),
+         lambda f, ev: f"{f.where()} hit a CUDA error its script or build causes ({error_summary(f, ev)})"),
     Rule("cuda-error", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         ev.exception_type == "AcceleratorError" or _has(
             "CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS_", "CUDNN_STATUS_",
@@ -280,6 +292,7 @@ RULES: tuple[Rule, ...] = (
     # This rank could not reach a peer at all (its process group's connections never formed): its
     # node, or the link to the peer, is at fault; not a victim of a peer that died.
     Rule("connect-failed", Severity.SEV2, lambda f, ev: _failed_process(f) and _may_be_a_victim(ev)
+         and not _web_client(f, ev)
          and bool(_CONNECT_FAILED.search(ev.exception_message if ev.exception_type else ev.text)),
          lambda f, ev: f"{f.where()} could not connect to a peer ({error_summary(f, ev)})"),
     Rule("oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGKILL and any(
