@@ -636,3 +636,17 @@ def test_after_a_silent_node_is_heard_again_the_job_stays_busy_until_every_rank_
     assert core.job_activity(5.1) is Activity.BUSY  # b's rank has not stepped since
     beat("b", 21, 5.2)
     assert core.job_activity(5.3) is Activity.IDLE  # every rank stepped after the blip: as before
+
+
+@pytest.mark.parametrize("nnodes, rank_node", [(1, "n"), (2, "n")])
+def test_a_script_bug_that_repeats_is_not_told_to_use_an_elastic_range(nnodes: int, rank_node: str) -> None:
+    # Elasticity would not help: no node is left out for a script's own exception, and a one-node
+    # job has no node to go on without. The stop says what failed points at the script.
+    decider = DetectDecider()
+    fault = {"kind": "exception", "rank": 0, "node_id": rank_node, "host": "h", "error_type": "KeyError",
+             "message": "'shard_0007 missing from the index file'", "steps_completed": 0, "progress": 0}
+    kw = {"max_restarts": 3, "active_nodes": nnodes, "min_nodes": nnodes, "max_nodes": nnodes}
+    assert decider.decide([dict(fault, attempt=0, ts=1.0)], {}, 1.0, **kw).action == "restart"
+    again = decider.decide([dict(fault, attempt=1, ts=2.0)], {}, 2.0, **kw)
+    assert again.action == "stop" and "points at the script" in again.reason, again
+    assert "--nnodes MIN:MAX" not in again.reason and "not elastic" not in again.reason, again

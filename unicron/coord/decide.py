@@ -256,13 +256,16 @@ def _fixed_why(active_nodes: int, min_nodes: int, max_nodes: int | None, lost: b
     node is gone already; else ``culprit_node`` is the node it would leave out (None: none
     named), ``on_node`` whether what failed points at a machine at all, and ``pinned_node`` the
     node it points at when that one hosts the coordinator."""
+    # What failed first: a script's failure would not be left behind by any node, elastic or not.
+    if not lost and not on_node:
+        return ("what failed points at the script, not at its machine (only a GPU, CUDA, NCCL or network "
+                "failure points at a node)")
+    if max_nodes == 1:
+        return "the job has one node"
     if max_nodes is not None and min_nodes >= max_nodes:
         return "the job is not elastic (min nodes = current nodes)"
     if lost and active_nodes < min_nodes:
         return f"the job cannot shrink below --nnodes MIN ({min_nodes} nodes; {active_nodes} left)"
-    if not lost and not on_node:
-        return ("what failed points at the script, not at its machine (only a GPU, CUDA, NCCL or network "
-                "failure points at a node)")
     if not lost and pinned_node is not None:
         return (f"node {pinned_node} hosts the job's coordinator and is never left out (a standalone "
                 "`unicron coordinator` would let the job go on without it)")
