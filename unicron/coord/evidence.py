@@ -50,7 +50,7 @@ def job_activity(spec: JobSpec, members: Membership, phase: Phase, attempt: Atte
     """The highest activity any node reports (IDLE with no node); given ``now``, at least BUSY
     while a node of the running attempt is silent, and WORKING while a rank trains on ahead of
     one that waits (within two heartbeat intervals of its last step)."""
-    level = max((n.activity for n in members.active()), default=Activity.IDLE)
+    level = max((n.activity for n in members.active_any_order()), default=Activity.IDLE)
     if now is None:
         return level
     a = running(phase, attempt)
