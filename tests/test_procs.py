@@ -579,3 +579,22 @@ def test_launcher_signals_restore_handlers() -> None:
         assert signals.exit_code == 128 + signal.SIGHUP
         assert os.read(signals.fileno(), 16)  # the wake-up byte is there
     assert signal.getsignal(signal.SIGHUP) == before
+
+
+def test_a_signal_delivered_twice_at_once_is_one_signal_a_later_or_other_one_is_a_second() -> None:
+    """coreutils' timeout sends SIGTERM to the launcher and then to its process group: a script's
+    SIGTERM handler must get the grace period, not be SIGKILLed by the duplicate."""
+    with LauncherSignals() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: signals.signum == signal.SIGTERM, what="the handler to run")
+        assert not signals.escalated
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:  # no condition to poll: the point is that time passes
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: signals.escalated, what="the later signal to count as a second one")
+    with LauncherSignals() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # another signal at once: the user means it
+        wait_until(lambda: signals.escalated, what="a different signal to count as a second one")

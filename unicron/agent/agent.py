@@ -426,7 +426,7 @@ class Agent:
         # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
-                            abort=lambda: len(self.signals.received) > 1)
+                            abort=lambda: self.signals.escalated)
         if self.signals.signum is None:  # not worth a word when the user stopped the job
             # Ranks whose hooks never ran (a start failure) say nothing of their faults.
             steps = {r.rank: r.step for r in group.ranks.values() if r.hooked}

@@ -47,6 +47,11 @@ def is_child_subreaper() -> bool:
         return False
 
 
+# A repeat of the first signal this soon after it is the same signal delivered twice, not the
+# user's second Ctrl-C: coreutils' timeout sends its signal to the launcher and then to its whole
+# process group, and supervisors that kill a process and then its group do the same.
+DUPLICATE_S = 0.25
+
 # torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE default.
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -56,13 +61,16 @@ class LauncherSignals:
 
     A signal is recorded and wakes the agent loop (``fileno`` is readable: pass it to
     ``wait_any(wake_fds=...)``). The agent then calls ``stop_workers`` (forwards the same signal
-    to every worker tree, SIGKILL after the grace period, at once on a second signal) and exits
+    to every worker tree, SIGKILL after the grace period, at once on a second signal, not a
+    duplicate delivery of the first: ``DUPLICATE_S``) and exits
     with ``exit_code`` (128 + signum) or ``raise_if_received``.
     """
 
     def __init__(self, signals: Iterable[int] = LAUNCHER_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.received: list[int] = []
+        self.escalated = False  # a second signal came: what is left is killed at once
+        self._first_at: float | None = None
         self._previous: dict[int, object] = {}
         self._read_fd: int | None = None
         self._write_fd: int | None = None
@@ -95,6 +103,11 @@ class LauncherSignals:
         self.uninstall()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at = now
+        elif signum != self.received[0] or now - self._first_at >= DUPLICATE_S:
+            self.escalated = True
         self.received.append(signum)
         if self._write_fd is not None:
             try:
@@ -121,7 +134,7 @@ class LauncherSignals:
     ) -> TerminationReport:
         """Forward the received signal (SIGTERM if none) to every worker tree and reap them."""
         sig = self.signum if self.signum is not None else signal.SIGTERM
-        return terminate_all(workers, grace_s, sig=sig, clock=clock, abort=lambda: len(self.received) > 1)
+        return terminate_all(workers, grace_s, sig=sig, clock=clock, abort=lambda: self.escalated)
 
     def raise_if_received(self) -> None:
         if self.signum is not None:
