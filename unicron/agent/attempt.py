@@ -24,7 +24,8 @@ def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
                      local_world_sizes=tuple(body["local_world_sizes"]),
                      master_addr=body["master_addr"] or s.rdzv_host, master_port=body["master_port"],
                      restore_step=body.get("restore_step"), inject=s.inject if body["inject"] else "",
-                     restore_note=body.get("restore_note", ""))
+                     restore_note=body.get("restore_note", ""),
+                     node_ids=frozenset(str(n[0]) for n in body.get("nodes", ()) if isinstance(n, list) and n))
 
 
 class EarlierAttempts:
@@ -32,19 +33,21 @@ class EarlierAttempts:
 
     def __init__(self) -> None:
         self.steps_seen = False  # some attempt's workers reported steps: the script steps
-        # The latest attempt's time to every local rank's first step, and its world size.
-        self._startup: tuple[float, int] | None = None
+        # The latest attempt's time to every local rank's first step, and its layout: world
+        # size and nodes.
+        self._startup: tuple[float, int, frozenset[str]] | None = None
 
     def ended(self, group: WorkerGroup) -> None:
         self.steps_seen = self.steps_seen or any(r.steps_in_attempt for r in group.ranks.values())
         startup = group.hang.stats.startup_s()
         if startup is not None:
-            self._startup = (startup, group.spec.world_size)
+            self._startup = (startup, group.spec.world_size, group.spec.node_ids)
 
     def startup_hint(self, spec: GroupSpec) -> float | None:
-        """The start-up an attempt of ``spec``'s world size took before; None after a change of
-        layout (new nodes start cold, and their ranks' peers wait for them)."""
-        if self._startup is None or self._startup[1] != spec.world_size:
+        """The start-up an attempt of ``spec``'s layout took before; None after a change of
+        layout: another world size, or another node in place of one (a replacement starts cold,
+        its interpreter and imports to come, and its ranks' peers wait for it)."""
+        if self._startup is None or self._startup[1:] != (spec.world_size, spec.node_ids):
             return None
         return self._startup[0]
 

@@ -91,6 +91,7 @@ class GroupSpec:
     restore_step: int | None
     inject: str
     restore_note: str = ""  # why nothing is restored though snapshots were kept ("" otherwise)
+    node_ids: frozenset[str] = frozenset()  # every node of the attempt (a replaced node is a new id)
 
 
 def median(values: list[float]) -> float | None:
