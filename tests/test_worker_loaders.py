@@ -44,6 +44,27 @@ def test_a_mid_epoch_record_replays_the_shuffle_and_leaves_the_stream_alone() ->
     assert after.shape == (3,) and next(fresh).shape == (4,)
 
 
+def test_a_loader_with_its_own_generator_replays_its_shuffle_and_ends_where_it_did() -> None:
+    # The shuffle and the workers' seed come from the loader's generator, not the global RNG. A
+    # restarted script seeds its generator afresh (or restores extra's copy, taken after the
+    # epoch's draws): either way the restored iterator must draw what the interrupted one drew.
+    gen = torch.Generator().manual_seed(7)
+    loader = DataLoader(torch.arange(32.0), batch_size=4, shuffle=True, generator=gen)
+    for _ in loader:  # a first epoch moves the generator on
+        pass
+    it = iter(loader)
+    first = [next(it) for _ in range(2)]
+    after_draws = gen.get_state()
+    records = loaders.mid_epoch()
+    assert len(records) == 1 and "generator" in records[0]
+
+    loaders.arm(records)
+    fresh = torch.Generator().manual_seed(7)  # the restarted script's own, at the script's start
+    again = iter(DataLoader(torch.arange(32.0), batch_size=4, shuffle=True, generator=fresh))
+    assert all(torch.equal(a, b) for a, b in zip(first, [next(again) for _ in range(2)], strict=True))
+    assert torch.equal(fresh.get_state(), after_draws)  # as in the run before the fault
+
+
 def test_exhausted_or_unstarted_iterators_are_not_recorded() -> None:
     loader = _epoch()
     assert loaders.mid_epoch() == []

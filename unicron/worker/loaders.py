@@ -26,8 +26,11 @@ worker processes, though, are new: restored after its first epoch, they draw fro
 again where the interrupted ones had drawn through every earlier epoch, so random transforms in
 the dataset differ from then on; a warning says so at the restore (``persistent_workers=False``
 makes new workers every epoch, as the restored run does, and is bit-exact). A
-``RandomSampler`` that shuffles from the global RNG under ``persistent_workers`` gets another
-order after a restore; give the loader ``generator=`` and keep its state in ``State(extra=...)``. Where the batches of the epoch come from
+``RandomSampler`` that shuffles under ``persistent_workers`` (from the global RNG or the loader's
+generator) gets the first epoch's order after a restore in a later one. A loader given its own
+``generator=`` draws the seed and the shuffle from it: its state before the iterator is recorded
+and replayed too, and the generator is left where the replayed draws leave it, as it was in the
+run before the fault. Where the batches of the epoch come from
 is the script's business (it skips what it consumed, e.g. with a batch index in
 ``State(extra=...)``); a ``num_workers=0`` loader whose dataset draws random numbers in the
 training process draws them again as the script skips, and is not bit-exact after a restore.
@@ -42,9 +45,11 @@ from typing import Any
 
 import torch
 
-_latest: dict[int, tuple[weakref.ref[Any], torch.Tensor, list[Any]]] = {}  # loader -> its iterator
-_first: dict[int, torch.Tensor] = {}  # loader -> the RNG state before its first iterator
-_armed: list[tuple[torch.Tensor, list[Any], int]] = []  # restored: (RNG state, fingerprint, epochs)
+# An RNG record: torch's global RNG state, and the loader's own ``generator=``'s (None without one).
+Draws = tuple[torch.Tensor, torch.Tensor | None]
+_latest: dict[int, tuple[weakref.ref[Any], Draws, list[Any]]] = {}  # loader -> its iterator
+_first: dict[int, Draws] = {}  # loader -> the RNG states before its first iterator
+_armed: list[tuple[Draws, list[Any], int]] = []  # restored: (RNG states, fingerprint, epochs)
 _epochs: dict[int, int] = {}  # loader -> iterators made (a persistent loader's: epochs begun)
 _count = 0
 _installed = False
@@ -77,7 +82,8 @@ def install() -> None:
             if key is None:
                 key = self.__dict__["_unicron_loader"] = _next_key()
             mark = fingerprint(self)
-            before = torch.get_rng_state()
+            gen = self.generator if isinstance(getattr(self, "generator", None), torch.Generator) else None
+            before: Draws = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
         except Exception:  # noqa: BLE001 - bookkeeping must never stop a training loop
             return original(self)
         taken = _take(mark)
@@ -89,7 +95,12 @@ def install() -> None:
         if replay is None:
             it = original(self)
         else:
-            torch.set_rng_state(replay)
+            torch.set_rng_state(replay[0])
+            if gen is not None and replay[1] is not None:
+                # The loader's own generator draws its workers' seed and its shuffle: from where
+                # the interrupted iterator drew them. It is left where that iterator's draws
+                # leave it, as it was in the run before the fault.
+                gen.set_state(replay[1])
             try:
                 it = original(self)
                 try:
@@ -97,7 +108,7 @@ def install() -> None:
                 except Exception:  # noqa: BLE001 - the sampler's own error comes at the first next()
                     pass
             finally:
-                torch.set_rng_state(before)  # training goes on from the restored stream
+                torch.set_rng_state(before[0])  # training goes on from the restored stream
         # A replay stands for the interrupted run's first iterator too (its base of record).
         first = _first[key] = made_under if replay is not None else _first.get(key, made_under)
         try:
@@ -131,7 +142,7 @@ def _next_key() -> int:
     return _count
 
 
-def _take(mark: list[Any]) -> tuple[torch.Tensor, int] | None:
+def _take(mark: list[Any]) -> tuple[Draws, int] | None:
     for i, (state, armed_mark, epochs) in enumerate(_armed):
         if armed_mark == mark:
             del _armed[i]
@@ -165,11 +176,18 @@ def mid_epoch() -> list[dict[str, Any]]:
         # A persistent loader's iterator is made once in a run without faults: any iterator a
         # restored worker makes is one more, whatever the epoch.
         if mark[-1] or (yielded > 0 and (total is None or yielded < total)):
-            out.append({"rng": state, "fingerprint": mark, "epochs": _epochs.get(key, 1)})
+            out.append(_record(state, mark, _epochs.get(key, 1)))
     # Restored records whose loader has not made its iterator yet (a commit came first): the
     # next restore still owes it that draw.
-    out.extend({"rng": state, "fingerprint": mark, "epochs": epochs} for state, mark, epochs in _armed)
+    out.extend(_record(state, mark, epochs) for state, mark, epochs in _armed)
     return out
+
+
+def _record(draws: Draws, mark: list[Any], epochs: int) -> dict[str, Any]:
+    record = {"rng": draws[0], "fingerprint": mark, "epochs": epochs}
+    if draws[1] is not None:
+        record["generator"] = draws[1]
+    return record
 
 
 def arm(records: Any) -> None:
@@ -181,4 +199,6 @@ def arm(records: Any) -> None:
         if isinstance(record, dict) and isinstance(record.get("rng"), torch.Tensor) \
                 and isinstance(record.get("fingerprint"), list):
             epochs = record.get("epochs")
-            _armed.append((record["rng"], record["fingerprint"], epochs if type(epochs) is int else 1))
+            gen = record.get("generator")
+            _armed.append(((record["rng"], gen if isinstance(gen, torch.Tensor) else None), record["fingerprint"],
+                           epochs if type(epochs) is int else 1))

@@ -93,8 +93,8 @@ two entries that shared storage come back as two tensors. Not captured: where a 
 loader is inside its epoch; scripts that resume mid-epoch keep their batch index in ``extra``. The global RNG draws
 a ``DataLoader`` iterator makes when it is created (its workers' seed, a ``RandomSampler``'s
 shuffle) are replayed for the iterator a restored worker creates (``unicron.worker.loaders``), so
-a mid-epoch resume stays bit-exact (with ``persistent_workers``, for a sampler that draws nothing
-from the global RNG: ``DistributedSampler``, or a loader given ``generator=`` whose state ``extra`` holds).
+a mid-epoch resume stays bit-exact; so are the draws from a loader's own ``generator=`` (with
+``persistent_workers``, only for a sampler that draws nothing: ``DistributedSampler``).
 """
 
 from __future__ import annotations
