@@ -15,6 +15,7 @@ from helpers_worker import snapshot_env
 import unicron
 from unicron.errors import ConfigError
 from unicron.worker import snapshot, snapslots
+from unicron.worker.errors import SnapshotTypeError, StateError
 from unicron.worker.state import State
 
 
@@ -129,8 +130,12 @@ def test_missing_snapshot_starts_fresh(snap_env: Path, monkeypatch: pytest.Monke
 def test_refusals(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TypeError, match="state_dict"):
         State(model=object())
-    with pytest.raises(TypeError, match="extra"):
+    # StateErrors, so the classifier stops the job rather than restart it into the same error.
+    with pytest.raises(SnapshotTypeError, match=r"extra=\.\.\.\) must be a dict; got list"):
         State(extra=[1, 2])  # type: ignore[arg-type]
+    for keep in (0, -1, True, 1.5):
+        with pytest.raises(StateError, match="keep"):
+            State(keep=keep)  # type: ignore[arg-type]
     model, _ = _model_and_opt()
     state = State(model=model, extra={"ok": [1, {"bad": np.float64(1.0)}]})
     with pytest.raises(TypeError, match=r"extra\['ok'\]\[1\]\['bad'\] of type float64"):
@@ -323,3 +328,38 @@ def test_random_generators_the_script_owns_are_snapshotted_and_restored(snap_env
     for odd in (object(), random.SystemRandom(), 3):
         with pytest.raises(unicron.StateError, match=r"^unicron.State\(odd=...\) needs an object with state_dict"):
             State(odd=odd)
+
+
+def test_restore_puts_extra_into_the_scripts_own_objects(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A hand-written momentum kept in extra: the script updates its own dict of tensors every
+    # step. After a restore it must hold the restored values, as its model does.
+    mom = {"w": torch.zeros(3), "b": torch.zeros(1)}
+    hist: list = []
+    state = State(extra={"mom": mom, "hist": hist, "n": 0, "shape": torch.zeros(2)})
+    for step in range(1, 4):
+        mom["w"].add_(step)
+        hist.append(step)
+        state.extra["n"] = step
+        state.commit(step)
+    state.flush()
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    mine = {"w": torch.zeros(3), "b": torch.zeros(1), "stale": torch.ones(1)}
+    my_hist = [0, 0, 0]
+    other_shape = torch.zeros(5)
+    again = State(extra={"mom": mine, "hist": my_hist, "n": -1, "shape": other_shape})
+    assert again.restore_step == 3
+    assert again.restore() == 3
+    assert again.extra["mom"] is mine and torch.equal(mine["w"], torch.full((3,), 6.0)) and "stale" not in mine
+    assert again.extra["hist"] is my_hist and my_hist == [1, 2, 3] and again.extra["n"] == 3
+    assert again.extra["shape"] is not other_shape and again.extra["shape"].shape == (2,)  # replaced, not forced
+
+
+def test_restore_step_is_known_before_restore(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = _model_and_opt()
+    assert State(model=model).restore_step == 0  # not restarted
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "9")
+    assert State(model=model).restore_step == 0  # offered, but this rank holds no such snapshot
+    state = State(model=model)
+    state.commit(9)
+    state.flush()
+    assert State(model=model).restore_step == 9

@@ -15,8 +15,10 @@ Usage::
     scheduler, GradScaler, ...), or a random generator the script owns (``torch.Generator``,
     ``numpy.random.Generator`` or ``RandomState``, ``random.Random``: ``unicron.worker.generators``), by name;
     ``None`` values are ignored. ``extra``: a dict of
-    tensors, python scalars/strings and lists/tuples/dicts of them; it is held live, so
-    ``state.extra`` (the same dict) shows restored values after ``restore()``. ``background``:
+    tensors, python scalars/strings and lists/tuples/dicts of them; it is held live and
+    restored in place: ``state.extra`` (the same dict) shows restored values after
+    ``restore()``, and so do the script's own names for its tensors, lists and dicts (a tensor
+    of another shape, a number, a string is replaced). ``background``:
     whether commits finish in the background (below); ``None`` (default): when the state is
     on a GPU.
 ``restore() -> int``
@@ -25,6 +27,10 @@ Usage::
     if numpy is used, torch CPU, CUDA if initialised) and returns the step; otherwise returns 0
     and changes nothing in the objects. The worker's step counter continues from the restored
     step. Snapshots this rank holds of later steps (the failed attempt's) are dropped.
+``restore_step -> int``
+    The step ``restore()`` will load (0: a fresh start), before it is called: a script whose
+    objects change during the run (a head added, layers unfrozen into a new param group at step
+    K) builds them as they were at that step, then calls ``restore()``.
 ``commit(step)``
     A restore resumes right after the commit it restores: code after ``commit(S)`` in the same
     iteration (an evaluation at step S) is not run again for S when the failure came there.
@@ -114,6 +120,7 @@ from unicron.worker import (
     env,
     generators,
     hooks,
+    inplace,
     loaders,
     shards,
     snapcodec,
@@ -197,10 +204,11 @@ class State:
                                  f"collective that consolidates all shards; pass its rank-local optimizer "
                                  f"instead: unicron.State({name}={name}.optim, ...)")
             self._objects[name] = obj
+        # StateErrors: the job stops at once, a restart would only repeat them.
         if extra is not None and not isinstance(extra, dict):
-            raise TypeError("unicron.State(extra=...) must be a dict")
-        if keep < 1:
-            raise ValueError("unicron.State(keep=...) must be >= 1")
+            raise SnapshotTypeError(f"unicron.State(extra=...) must be a dict; got {type(extra).__qualname__}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise StateError(f"unicron.State(keep=...) must be an int >= 1; got {keep!r}")
         self._extra: dict[str, Any] = extra if extra is not None else {}
         self._rank = env.rank()
         self._root = env.path_or_none(env.SNAPSHOT_DIR)
@@ -227,6 +235,15 @@ class State:
     @property
     def enabled(self) -> bool:
         return self._root is not None
+
+    @property
+    def restore_step(self) -> int:
+        """The step ``restore()`` will load (0: a fresh start), known before it is called: a
+        script whose objects change during the run (a head added, layers unfrozen into a new
+        param group at step K) builds them as they were at that step first."""
+        if self._root is None or not self._restore_step:
+            return 0
+        return self._restore_step if snapshot.snapshot_path(self._root, self._rank, self._restore_step).is_file() else 0
 
     def __repr__(self) -> str:
         return f"unicron.State(objects={list(self._objects)}, step={self._step}, enabled={self.enabled})"
@@ -263,9 +280,12 @@ class State:
             except (RuntimeError, ValueError, KeyError, TypeError) as err:  # every restart would fail the same way
                 said = " ".join(str(err).split())
                 raise StateError(f"unicron.State: the snapshot of step {step} does not fit {name!r} as it is now "
-                                 f"(was the script changed between attempts?): {said[:600]}") from err
-        self._extra.clear()
-        self._extra.update(saved["extra"])
+                                 f"(was the script changed between attempts, or did {name!r} change during the "
+                                 f"run? build it as it was at step {step} before restore(): State.restore_step "
+                                 f"says which step is restored): {said[:600]}") from err
+        # Into what the script holds: it keeps using its own names for extra's tensors, lists
+        # and dicts (momentum buffers, an EMA), as for its model.
+        inplace.restore_into(self._extra, saved["extra"])
         restore_rng(saved["rng"])
         loaders.arm(saved.get("loaders"))
         self._step = step
