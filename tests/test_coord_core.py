@@ -650,3 +650,16 @@ def test_a_script_bug_that_repeats_is_not_told_to_use_an_elastic_range(nnodes: i
     again = decider.decide([dict(fault, attempt=1, ts=2.0)], {}, 2.0, **kw)
     assert again.action == "stop" and "points at the script" in again.reason, again
     assert "--nnodes MIN:MAX" not in again.reason and "not elastic" not in again.reason, again
+
+
+def test_the_node_hosting_the_store_gets_node_rank_0_unless_another_asked_for_it() -> None:
+    # torchrun: MASTER_ADDR is the host of rank 0; a script may start its own server there on rank 0.
+    m = Membership(2, 2, last_call_s=1, heartbeat_timeout_s=3)
+    m.join("b", "hb", 1, None, 0)
+    m.join("a", "ha", 1, None, 1)  # the store's node, joining second
+    assert [n.node_id for n in m.assign_ranks(first={"a"})] == ["a", "b"]
+    assert [n.node_id for n in m.assign_ranks(first={"a"})] == ["a", "b"]  # kept
+    asked = Membership(2, 2, last_call_s=1, heartbeat_timeout_s=3)
+    asked.join("b", "hb", 1, 0, 0)  # --node-rank 0 given: honoured
+    asked.join("a", "ha", 1, None, 1)
+    assert [n.node_id for n in asked.assign_ranks(first={"a"})] == ["b", "a"]

@@ -274,7 +274,7 @@ class JobCore:
         self.store_pending = False
         if self.phase is not Phase.WAITING:
             return []
-        nodes = self.members.assign_ranks()
+        nodes = self.members.assign_ranks(first=self.pinned)  # the store's node: rank 0 at MASTER_ADDR
         if len(nodes) < self.spec.min_nodes:  # lost a node while the store opened
             return []
         number = self.next_attempt

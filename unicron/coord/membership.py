@@ -6,6 +6,7 @@ changes, so a message stamped with an older epoch comes from a fenced (stale) no
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -161,11 +162,13 @@ class Membership:
         if len(self.active()) < self.min_nodes:
             self._min_reached_at = None
 
-    def assign_ranks(self) -> list[NodeRecord]:
+    def assign_ranks(self, first: Collection[str] = ()) -> list[NodeRecord]:
         """Give every active node a dense node rank, honouring requested ranks.
 
         Nodes keep their previous rank when it is still dense, so an unchanged job keeps
-        its layout (and its snapshots line up with the same global ranks).
+        its layout (and its snapshots line up with the same global ranks). Of the nodes left,
+        those in ``first`` come first: the node whose launcher hosts the store gets node rank
+        0 when no node asked for it, so rank 0 runs at ``MASTER_ADDR`` as under torchrun.
         """
         nodes = self.active()
         count = len(nodes)
@@ -179,7 +182,8 @@ class Membership:
             if 0 <= node.node_rank < count and node.node_rank not in taken:
                 taken[node.node_rank] = node
         free = iter(r for r in range(count) if r not in taken)
-        for node in sorted((n for n in nodes if n not in taken.values()), key=lambda n: n.joined_at):
+        for node in sorted((n for n in nodes if n not in taken.values()),
+                           key=lambda n: (n.node_id not in first, n.joined_at)):
             taken[next(free)] = node
         for rank, node in taken.items():
             node.node_rank = rank
