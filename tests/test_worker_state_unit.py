@@ -363,3 +363,10 @@ def test_restore_step_is_known_before_restore(snap_env: Path, monkeypatch: pytes
     state.commit(9)
     state.flush()
     assert State(model=model).restore_step == 9
+
+
+def test_a_random_generator_in_extra_is_refused_with_the_way_to_pass_it(snap_env: Path) -> None:
+    state = State(extra={"g": random.Random(1)})
+    with pytest.raises(SnapshotTypeError, match=r"extra\['g'\] of type Random: .*pass it to State by name, "
+                                                r"State\(\.\.\., g=it\)"):
+        state.commit(1)

@@ -257,9 +257,15 @@ def _plain_keys(x: dict[Any, Any]) -> bool:
 
 
 def _refuse(path: Path, x: object) -> SnapshotTypeError:
+    from unicron.worker.generators import as_stateful
+
+    hint = ""
+    if as_stateful(x) is not None:  # State takes it by name, not inside extra
+        name = path[2] if isinstance(path, tuple) and isinstance(path[2], str) and path[2].isidentifier() else "gen"
+        hint = f" (a random generator: pass it to State by name, State(..., {name}=it))"
     return SnapshotTypeError(
         f"unicron.State cannot snapshot {path_text(path)} of type {type(x).__qualname__}: use tensors, "
-        "python scalars/strings, and lists/tuples/dicts of them"
+        f"python scalars/strings, and lists/tuples/dicts of them{hint}"
     )
 
 
