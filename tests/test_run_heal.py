@@ -118,7 +118,10 @@ print(f"rank {dist.get_rank()} done", flush=True)
                                   str(workdir / "garbage.py")], workdir, timeout=100)
     assert code == 0, err
     assert "rank 0 done" in out and "rank 1 done" in out
-    assert "Traceback" not in err and "internal error" not in err, err
+    # A rank's own output may hold a traceback: rank 1, waiting in the barrier, can see rank 0 go
+    # before it is stopped itself. Only unicron's lines must have none.
+    ours = "\n".join(line for line in err.splitlines() if not line.startswith("[rank"))
+    assert "Traceback" not in ours and "internal error" not in ours, err
     starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
     assert len(starts) == 2
 
