@@ -370,3 +370,55 @@ def test_a_random_generator_in_extra_is_refused_with_the_way_to_pass_it(snap_env
     with pytest.raises(SnapshotTypeError, match=r"extra\['g'\] of type Random: .*pass it to State by name, "
                                                 r"State\(\.\.\., g=it\)"):
         state.commit(1)
+
+
+def test_a_restart_that_never_calls_restore_says_it_started_from_the_scripts_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The console said "restoring step S from memory": a script that commits but never calls
+    restore() must be told it did not (rank 0 says it, once)."""
+    snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
+    model, _ = _model_and_opt()
+    first = State(model=model)
+    first.restore()
+    first.commit(3)
+    first.flush()
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    restored = State(model=model)
+    assert restored.restore() == 3
+    restored.commit(4)
+    assert "was not called" not in capsys.readouterr().err
+    forgot = State(model=model)
+    forgot.commit(1)
+    forgot.commit(2)
+    err = capsys.readouterr().err
+    assert err.count("State.restore() was not called before commit(1): step 3 was in memory") == 1, err
+
+
+def test_an_lr_scheduler_left_out_of_the_state_is_warned_of_once_at_the_first_commit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
+    model, opt = _model_and_opt()
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    state = State(model=model, optimizer=opt)
+    state.commit(1)
+    state.commit(2)
+    err = capsys.readouterr().err
+    assert err.count("an LR scheduler of 'optimizer' is not in this unicron.State") == 1, err
+    assert "optimizer=optimizer, scheduler=scheduler" in err
+    State(model=model, optimizer=opt, scheduler=sched).commit(3)
+    assert "LR scheduler" not in capsys.readouterr().err
+    plain_model, plain_opt = _model_and_opt()
+    State(model=plain_model, optimizer=plain_opt).commit(1)  # no scheduler was ever built
+    assert "LR scheduler" not in capsys.readouterr().err
+
+
+def test_schedulers_left_out_sees_each_optimizer_and_wrapping_schedulers() -> None:
+    from unicron.worker.leftout import schedulers_left_out
+    model, first = _model_and_opt()
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    chained = torch.optim.lr_scheduler.SequentialLR(
+        first, [torch.optim.lr_scheduler.ConstantLR(first), torch.optim.lr_scheduler.StepLR(first, 3)], milestones=[2])
+    torch.optim.lr_scheduler.StepLR(second, 3)
+    said = schedulers_left_out({"a": first, "b": second, "s": chained})
+    assert len(said) == 1 and "of 'b'" in said[0], said
+    assert len(schedulers_left_out({"a": first, "b": second})) == 2

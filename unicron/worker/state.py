@@ -52,14 +52,11 @@ Usage::
     completed step is lost, the same bound as a kill that lands between two ranks' commits
     of one step (the agent restores the newest step every rank holds).
 
-    **Synchronous on CPU** (``background=None`` with CPU tensors): there the copy competes for
-    the same cores and memory bandwidth as the training it would overlap, and measured in one
-    process with a core to spare it bought nothing reliable (``scripts/bench_snapshot.py``: the
-    two trade places run to run, docs/benchmarks.md "Snapshot cost"), while it opens that
-    window in which a kill redoes one more step.
-    So a CPU commit returns with its snapshot complete; ``background=True`` asks for the
-    background half anyway.
-    Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step.
+    **Synchronous on CPU** (``background=None`` with CPU tensors): the copy would compete for the
+    cores it overlaps, and measured it bought nothing reliable (docs/benchmarks.md "Snapshot
+    cost") while opening that window; ``background=True`` asks for the background half anyway.
+    Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step. The first commit
+    warns (rank 0) of an LR scheduler of an optimizer in the State left out of it (``leftout``).
     Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
     restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
     continues bit for bit. DDP rebuilds its buckets at its second forward, so the commit after
@@ -95,12 +92,10 @@ shape, and restored with the mesh and placements of the live object (``unicron.w
 a module's entry of the same key, an optimizer's state by its parameter), so build and shard the
 model and the optimizer before ``restore()``, as the script does anyway. Restored tensors are
 CPU tensors (``load_state_dict`` moves them), contiguous unless they were a dense permutation;
-two entries that shared storage come back as two tensors. Not captured: where a data
-loader is inside its epoch; scripts that resume mid-epoch keep their batch index in ``extra``. The global RNG draws
-a ``DataLoader`` iterator makes when it is created (its workers' seed, a ``RandomSampler``'s
-shuffle) are replayed for the iterator a restored worker creates (``unicron.worker.loaders``), so
-a mid-epoch resume stays bit-exact; so are the draws from a loader's own ``generator=`` (with
-``persistent_workers``, only for a sampler that draws nothing: ``DistributedSampler``).
+two entries that shared storage come back as two tensors. Not captured: where a data loader
+is inside its epoch (keep the batch index in ``extra``); the draws a ``DataLoader`` iterator
+makes at its creation, from the global RNG or its ``generator=``, are replayed for the iterator
+a restored worker creates (``unicron.worker.loaders``, which says where that is not exact).
 """
 
 from __future__ import annotations
@@ -121,6 +116,7 @@ from unicron.worker import (
     generators,
     hooks,
     inplace,
+    leftout,
     loaders,
     shards,
     snapcodec,
@@ -219,6 +215,7 @@ class State:
         self._background = background
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
         self._wrote = False  # has restored or committed into its rank directory
+        self._checked = False  # objects left out of this State: looked for at the first commit
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
         if self._root is not None:
@@ -302,6 +299,10 @@ class State:
         if self._root is None:
             return
         self._take_directory(taking_over=False)
+        if not self._checked and self._rank == 0:  # said once per job, not by every rank
+            for warning in leftout.schedulers_left_out(self._objects):
+                print(warning, file=sys.stderr, flush=True)
+        self._checked = True
         if ddplayout.rebuild_pending():  # after a DDP's first iteration: no exact restore possible yet
             return
         encoder = snapcodec.Encoder(self._memo)  # refuses what it cannot give back, with its path
@@ -328,6 +329,10 @@ class State:
             background = bool(later)  # nothing to overlap: no reason to leave a window open
         try:
             if not self._store.prepared:  # restore() was not called: nothing to continue from
+                if self.restore_step and self._rank == 0:  # the console said "restoring": say it did not
+                    print(f"unicron: State.restore() was not called before commit({step}): step "
+                          f"{self._restore_step} was in memory, this run started from the script's own start",
+                          file=sys.stderr, flush=True)
                 self._store.prepare(newest_kept=0)
             pending = self._store.stage(step, tree, encoder, later)
             if self._store.notice:

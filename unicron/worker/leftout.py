@@ -1,0 +1,34 @@
+"""Objects a ``unicron.State`` should hold but does not: said once, at the first commit.
+
+An LR scheduler left out of the State is the likeliest omission (README's shortest example
+passes a model and an optimizer), and it is silent: after a restore the optimizer's learning
+rate comes back from its snapshot, then the scheduler, starting again from its own first
+step, sets the schedule's start value. The scheduler itself cannot be found from the
+optimizer, but every ``LRScheduler`` leaves a mark on its optimizer's param groups
+(``initial_lr``, set when it is built), so an optimizer in the State with that mark and no
+scheduler of it in the State is a scheduler left out (or one the script restores itself,
+which the warning allows for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def schedulers_left_out(objects: Mapping[str, Any]) -> list[str]:
+    """Warnings, one per optimizer in ``objects`` (a State's objects by name) that a scheduler
+    was built for while no scheduler of it is among ``objects``."""
+    scheduled = {id(getattr(obj, "optimizer", None)) for obj in objects.values()
+                 if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)}
+    warnings = []
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer) or id(obj) in scheduled:
+            continue
+        if any("initial_lr" in group for group in obj.param_groups):
+            warnings.append(f"unicron: an LR scheduler of {name!r} is not in this unicron.State: after a restore "
+                            f"it starts its schedule again (unless the script sets it itself); pass it: "
+                            f"unicron.State(..., {name}={name}, scheduler=scheduler)")
+    return warnings
