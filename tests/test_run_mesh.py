@@ -3,6 +3,7 @@ and stopped by signals with nothing left behind."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import time
@@ -143,6 +144,8 @@ def test_a_crashed_nodes_replacement_that_asks_too_early_waits_for_its_place(wor
     for item in (a, replacement):
         code, out, err = item.wait(120)
         assert code == 0, err
+    # The replacement (the last waited for) shows the decision that made its attempt as an old one.
+    assert re.search(r"joining attempt \d+, decided before this node came: .*stopped answering", err), err
     assert (workdir / "out.txt").exists()
     events = read_events(workdir / "logs")
     refused = [e for e in events if e["kind"] == "join_refused"]

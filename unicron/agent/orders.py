@@ -183,12 +183,14 @@ class AgentOrders:
                             role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,
                             expect_steps=self.earlier.steps_seen)
         self.group = group
+        newcomer = self.last_attempt is None  # the decision was made before this node came
         self.last_attempt = spec.attempt
         self.link.new_attempt()
         self.pace.watch_now()
         # Said before the workers start: what they print (an ImportError's traceback) comes after.
         if body.get("why") and not self.hosts_coordinator:  # the host's console showed it as it was decided
-            self.ui.warn(body["why"])
+            self.ui.warn(f"joining attempt {spec.attempt}, decided before this node came: {body['why']}"
+                         if newcomer else body["why"])
         nproc = spec.local_world_sizes[spec.node_rank]
         self.ui.info(attempt_line(spec, [spec.rank_offset + lr for lr in range(nproc)]))
         try:
