@@ -1,6 +1,7 @@
 """Planner benchmark: plan time from 16 to 4,096 nodes and 1 to 256 jobs.
 
     .venv/bin/python scripts/bench_plan.py [--repeat 3] [--tables sparse|model|dense]
+    .venv/bin/python scripts/bench_plan.py --transfers [--repeat 3]
 
 Each instance: nodes in racks of 32, jobs of equal share (a random quarter smaller, so spare
 nodes exist), 3 failed nodes. Throughput tables: ``sparse`` ~20 runnable counts (powers of
@@ -8,6 +9,11 @@ two, the current size, 8 random counts); ``model`` the counts a GPT-3 model of a
 (125M..175B, A100) has a valid layout for; ``dense`` every count 1..nodes runnable (the worst
 case for the knapsack). Prints a markdown table of the median plan() time in milliseconds, then how
 it grows (the exponent k in time ~ size^k between neighbouring sizes).
+
+``--transfers`` times the state transfer plan instead (``transfer_plan``, what `unicron plan`
+runs after ``plan()``) at 256 to 4,096 nodes on its worst case: one job on all nodes but two,
+8 GPUs per node, 16-way model parallel (two nodes per replica), losing its second node, so every
+later rank's shard moves and each fetch chooses among every rack's holders.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from unicron.plan.model import PlanInput
 from unicron.plan.solver import plan
 from unicron.plan.throughput import GPT3_SHAPES, ModelSpec, throughput_table
+from unicron.plan.transfers import transfer_plan
 
 NODES = (16, 64, 256, 1024, 2048, 4096)
 JOBS = (1, 4, 16, 64, 256)
@@ -70,12 +77,39 @@ def time_plan(inp: PlanInput, repeat: int) -> float:
     return statistics.median(samples)
 
 
+def big_job(n_nodes: int) -> PlanInput:
+    job = {"name": "big", "nodes": [f"n{i}" for i in range(n_nodes - 2)], "state_gb": 100, "model_parallel": 16,
+           "throughput": {str(c): float(c) for c in range(1, n_nodes + 1)}}
+    return PlanInput.from_dict({"nodes": [{"name": f"n{i}", "gpus": 8, "rack": f"r{i // 32}"} for i in range(n_nodes)],
+                                "jobs": [job], "failed": ["n1"]})
+
+
+def bench_transfers(repeat: int) -> None:
+    print(f"transfer_plan() median of {repeat}, seconds (one job on all nodes but two, 16-way model parallel)\n")
+    print("| nodes | ranks moved | plan() s | transfer_plan() s |")
+    print("|---|---|---|---|")
+    for n in NODES[2:]:
+        inp = big_job(n)
+        result = plan(inp)
+        samples = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            transfers = transfer_plan(inp, result)
+            samples.append(time.perf_counter() - start)
+        moved = sum(t.kind != "in-place" for t in transfers)
+        print(f"| {n} | {moved} | {time_plan(inp, repeat):.3f} | {statistics.median(samples):.3f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tables", choices=["sparse", "model", "dense"], default="sparse",
                         help="throughput tables (see above)")
+    parser.add_argument("--transfers", action="store_true", help="time transfer_plan() instead (see above)")
     args = parser.parse_args()
+    if args.transfers:
+        bench_transfers(args.repeat)
+        return
     results: dict[tuple[int, int], float] = {}
     print(f"plan() median of {args.repeat}, milliseconds ({args.tables} tables)\n")
     print("| nodes \\ jobs | " + " | ".join(str(j) for j in JOBS) + " |")

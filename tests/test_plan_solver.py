@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unicron.plan.model import PlanInput
-from unicron.plan.solver import plan, solve_counts
+from unicron.plan.solver import place, plan, solve_counts
 
 
 def objective_of(inp: PlanInput, assignment: dict[str, tuple[str, ...]]) -> float | None:
@@ -169,3 +169,68 @@ def test_2048_nodes_64_jobs_well_under_a_second() -> None:
         plan(inp)
         best = min(best, time.perf_counter() - start)
     assert best < 0.5, f"plan took {best:.3f} s"
+
+
+def test_growing_jobs_leave_each_other_their_own_racks() -> None:
+    # x lost 2 of its 4 nodes in rA; y lost 1 of its 2 in rB, which has 2 free nodes; rC has 2.
+    # x goes first (larger need) and rB and rC both fit it, but rB is where y can stay whole.
+    inp = PlanInput.from_dict({
+        "nodes": cluster({"rA": 4, "rB": 4, "rC": 2}),
+        "jobs": [{"name": "x", "nodes": ["n0", "n1", "n2", "n3"], "min_nodes": 4, "throughput": {"4": 4}},
+                 {"name": "y", "nodes": ["n4", "n5"], "min_nodes": 2, "throughput": {"2": 2}}],
+        "failed": ["n2", "n3", "n5"], "horizon_s": 3600, "transition_s": 120})
+    assert plan(inp).assignment == {"x": ["n0", "n1", "n8", "n9"], "y": ["n4", "n6"]}
+
+
+def fewest_racks(inp: PlanInput, needs: dict[str, int]) -> int:
+    """Brute force: the fewest racks the jobs span in total, survivors kept, needs met from free nodes."""
+    rack_of = {n.name: n.rack for n in inp.nodes}
+    failed = set(inp.failed)
+    survivors = {j.name: [n for n in j.nodes if n not in failed] for j in inp.jobs}
+    held = {n for nodes in survivors.values() for n in nodes}
+    free = [n for n in inp.healthy if n not in held]
+    names = list(needs)
+    best = math.inf
+
+    def search(i: int, pool: list[str], racks: int) -> None:
+        nonlocal best
+        if i == len(names):
+            best = min(best, racks)
+            return
+        for pick in itertools.combinations(pool, needs[names[i]]):
+            nodes = survivors[names[i]] + list(pick)
+            search(i + 1, [n for n in pool if n not in pick], racks + len({rack_of[n] for n in nodes}))
+
+    search(0, free, 0)
+    return int(best)
+
+
+def test_growing_jobs_span_as_few_racks_as_brute_force_on_small_clusters() -> None:
+    # Several jobs growing back after failures on 2-3 racks: place() spans no more racks in total
+    # than the best placement that keeps every survivor (seeded, so the same cases every run).
+    rng = random.Random(7)
+    checked = 0
+    while checked < 400:
+        racks = [f"r{i}" for i in range(rng.randint(2, 3))]
+        nodes = [{"name": f"n{i}", "gpus": 8, "rack": rng.choice(racks)} for i in range(rng.randint(4, 9))]
+        names = [n["name"] for n in nodes]
+        rng.shuffle(names)
+        jobs, pos = [], 0
+        for j in range(rng.randint(2, 3)):
+            size = min(rng.randint(1, 3), len(names) - pos)
+            jobs.append({"name": f"j{j}", "nodes": names[pos:pos + size]})
+            pos += size
+        failed = rng.sample(names[:pos], rng.randint(1, 2))
+        spare = len(nodes) - pos  # nodes no job held: the only free ones
+        needs = {}
+        for job in jobs:
+            needs[job["name"]] = rng.randint(0, min(3, spare))
+            spare -= needs[job["name"]]
+            job["throughput"] = {str(c): 1.0 for c in range(1, 10)}  # place() only reads the counts
+        inp = PlanInput.from_dict({"nodes": nodes, "jobs": jobs, "failed": failed})
+        counts = [len(set(j.nodes) - set(failed)) + needs[j.name] for j in inp.jobs]
+        placed = place(inp, counts)
+        rack_of = {n.name: n.rack for n in inp.nodes}
+        spans = sum(len({rack_of[n] for n in nodes}) for nodes in placed.values())
+        assert spans == fewest_racks(inp, needs), (nodes, jobs, failed, placed)
+        checked += 1

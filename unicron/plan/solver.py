@@ -8,7 +8,8 @@ A job's reward depends only on its own x' (a job keeping its size and not hit ke
 and pays nothing), so the best split of the healthy nodes is a knapsack solved exactly by
 dynamic programming over jobs and node counts: S[i][c] = max_k S[i-1][c-k] + r_i(k).
 Placement then keeps unchanged jobs on their nodes, shrinks jobs inside their largest rack,
-and grows jobs into the racks they are in, else the rack that fits them whole.
+and grows jobs into the racks they are in, else the rack that fits them whole, each leaving
+the jobs still to grow the free nodes of their own racks.
 """
 
 from __future__ import annotations
@@ -119,6 +120,62 @@ def solve_counts(inp: PlanInput) -> tuple[list[int], float]:
     return counts, float(best[capacity]) if inp.jobs else 0.0
 
 
+def _claims(pending: list[tuple[Job, int]], result: dict[str, list[str]], rack_of: dict[str, str],
+            free: dict[str, list[str]]) -> Counter[str]:
+    """Free nodes that growing jobs still to be placed would take in their own racks, per rack.
+
+    A job's own racks cost it nothing more, so their free nodes are worth most to it. Each job
+    claims its need in its own racks, most of its nodes first: an estimate of where it will
+    take them, cheap enough to redo for every job placed.
+    """
+    claim: Counter[str] = Counter()
+    for job, need in pending:
+        mine = Counter(rack_of[n] for n in result[job.name])
+        for rack in sorted(mine, key=lambda r: (-mine[r], r)):
+            take = min(need, len(free.get(rack, ())))
+            claim[rack] += take
+            need -= take
+    return claim
+
+
+def _grow(nodes: list[str], need: int, free: dict[str, list[str]], claim: Counter[str],
+          rack_of: dict[str, str]) -> None:
+    """Move ``need`` free nodes into ``nodes`` (a growing job's), spanning as few new racks as
+    it can while leaving other growing jobs the free nodes of their own racks (``claim``)."""
+    mine = Counter(rack_of[n] for n in nodes)
+    while need:
+        racks = [r for r in free if free[r]]
+
+        def hurts(rack: str, need: int = need) -> bool:  # leaves a job still to come short in its rack
+            return len(free[rack]) - min(need, len(free[rack])) < claim[rack]
+
+        # A job that cannot finish in its own racks pays for a new rack anyway: if a new rack
+        # fits it whole and hurts no one, it leaves the claimed nodes of its own racks alone.
+        leave = (sum(len(free.get(r, ())) for r in mine) < need
+                 and any(not mine[r] and len(free[r]) >= need and not hurts(r) for r in racks))
+
+        def preference(rack: str, need: int = need, leave: bool = leave) -> tuple[int, int, int, int, int, str]:
+            size = len(free[rack])
+            fits = size >= need
+            best_fit = size if fits else -size  # the smallest rack that fits, else the largest
+            if mine[rack] and not (leave and hurts(rack)):
+                # Unclaimed nodes first; then a claimed rack that fits the rest, so that one job
+                # still to come loses its rack's nodes rather than two.
+                claimed = size <= claim[rack]
+                return (0, int(claimed), int(claimed and not fits), -mine[rack], best_fit, rack)
+            return (1, 0 if fits else 1, int(hurts(rack)), 0, best_fit, rack)
+
+        rack = min(racks, key=preference)
+        count = need
+        if preference(rack)[:2] == (0, 0):  # own rack: its unclaimed nodes first
+            count = min(need, len(free[rack]) - claim[rack])
+        take = free[rack][:count]
+        free[rack] = free[rack][len(take):]
+        nodes.extend(take)
+        mine[rack] += len(take)
+        need -= len(take)
+
+
 def place(inp: PlanInput, counts: list[int]) -> dict[str, tuple[str, ...]]:
     """Pick nodes for the counts: unchanged jobs stay put, the rest prefer one rack."""
     failed = set(inp.failed)
@@ -144,21 +201,9 @@ def place(inp: PlanInput, counts: list[int]) -> dict[str, tuple[str, ...]]:
     for name in inp.healthy:
         if name not in used:
             free.setdefault(rack_of[name], []).append(name)
-    for job, need in sorted(growing, key=lambda jn: (-jn[1], jn[0].name)):
-        mine = Counter(rack_of[n] for n in result[job.name])
-        while need:
-            racks = [r for r in free if free[r]]
-
-            def preference(rack: str, need: int = need, mine: Counter[str] = mine) -> tuple[int, int, int, str]:
-                fits = len(free[rack]) >= need
-                return (-mine[rack], 0 if fits else 1, len(free[rack]) if fits else -len(free[rack]), rack)
-
-            rack = min(racks, key=preference)
-            take = free[rack][:need]
-            free[rack] = free[rack][need:]
-            result[job.name].extend(take)
-            mine[rack] += len(take)
-            need -= len(take)
+    growing.sort(key=lambda jn: (-jn[1], jn[0].name))
+    for done, (job, need) in enumerate(growing, start=1):
+        _grow(result[job.name], need, free, _claims(growing[done:], result, rack_of, free), rack_of)
         position = {n: i for i, n in enumerate(job.nodes)}  # survivors keep their rank order
         result[job.name].sort(key=lambda n: (n not in position, position.get(n, order[n])))
     return {name: tuple(nodes) for name, nodes in result.items()}
