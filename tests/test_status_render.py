@@ -183,3 +183,20 @@ def test_a_workers_terminal_escapes_are_shown_not_obeyed() -> None:
     text = capture(render_status(snapshot, NOW), width=200)
     assert "\x1b" not in text and "\x00" not in text and "\x07" not in text
     assert "\\x1b[31mRED" in text
+
+
+def test_a_reply_cut_to_the_message_limit_says_what_it_left_out() -> None:
+    """A big job's reply leaves out iteration times, then nodes (unicron.coord.statusfit): the
+    view says how many nodes it does not show, rather than passing the shown ones for the job."""
+    snapshot = healed_snapshot(NOW)
+    snapshot["job"].update(world_size=10_000, nodes_not_shown=1248, iter_times_not_shown=True)
+    for node in snapshot["nodes"]:
+        for worker in node["workers"]:
+            worker.pop("iter_times")
+    text = capture(render_status(snapshot, NOW), width=140)
+    assert "1248 more nodes not shown" in text and "ranks of 1248 more nodes not shown" in text
+    assert "no trend: iteration times not sent" in text
+    whole = capture(render_status(healed_snapshot(NOW), NOW), width=140)
+    assert "not shown" not in whole and "no trend" not in whole
+    runs = capture(render_runs([({"job": "big", "endpoint": "h:1", "started_at": NOW - 5}, snapshot, "")], NOW))
+    assert "10000" in runs  # the job's ranks, not the few shown

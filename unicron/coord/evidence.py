@@ -17,7 +17,6 @@ from typing import Any
 from unicron.coord.membership import Membership
 from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.detect.activity import Activity
-from unicron.detect.hang import uneven_progress
 
 
 def running(phase: Phase, attempt: Attempt | None) -> Attempt | None:
@@ -42,21 +41,24 @@ def silent_nodes(spec: JobSpec, members: Membership, phase: Phase, attempt: Atte
     if a is None:
         return frozenset()
     after = 2 * spec.heartbeat_interval_s
-    return frozenset(n.node_id for n in members.silent(now, after) if n.node_id in a.nodes)
+    return frozenset(n.node_id for n in members.silent(now, after) if n.node_id in a.node_set)
 
 
 def job_activity(spec: JobSpec, members: Membership, phase: Phase, attempt: Attempt | None,
                  now: float | None = None) -> Activity:
     """The highest activity any node reports (IDLE with no node); given ``now``, at least BUSY
     while a node of the running attempt is silent, and WORKING while a rank trains on ahead of
-    one that waits (within two heartbeat intervals of its last step)."""
-    level = max((n.activity for n in members.active_any_order()), default=Activity.IDLE)
+    one that waits (within two heartbeat intervals of its last step).
+
+    Asked twice per heartbeat: every part is kept as nodes and steps come (``Membership``,
+    ``RankProgress``), none is a scan of the job's nodes or ranks."""
+    level = members.highest_activity()
     if now is None:
         return level
     a = running(phase, attempt)
     if silent_nodes(spec, members, phase, attempt, now) or (a is not None and a.recovering()):
         level = max(level, Activity.BUSY)
-    if a is not None and uneven_progress(a.steps, now, 2 * spec.heartbeat_interval_s):
+    if a is not None and a.progress.uneven(now, 2 * spec.heartbeat_interval_s):
         level = Activity.WORKING
     return level
 
@@ -86,8 +88,12 @@ def next_tick_s(spec: JobSpec, members: Membership, phase: Phase, told_silent: f
         return float("inf")
     if phase is not Phase.RUNNING:
         return 0.0
-    deadlines = [n.last_heartbeat + members.heartbeat_timeout_s for n in members.active()]
-    deadlines += [n.last_heartbeat + 2 * spec.heartbeat_interval_s for n in members.active()
-                  if n.node_id not in told_silent]
+    deadlines = []
+    oldest = members.oldest_heartbeat()
+    if oldest is not None:
+        deadlines.append(oldest + members.heartbeat_timeout_s)
+    untold = members.oldest_heartbeat(skip=told_silent)
+    if untold is not None:
+        deadlines.append(untold + 2 * spec.heartbeat_interval_s)
     # expire() wants silence longer than the timeout: a hair past the deadline, not on it.
     return max(0.0, min(deadlines, default=float("inf")) - now + 0.001)

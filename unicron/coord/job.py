@@ -5,7 +5,8 @@ Phases: WAITING (for nodes, or a restart's backoff) -> RUNNING(attempt) -> STOPP
 
 Every fault stops the whole attempt at once (a collective cannot be trusted to return once a
 peer is gone); the decision on what to do next is taken when every node has stopped, on the
-root cause among all faults of the attempt, not on whichever report came first.
+root cause among all faults of the attempt, not on whichever report came first
+(``unicron.coord.stopping``).
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ from collections import deque
 from typing import Any
 
 from unicron.coord.assign import attempt_messages
-from unicron.coord.decide import Decider, Decision, decide_attempt, failures, reports_a_victim
+from unicron.coord.decide import Decider, Decision, reports_a_victim
 from unicron.coord.evidence import job_activity, join_mismatch, next_tick_s, past_last_step, silent_nodes
-from unicron.coord.exclude import leave_out
 from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.coord.restore import Holdings, choose_restore
 from unicron.coord.resume import MAX_HISTORY, rejoined, take_back
+from unicron.coord.stopping import after_stop, all_stopped, node_gone, stop_attempt, unacked
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
-from unicron.events import decision_line
 
 
 class JobCore:
@@ -54,7 +54,7 @@ class JobCore:
         self.detections: list[float] = []
         self.downtime_s = 0.0
         self.transfer_bytes = 0
-        self._down_since: float | None = None
+        self.down_since: float | None = None  # since when no attempt runs (set by a stop)
         self._told_silent: frozenset[str] = frozenset()  # silent nodes the others were told of
         self._refused: dict[str, str] = {}  # node -> why its last join was refused (logged once)
         self.awaiting_resume: set[str] = set()  # nodes of an attempt taken back, not heard resuming yet
@@ -88,8 +88,8 @@ class JobCore:
         if self.phase is Phase.RUNNING and self.attempt is not None:
             # A late joiner below MAX: re-form the job with it (torchrun re-rendezvouses too).
             self.attempt.scale_up = True
-            out += self.stop_attempt(f"node {node_id} joined: growing to "
-                                      f"{len(self.members.active())} nodes", now, want_stacks=False)
+            out += stop_attempt(self, f"node {node_id} joined: growing to {self.members.count()} nodes", now,
+                                want_stacks=False)
         return out
 
     def refuse(self, node_id: str, host: str, reason: str, *, waits: bool = False) -> list[Out]:
@@ -114,8 +114,8 @@ class JobCore:
 
     def on_heartbeat(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
         before = self.job_activity(now)
-        if node_id in self._told_silent and self.attempt is not None and node_id in self.attempt.nodes:
-            self.attempt.silence_ended_at = now  # held to the busy threshold a while (Attempt.recovering)
+        if node_id in self._told_silent and self.attempt is not None and node_id in self.attempt.node_set:
+            self.attempt.heard_again(now)  # held to the busy threshold a while (Attempt.recovering)
         self._told_silent -= {node_id}
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             node = self.members.nodes.get(node_id)
@@ -126,7 +126,7 @@ class JobCore:
         # old attempt's word) must not hold the others to a longer threshold.
         attempt = self.attempt
         current = attempt is not None and body.get("attempt") == attempt.number and node_id not in attempt.finished
-        self.members.nodes[node_id].activity = Activity.parse(body.get("activity")) if current else Activity.IDLE
+        self.members.set_activity(node_id, Activity.parse(body.get("activity")) if current else Activity.IDLE)
         was_done = self.past_last_step()
         if current and attempt is not None:  # a rank that made a new process group takes it back
             (attempt.done.add if body.get("done") is True else attempt.done.discard)(node_id)
@@ -171,8 +171,8 @@ class JobCore:
             self.detections.append(float(fault["latency_s"]))
         out: list[Out] = [Emit("fault", fault_fields(fault))]
         if self.phase is Phase.RUNNING:
-            out += self.stop_attempt(describe_fault(fault), now, want_stacks=fault.get("kind") == "hang",
-                                     victim=reports_a_victim(fault))
+            out += stop_attempt(self, describe_fault(fault), now, want_stacks=fault.get("kind") == "hang",
+                                victim=reports_a_victim(fault))
         return out
 
     def on_finished(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -182,8 +182,8 @@ class JobCore:
         was_done = self.past_last_step()
         attempt.finished.add(node_id)
         out: list[Out] = [Emit("node_finished", {"node_id": node_id, "attempt": attempt.number})]
-        if all(n in attempt.finished for n in attempt.nodes):
-            out += self._finish(0, "all workers finished successfully", now)
+        if len(attempt.finished) >= len(attempt.nodes) and attempt.node_set <= attempt.finished:
+            out += self.finish(0, "all workers finished successfully", now)
         elif not was_done:  # the others' ranks are in their tails now: no hang to call there
             out += self._ack_all(self.job_activity(now))
         return out
@@ -195,8 +195,8 @@ class JobCore:
         attempt.stopped[node_id] = body
         self.members.heartbeat(node_id, now)  # any message is a sign of life
         out: list[Out] = [Emit("node_stopped", {"node_id": node_id, "attempt": attempt.number})]
-        if self.all_stopped():
-            out += self.after_stop(now)
+        if all_stopped(self):
+            out += after_stop(self, now)
         return out
 
     def on_leave(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -204,7 +204,7 @@ class JobCore:
         if node is None:
             return []
         out: list[Out] = [Emit("leave", {"node_id": node_id, "host": node.host, "reason": body["reason"]})]
-        out += self._node_gone(node_id, node.host, "left", body["reason"], now)
+        out += node_gone(self, node_id, node.host, "left", body["reason"], now)
         return out
 
     # ---- time ----------------------------------------------------------------------
@@ -219,7 +219,7 @@ class JobCore:
         stopping: frozenset[str] = frozenset()
         if self.phase is Phase.STOPPING and self.attempt and self.attempt.stop_sent_at is not None:
             sent = self.attempt.stop_sent_at
-            stopping = frozenset(n for n in self._unacked() if self.members.nodes[n].last_heartbeat >= sent)
+            stopping = frozenset(n for n in unacked(self) if self.members.nodes[n].last_heartbeat >= sent)
         silent = self._silent(now)
         if silent - self._told_silent:  # say so at once: the others' idle thresholds are short
             out += self._ack_all(self.job_activity(now))
@@ -228,19 +228,19 @@ class JobCore:
             out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
                                           "silent_s": round(now - node.last_heartbeat, 3)}))
             self.detections.append(now - node.last_heartbeat)
-            out += self._node_gone(node.node_id, node.host, "lost",
-                                   f"no heartbeat for {now - node.last_heartbeat:.1f} s", now)
+            out += node_gone(self, node.node_id, node.host, "lost",
+                             f"no heartbeat for {now - node.last_heartbeat:.1f} s", now)
         if self.phase is Phase.STOPPING and self.attempt is not None and self.attempt.stop_sent_at is not None:
             if now - self.attempt.stop_sent_at > self.spec.stop_timeout_s:
-                for node_id in self._unacked():
+                for node_id in unacked(self):
                     gone = self.members.leave(node_id, NodeState.LOST)
                     if gone is not None:
                         out.append(Emit("node_lost", {"node_id": node_id, "host": gone.host,
                                                       "reason": "did not stop its workers in time"}))
-                if self.all_stopped():
-                    out += self.after_stop(now)
+                if all_stopped(self):
+                    out += after_stop(self, now)
         if self.phase is Phase.WAITING and not self.store_pending:
-            have = len(self.members.active())
+            have = self.members.count()
             waited_out = now - self.waiting_since > self.spec.join_timeout_s
             # With MIN nodes the join timeout ends the wait for more (a last call longer than it).
             # Re-forming after a failure waits for no last call: the survivors are known, and a
@@ -251,7 +251,7 @@ class JobCore:
                 self.store_pending = True
                 out.append(OpenStore(self.next_attempt))
             elif waited_out and have < self.spec.min_nodes:
-                out += self._finish(4, f"rendezvous timed out: {have} of at least {self.spec.min_nodes} "
+                out += self.finish(4, f"rendezvous timed out: {have} of at least {self.spec.min_nodes} "
                                        f"node(s) joined within {self.spec.join_timeout_s:g} s", now)
         return out
 
@@ -260,8 +260,7 @@ class JobCore:
         counts (heartbeat and stop deadlines move on by it)."""
         if gap_s <= 0:
             return
-        for node in self.members.active():
-            node.last_heartbeat += gap_s
+        self.members.shift(gap_s)
         if self.attempt is not None and self.attempt.stop_sent_at is not None:
             self.attempt.stop_sent_at += gap_s
 
@@ -285,9 +284,9 @@ class JobCore:
         self._choose_restore(nodes)
         self.attempt = Attempt(number, now, [n.node_id for n in nodes], sum(n.nproc for n in nodes))
         self.phase = Phase.RUNNING
-        if self._down_since is not None:
-            self.downtime_s += now - self._down_since
-            self._down_since = None
+        if self.down_since is not None:
+            self.downtime_s += now - self.down_since
+            self.down_since = None
         why, self.why_next = self.why_next, ""
         return attempt_messages(number, nodes, epoch=self.members.epoch, restarts_used=self.restarts_used,
                                 master_addr=master_addr, master_port=master_port,
@@ -299,96 +298,16 @@ class JobCore:
         own launcher was interrupted: end the job. ``exit_code``: what the log records (the
         interrupted launcher's 130 or 143); the nodes are told 1, none of them was interrupted."""
         self.store_pending = False
-        return self._finish(exit_code, reason, now, node_code=1)
+        return self.finish(exit_code, reason, now, node_code=1)
 
     # ---- internals -----------------------------------------------------------------
-    def _node_gone(self, node_id: str, host: str, how: str, why: str, now: float) -> list[Out]:
-        self.awaiting_resume.discard(node_id)  # back later, it is a joiner like any other
-        attempt = self.attempt
-        if attempt is None or node_id not in attempt.nodes:
-            return []
-        message = why if how == "lost" else f"{how}: {why}"  # a node that said why it left, says so
-        if self.phase is Phase.RUNNING:
-            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
-                                   "ts": now, "reported_at": now, "attempt": attempt.number})
-            return self.stop_attempt(f"node {node_id} {how}: {why}", now, want_stacks=False)
-        if self.phase is Phase.STOPPING:
-            attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
-                                   "ts": now, "reported_at": now, "attempt": attempt.number})
-            if self.all_stopped():
-                return self.after_stop(now)
-        return []
-
-    def stop_attempt(self, reason: str, now: float, *, want_stacks: bool, victim: bool = False) -> list[Out]:
-        attempt = self.attempt
-        assert attempt is not None
-        self.phase = Phase.STOPPING
-        self._down_since = now
-        attempt.stop_reason = reason
-        attempt.stop_sent_at = now
-        out: list[Out] = [Emit("stop", {"attempt": attempt.number, "reason": reason, "want_stacks": want_stacks})]
-        for node_id in attempt.nodes:
-            if self.members.is_active(node_id):
-                out.append(Send(node_id, "stop", {"attempt": attempt.number, "reason": reason,
-                                                  "want_stacks": want_stacks, **({"victim": True} if victim else {})}))
-        if self.all_stopped():
-            out += self.after_stop(now)
-        return out
-
-    def _unacked(self) -> list[str]:
-        attempt = self.attempt
-        assert attempt is not None
-        return [n for n in attempt.nodes if self.members.is_active(n) and n not in attempt.stopped]
-
-    def all_stopped(self) -> bool:
-        return not self._unacked()
-
-    def after_stop(self, now: float) -> list[Out]:
-        attempt = self.attempt
-        assert attempt is not None
-        out: list[Out] = []
-        stacks = attempt.stacks()
-        if stacks:
-            out.append(Emit("stacks", {"attempt": attempt.number, "ranks": sorted(r for r, s in stacks.items() if s)}))
-        active = len(self.members.active())
-        decision = decide_attempt(self.decider, attempt, self.spec, stacks, now, active_nodes=active,
-                                  spent=self.restarts_used, pinned=frozenset(self.pinned))
-        failed = bool(failures(attempt))  # not a planned re-form
-        if failed:
-            self.history.append(decision)
-        event = {"attempt": attempt.number, "action": decision.action, "severity": decision.severity,
-                 "rule": decision.rule, "reason": decision.reason, "backoff_s": decision.backoff_s,
-                 "culprits": decision.culprits}
-        out.append(Emit("decision", event))
-        self.why_next = decision_line(event)  # for every node's console, with the next attempt's assign
-        if decision.action in ("stop", "none"):
-            return out + self._finish(decision.exit_code or 1, decision.reason, now)
-        if failed:
-            self.restarts_used += 1
-            self.restarts.append({"attempt": attempt.number + 1, "ts": now, "cause": decision.reason,
-                                  "severity": decision.severity, "action": decision.action,
-                                  "rule": decision.rule})
-        if decision.exclude:
-            out += leave_out(self.members, self.excluded, self.spec.job_id, decision.exclude, decision.reason)
-            active = len(self.members.active())
-        self.holdings = Holdings(attempt.number, attempt.world_size)
-        for node_id, body in attempt.stopped.items():
-            self.holdings.add(node_id, body)
-        self.phase = Phase.WAITING
-        self.waiting_since = now
-        self.not_before = now + decision.backoff_s
-        if active < self.spec.min_nodes:  # say what the job waits for: it may be a long while
-            out.append(Emit("waiting_for_nodes", {"have": active, "need": self.spec.min_nodes,
-                                                  "timeout_s": self.spec.join_timeout_s}))
-        return out + self.tick(now)
-
     def _choose_restore(self, nodes: list[Any]) -> None:
         """The step the next attempt restores from memory, for its layout (none without holdings)."""
         holdings, self.holdings = self.holdings, None
         self.restore_step, self.restore_note, nbytes = choose_restore(holdings, [(n.node_id, n.nproc) for n in nodes])
         self.transfer_bytes += nbytes
 
-    def _finish(self, exit_code: int, reason: str, now: float, node_code: int | None = None) -> list[Out]:
+    def finish(self, exit_code: int, reason: str, now: float, node_code: int | None = None) -> list[Out]:
         self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED
         self.exit_code = exit_code
         self.final_reason = reason

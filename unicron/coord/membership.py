@@ -2,6 +2,11 @@
 
 Pure: every method takes ``now``. The epoch grows whenever the set of active nodes
 changes, so a message stamped with an older epoch comes from a fenced (stale) node.
+
+What every heartbeat asks of it (how many nodes are active, the highest activity any reports,
+whether one is silent) is kept up to date as nodes join, beat, leave and are lost, never
+found by a scan of every node: a job of thousands of nodes gets thousands of heartbeats a
+second. So a node's ``last_heartbeat`` and ``activity`` change only through this class.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
+from unicron.coord.lastheard import LastHeard
 from unicron.detect.activity import Activity
 
 
@@ -27,12 +33,12 @@ class NodeRecord:
     nproc: int
     requested_rank: int | None
     joined_at: float
-    last_heartbeat: float
+    last_heartbeat: float  # set through Membership (its index of silences follows it)
     state: NodeState = NodeState.ACTIVE
     node_rank: int = -1
     workers: list[dict] = field(default_factory=list)
     health: dict = field(default_factory=dict)
-    activity: Activity = Activity.IDLE  # what its ranks overdue for a step are doing
+    activity: Activity = Activity.IDLE  # what its ranks overdue for a step are doing (Membership.set_activity)
 
 
 @dataclass(frozen=True)
@@ -59,15 +65,29 @@ class Membership:
         self.nodes: dict[str, NodeRecord] = {}
         self.epoch = 0
         self._min_reached_at: float | None = None
+        # Kept as nodes change, for the questions every heartbeat asks (see the module's doc):
+        self._count = 0  # active nodes
+        self._levels = [0] * len(Activity)  # active nodes reporting each activity
+        self._heard = LastHeard()  # active nodes' last heartbeats, oldest first
 
     # ---- queries -------------------------------------------------------------------
+    def count(self) -> int:
+        """How many nodes are active."""
+        return self._count
+
+    def highest_activity(self) -> Activity:
+        """The highest activity an active node reports (IDLE with none)."""
+        return next((level for level in reversed(Activity) if self._levels[level]), Activity.IDLE)
+
+    def oldest_heartbeat(self, skip: Collection[str] = ()) -> float | None:
+        """The last heartbeat of the active node heard from longest ago, of those not in ``skip``."""
+        return self._heard.oldest(skip)
+
     def active(self) -> list[NodeRecord]:
         """The active nodes in node-rank order (unranked ones last, by when they joined)."""
-        return sorted(self.active_any_order(), key=lambda n: (n.node_rank if n.node_rank >= 0 else 1 << 30, n.joined_at))
+        return sorted(self.active_any_order(), key=_rank_order)
 
     def active_any_order(self) -> list[NodeRecord]:
-        # What every heartbeat looks at (the job's activity, silent nodes): no sort of every
-        # node per heartbeat, which a job of thousands of nodes pays thousands of times a second.
         return [n for n in self.nodes.values() if n.state is NodeState.ACTIVE]
 
     def is_active(self, node_id: str) -> bool:
@@ -75,11 +95,11 @@ class Membership:
         return node is not None and node.state is NodeState.ACTIVE
 
     def silent(self, now: float, after_s: float) -> list[NodeRecord]:
-        """Active nodes not heard from for longer than ``after_s``."""
-        return [n for n in self.active_any_order() if now - n.last_heartbeat > after_s]
+        """Active nodes not heard from for longer than ``after_s`` (in no set order)."""
+        return [self.nodes[key] for key in self._heard.silent(now, after_s)]
 
     def ready(self, now: float) -> bool:
-        count = len(self.active_any_order())
+        count = self._count
         if count >= self.max_nodes:
             return True
         if count >= self.min_nodes and self._min_reached_at is not None:
@@ -90,16 +110,17 @@ class Membership:
     def join(self, node_id: str, host: str, nproc: int, requested_rank: int | None, now: float) -> JoinResult:
         existing = self.nodes.get(node_id)
         if existing is not None and existing.state is NodeState.ACTIVE:
-            existing.last_heartbeat = now  # a re-sent join (the agent retries until welcomed)
+            self._heard_from(existing, now)  # a re-sent join (the agent retries until welcomed)
             return JoinResult(True)
-        if len(self.active()) >= self.max_nodes:
+        if self._count >= self.max_nodes:
             return JoinResult(False, f"job is full: {self.max_nodes} node(s) already joined", transient=True)
         if requested_rank is not None:
             if requested_rank >= self.max_nodes:
                 return JoinResult(False, f"--node-rank {requested_rank} is not below --nnodes {self.max_nodes}")
         note = ""
         if requested_rank is not None:
-            taken = [n for n in self.active() if n.requested_rank == requested_rank]
+            taken = sorted((n for n in self.active_any_order() if n.requested_rank == requested_rank),
+                           key=_rank_order)
             if taken:
                 # Two nodes given one --node-rank (a copied command line): the job has room, so
                 # this one takes a free rank, as torchrun's c10d rendezvous ignores the flag;
@@ -112,9 +133,9 @@ class Membership:
             # A fenced node back (same agent): it asks for its old place, so the ranks it holds
             # snapshots of stay with it, unless another node took that place meanwhile.
             record.node_rank = existing.node_rank
-        self.nodes[node_id] = record
+        self._add(record)
         self.epoch += 1
-        if self._min_reached_at is None and len(self.active()) >= self.min_nodes:
+        if self._min_reached_at is None and self._count >= self.min_nodes:
             self._min_reached_at = now
         return JoinResult(True, note)
 
@@ -123,9 +144,9 @@ class Membership:
         coordinator: ``unicron.coord.resume``); the epoch goes on from the one they knew."""
         for rank, (node_id, host, nproc) in enumerate(nodes):
             if not self.is_active(node_id):
-                self.nodes[node_id] = NodeRecord(node_id, host, nproc, None, now, now, node_rank=rank)
+                self._add(NodeRecord(node_id, host, nproc, None, now, now, node_rank=rank))
         self.epoch = max(self.epoch + 1, epoch)
-        if self._min_reached_at is None and len(self.active()) >= self.min_nodes:
+        if self._min_reached_at is None and self._count >= self.min_nodes:
             self._min_reached_at = now
 
     def heartbeat(self, node_id: str, now: float, workers: list[dict] | None = None,
@@ -133,7 +154,7 @@ class Membership:
         node = self.nodes.get(node_id)
         if node is None or node.state is not NodeState.ACTIVE:
             return False
-        node.last_heartbeat = now
+        self._heard_from(node, now)
         if workers is not None:
             node.workers = workers
         if health is not None:
@@ -142,9 +163,9 @@ class Membership:
 
     def expire(self, now: float, exempt: frozenset[str] = frozenset()) -> list[NodeRecord]:
         """Declare lost every active node silent for longer than the heartbeat timeout
-        (except ``exempt`` ones, judged by another deadline)."""
-        lost = [n for n in self.active()
-                if n.node_id not in exempt and now - n.last_heartbeat > self.heartbeat_timeout_s]
+        (except ``exempt`` ones, judged by another deadline), in node-rank order."""
+        lost = sorted((n for n in self.silent(now, self.heartbeat_timeout_s) if n.node_id not in exempt),
+                      key=_rank_order)
         for node in lost:
             self._remove(node, NodeState.LOST)
         return lost
@@ -156,10 +177,39 @@ class Membership:
         self._remove(node, state)
         return node
 
+    def set_activity(self, node_id: str, level: Activity) -> None:
+        """What an active node's ranks overdue for a step are doing, as its heartbeat says."""
+        node = self.nodes[node_id]
+        if node.state is NodeState.ACTIVE:
+            self._levels[node.activity] -= 1
+            self._levels[level] += 1
+        node.activity = level
+
+    def shift(self, gap_s: float) -> None:
+        """Every active node's silence is ``gap_s`` shorter: the coordinator itself was not
+        running that long, and heard nobody."""
+        for node in self.active_any_order():
+            node.last_heartbeat += gap_s
+        self._heard.shift(gap_s)
+
+    def _heard_from(self, node: NodeRecord, now: float) -> None:
+        node.last_heartbeat = now
+        self._heard.set(node.node_id, now)
+
+    def _add(self, record: NodeRecord) -> None:
+        """``record`` (active) replaces what was known of its node (nothing, or an inactive one)."""
+        self.nodes[record.node_id] = record
+        self._count += 1
+        self._levels[record.activity] += 1
+        self._heard.set(record.node_id, record.last_heartbeat)
+
     def _remove(self, node: NodeRecord, state: NodeState) -> None:
         node.state = state
+        self._count -= 1
+        self._levels[node.activity] -= 1
+        self._heard.discard(node.node_id)
         self.epoch += 1
-        if len(self.active()) < self.min_nodes:
+        if self._count < self.min_nodes:
             self._min_reached_at = None
 
     def assign_ranks(self, first: Collection[str] = ()) -> list[NodeRecord]:
@@ -188,3 +238,7 @@ class Membership:
         for rank, node in taken.items():
             node.node_rank = rank
         return [taken[r] for r in range(count)]
+
+
+def _rank_order(node: NodeRecord) -> tuple[int, float]:
+    return (node.node_rank if node.node_rank >= 0 else 1 << 30, node.joined_at)

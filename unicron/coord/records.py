@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from unicron.coord.progress import RankProgress
+
 
 class Phase(str, Enum):
     """WAITING (for nodes, or a restart's backoff) -> RUNNING -> STOPPING -> RUNNING | DONE | FAILED."""
@@ -47,22 +49,32 @@ class Attempt:
     stopped: dict[str, dict[str, Any]] = field(default_factory=dict)  # node id -> its `stopped` report
     finished: set[str] = field(default_factory=set)  # nodes whose workers all exited 0
     done: set[str] = field(default_factory=set)  # nodes with some rank past its last step (exited 0, closed)
-    # rank -> (steps completed, when this coordinator first heard of that step): uneven progress
-    steps: dict[int, tuple[int, float]] = field(default_factory=dict)
+    progress: RankProgress = field(default_factory=RankProgress)  # each rank's steps (uneven progress)
     stop_reason: str = ""
     stop_sent_at: float | None = None
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure
     silence_ended_at: float | None = None  # a silent node of this attempt was heard again then
+    node_set: frozenset[str] = field(init=False, repr=False, compare=False)  # ``nodes``, to ask without a scan
+
+    def __post_init__(self) -> None:
+        self.node_set = frozenset(self.nodes)
+
+    @property
+    def steps(self) -> dict[int, tuple[int, float]]:
+        """rank -> (steps completed, when this coordinator first heard of that step)."""
+        return self.progress.steps
+
+    def heard_again(self, now: float) -> None:
+        """A silent node of the attempt was heard again (see ``recovering``)."""
+        self.silence_ended_at = now
+        self.progress.heard_again(now, self.world_size)
 
     def recovering(self) -> bool:
         """A node of the attempt went silent (its link cut, or it stalled) and was heard again,
         and not every rank has stepped since. Its ranks' connections may still be catching up:
         TCP's retransmissions back off while a link is down, so an outage of a few seconds can
         take about as long again before a waiting collective gets its data."""
-        if self.silence_ended_at is None:
-            return False
-        ended = self.silence_ended_at
-        return any(self.steps.get(rank, (0, ended))[1] <= ended for rank in range(self.world_size))
+        return self.progress.recovering()
 
     def stacks(self) -> dict[int, str]:
         """Every rank's stack dump that came with the nodes' ``stopped`` reports."""
@@ -72,5 +84,5 @@ class Attempt:
         """Each rank's steps from a heartbeat's ``workers`` (malformed entries skipped)."""
         for w in workers if isinstance(workers, list) else []:
             rank, step = (w.get("rank"), w.get("step")) if isinstance(w, dict) else (None, None)
-            if type(rank) is int and type(step) is int and step > self.steps.get(rank, (-1, 0.0))[0]:
-                self.steps[rank] = (step, now)
+            if type(rank) is int and type(step) is int:
+                self.progress.note(rank, step, now)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from unicron.coord.outbox import Emit, Out, Send
 from unicron.coord.records import Attempt, Phase
+from unicron.coord.stopping import after_stop, all_stopped, stop_attempt
 from unicron.coord.view import describe_fault, fault_fields
 
 if TYPE_CHECKING:
@@ -139,7 +140,8 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
         # Not a node of it, or one lost meanwhile: it joins as any other, and the job re-forms.
         return out + core.on_join(node_id, {k: v for k, v in body.items() if k != "resume"}, now)
     node = core.members.nodes[node_id]
-    node.host, node.requested_rank, node.last_heartbeat = body["host"], body.get("node_rank"), now
+    node.host, node.requested_rank = body["host"], body.get("node_rank")
+    core.members.heartbeat(node_id, now)
     out.insert(0, Send(node_id, "welcome", {"node_id": node_id, "epoch": core.members.epoch}))
     if node_id not in core.awaiting_resume:  # a re-sent resume
         return out
@@ -160,7 +162,7 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
     elif resumed.state == "stopped" and running:
         attempt.stopped[node_id] = resumed.stopped_body()
     if core.phase is Phase.RUNNING and (new or resumed.state == "stopped"):
-        out += core.stop_attempt(describe_fault(new[0]) if new else (
+        out += stop_attempt(core, describe_fault(new[0]) if new else (
             f"node {node.host} had stopped its workers of attempt {attempt.number} when the coordinator restarted"),
             now, want_stacks=False)
     return out
@@ -181,7 +183,7 @@ def _disagrees(core: JobCore, node_id: str, resumed: ResumedAttempt, now: float)
     # the attempt taken back is what counts.
     out: list[Out] = [Send(node_id, "stop", {"attempt": resumed.attempt, "reason": reason, "want_stacks": False})]
     if core.phase is Phase.RUNNING:
-        out += core.stop_attempt(reason, now, want_stacks=False)
+        out += stop_attempt(core, reason, now, want_stacks=False)
     return out
 
 
@@ -210,8 +212,8 @@ def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
                                                   "joined", "fenced": True}))
     if extra[:room]:
         attempt.scale_up = True
-        out += core.stop_attempt(f"node {extra[0].node_id} joined: growing to {len(core.members.active())} nodes",
-                                 now, want_stacks=False)
+        out += stop_attempt(core, f"node {extra[0].node_id} joined: growing to {core.members.count()} nodes",
+                            now, want_stacks=False)
     return out
 
 
@@ -226,7 +228,7 @@ def rejoined(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> l
     if core.phase is Phase.STOPPING and node_id not in attempt.stopped:
         attempt.stopped[node_id] = {"snapshots": held.get("snapshots", {}),
                                     "snapshot_bytes": held.get("snapshot_bytes", {})}
-        return core.after_stop(now) if core.all_stopped() else []
+        return after_stop(core, now) if all_stopped(core) else []
     if held and core.phase is Phase.WAITING and core.holdings is not None \
             and core.holdings.attempt == attempt.number:
         core.holdings.add(node_id, held)

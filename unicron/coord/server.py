@@ -2,7 +2,8 @@
 
 It decodes and verifies every message (dropping and counting bad ones; nothing a peer sends
 can crash or block it), routes it to that job's ``JobCore``, and carries out what the core
-asks: sends, a fresh TCPStore per attempt, event records, the end of a job.
+asks: sends, a fresh TCPStore per attempt (``unicron.coord.stores``), event records, the end of
+a job. What it tells the user about peers it cannot serve is in ``unicron.coord.peers``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import zmq
@@ -24,19 +23,20 @@ from unicron.coord.decide import Decider
 from unicron.coord.job import JobCore
 from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
+from unicron.coord.peers import PeerWarnings
 from unicron.coord.records import JobSpec
+from unicron.coord.statusfit import fit_status, size
+from unicron.coord.stores import StoreOpener, preload
 from unicron.detect.stall import StallWatch
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
-from unicron.proto.messages import Codec, Message, StaleMessage
+from unicron.proto.messages import MAX_MESSAGE_BYTES, Codec, Message, StaleMessage
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the pace while a job forms or restarts
-STORE_TRIES = 3  # attempts at opening an attempt's TCPStore
-STORE_OPEN_TIMEOUT_S = 30.0  # each one's bound
 IDLE_WAKE_S = 0.5  # the longest sleep between messages
-MAX_PEERS_WARNED = 8  # misconfigured peers named on the console; the rest are only counted
+ENVELOPE_BYTES = 512  # a message's bytes besides its body, its job id and its sender
 
 
 @dataclass
@@ -80,9 +80,7 @@ class CoordinatorServer:
         self.advertise_addr = advertise_addr
         self.clock = clock
         # Told to the user (not just counted): messages that say a node is misconfigured.
-        self.warn = warn
-        self._warned_peers: set[bytes] = set()
-        self._clock_told: dict[bytes, float] = {}  # peer -> when it was last told this clock
+        self.peers = PeerWarnings(warn, self.codec.window_s)
         # Nodes a reconfigure never leaves out: the agent this coordinator is embedded in (its
         # exit would end the coordinator, and with it every job). Shared with each job's core.
         self.pinned: set[str] = set()
@@ -110,13 +108,12 @@ class CoordinatorServer:
         self._stop_reason = "the coordinator stopped"
         self._stop_code = 1  # the exit code recorded for jobs that ``stop`` ends
         self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
-        self._stores_ready: queue.Queue[tuple[str, int, Any, str]] = queue.Queue()
+        self.stores = StoreOpener()
         self.thread: threading.Thread | None = None
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        # Import torch's store off the critical path: the first attempt needs it at once.
-        threading.Thread(target=_preload_store, name="unicron-preload", daemon=True).start()
+        preload()
         self.thread = threading.Thread(target=self.serve, name="unicron-coordinator", daemon=True)
         self.thread.start()
 
@@ -199,7 +196,7 @@ class CoordinatorServer:
     def _wait_s(self) -> float:
         """How long to sleep when no message comes: until some job's next deadline (each
         wake-up takes CPU from the ranks on this host), at the fast pace while a store opens."""
-        if not self._stores_ready.empty():
+        if self.stores.pending():
             return 0.0
         now = self.clock()
         due = min((slot.core.next_tick_s(now) for slot in self.slots.values()), default=IDLE_WAKE_S)
@@ -230,7 +227,7 @@ class CoordinatorServer:
             return
         except ProtocolError as err:
             log.debug("dropped message: %s", err)
-            self._warn_misconfigured(identity, str(err))
+            self.peers.misconfigured(identity, str(err), self.jobs_allowed)
             return
         except Exception:  # noqa: BLE001 - one peer's bytes must never take the coordinator down
             log.exception("dropped a message that could not be read")
@@ -243,50 +240,12 @@ class CoordinatorServer:
             self.codec.dropped.add("handler-error")
 
     def _clock_off(self, identity: bytes, err: StaleMessage) -> None:
-        """An authentic message whose time is too far off this machine's: a replay, or a node
-        whose clock is wrong (no NTP, a VM resumed from a suspend). Tell the sender this
-        clock, at most once a second per peer, and the user once: it then signs with it."""
+        """An authentic message whose time is too far off: the sender is told this clock (and
+        then signs with it), the user hears of it once (``unicron.coord.peers``)."""
         now = self.clock()
-        if now - self._clock_told.get(identity, -math.inf) < 1.0:
-            return
-        if len(self._clock_told) >= 1024:  # replays from many sockets: forget the oldest
-            self._clock_told.pop(next(iter(self._clock_told)))
-        self._clock_told[identity] = now
-        ahead = "ahead of" if err.skew_s > 0 else "behind"
-        why = (f"this node's clock is {abs(err.skew_s):.0f} s {ahead} the coordinator's (messages may differ by "
-               f"{self.codec.window_s:g} s, against replays); it now signs with the coordinator's time: "
-               "is NTP running on every node?")
-        self._send_raw(identity, err.job, "reject", {"reason": why, "wait": True, "clock": now})
-        if self.warn is not None and identity not in self._warned_peers and len(self._warned_peers) < MAX_PEERS_WARNED:
-            self._warned_peers.add(identity)
-            self.warn(f"messages from {self._peer_name(identity)}: {why}")
-
-    def _peer_name(self, identity: bytes) -> str:
-        # Agents name their socket after their node id; a socket that did not gets a binary one.
-        text = identity.decode("ascii", errors="replace")
-        return text[:80] if text.isprintable() else f"a peer without a node id ({identity.hex()[:16]})"
-
-    def _warn_misconfigured(self, identity: bytes, error: str) -> None:
-        """A node whose secret, unicron version or job id (``--rdzv-id``) differs gets no answer (it cannot be trusted
-        with one) and would wait out its join timeout in silence: say so here, once per peer
-        (and for a few peers at most: garbage from anyone must not flood the console)."""
-        reason = error.split(":")[0]
-        if self.warn is None or reason not in ("unauthenticated", "version", "wrong job") \
-                or identity in self._warned_peers \
-                or len(self._warned_peers) >= MAX_PEERS_WARNED:
-            return
-        self._warned_peers.add(identity)
-        peer = self._peer_name(identity)
-        if reason == "unauthenticated":
-            self.warn(f"dropped messages from {peer}: signed with another secret; is UNICRON_SECRET "
-                      "(or --secret-file) the same on every node?")
-        elif reason == "wrong job":
-            served = ", ".join(repr(j) for j in sorted(self.jobs_allowed or ()))
-            self.warn(f"dropped messages from {peer}: for job {error.split(': ', 1)[-1]}, but this coordinator "
-                      f"serves {served}; is --rdzv-id the same on every node?")
-        else:
-            self.warn(f"dropped messages from {peer}: {error.split(': ', 1)[-1]}; run the same unicron "
-                      "version on every node")
+        why = self.peers.clock_off(identity, err.skew_s, now)
+        if why is not None:
+            self._send_raw(identity, err.job, "reject", {"reason": why, "wait": True, "clock": now})
 
     def _on_message(self, identity: bytes, msg: Message) -> None:
         now = self.clock()
@@ -300,7 +259,9 @@ class CoordinatorServer:
                 # Where nodes reach it: the address its workers are told (--local-addr, else the FQDN)
                 host = self.advertise_addr or os.uname().nodename
                 snap["job"]["coordinator"] = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-                self._send_raw(identity, msg.job, "status", {"snapshot": snap})
+                # A big job's view passes the message limit: what does not fit is left out, saying so.
+                room = MAX_MESSAGE_BYTES - ENVELOPE_BYTES - size(msg.job) - size(self.codec.sender)
+                self._send_raw(identity, msg.job, "status", {"snapshot": fit_status(snap, room)})
             return
         node_id = msg.body.get("node_id")
         if not isinstance(node_id, str):
@@ -359,10 +320,7 @@ class CoordinatorServer:
             elif isinstance(out, Emit):
                 slot.events.emit(out.kind, **out.fields)
             elif isinstance(out, OpenStore):
-                # Off the loop: importing torch and binding can take seconds on a loaded host,
-                # and heartbeats must keep being answered meanwhile.
-                threading.Thread(target=self._open_store, args=(job_id, slot, out.attempt),
-                                 name="unicron-store", daemon=True).start()
+                self.stores.open(job_id, out.attempt)  # off the loop: heartbeats are answered meanwhile
             elif isinstance(out, Finish):
                 # Lost nodes too: one that only stalled finds the word in its socket when it runs
                 # again, rather than waiting out the coordinator's silence.
@@ -382,30 +340,8 @@ class CoordinatorServer:
         except ProtocolError as err:  # over the size limit: the coordinator goes on for the others
             log.error("not sent: %s", err)
 
-    def _open_store(self, job_id: str, slot: JobSlot, attempt: int) -> None:
-        """A fresh TCPStore per attempt: restarted workers can never read stale keys."""
-        error = ""
-        for _ in range(STORE_TRIES):
-            try:
-                from torch.distributed import TCPStore
-
-                # Its own client connects to it at once: a bounded wait (torch's default is 300 s,
-                # and the job would wait that long without a word), then a fresh port.
-                store = TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=STORE_OPEN_TIMEOUT_S),
-                                 wait_for_workers=False)
-            except Exception as err:  # noqa: BLE001 - reported as the job's failure, in the loop thread
-                error = str(err)
-                continue
-            self._stores_ready.put((job_id, attempt, store, ""))
-            return
-        self._stores_ready.put((job_id, attempt, None, f"cannot open the workers' store: {error}"))
-
     def _start_ready_attempts(self) -> None:
-        while True:
-            try:
-                job_id, attempt, store, error = self._stores_ready.get_nowait()
-            except queue.Empty:
-                return
+        for job_id, attempt, store, error in self.stores.ready():
             slot = self.slots.get(job_id)
             if slot is None or slot.finished_at is not None:
                 continue
@@ -422,9 +358,3 @@ class CoordinatorServer:
                 log.exception("error starting attempt %s of job %s", attempt, job_id)
                 self._run(job_id, slot, slot.core.fail(f"coordinator error: {type(err).__name__}: {err}", now))
 
-
-def _preload_store() -> None:
-    try:
-        import torch.distributed  # noqa: F401
-    except Exception:  # the attempt itself will report a broken torch install
-        pass

@@ -59,6 +59,13 @@ def workers_of(snapshot: Mapping[str, Any]) -> list[tuple[dict[str, Any], dict[s
     return sorted(pairs, key=lambda p: (num(p[1].get("rank")) is None, num(p[1].get("rank")) or 0.0))
 
 
+def nodes_not_shown(snapshot: Mapping[str, Any]) -> int:
+    """Nodes the coordinator left out of a reply that would have passed the message size limit
+    (``unicron.coord.statusfit``); 0 when it sent them all."""
+    n = num(job_of(snapshot).get("nodes_not_shown"))
+    return int(n) if n and n > 0 else 0
+
+
 def min_step(snapshot: Mapping[str, Any]) -> int | None:
     """The step every live rank has completed (the job's progress), None without ranks."""
     steps = [num(w.get("step")) for _, w in workers_of(snapshot) if w.get("state") != "exited"]
@@ -166,8 +173,11 @@ def _between_steps(activity: object) -> Text:
 
 
 def render_nodes(snapshot: Mapping[str, Any], now: float) -> Table:
+    hidden = nodes_not_shown(snapshot)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False, title_justify="left",
-                  title=Text("nodes", style="bold"))
+                  title=Text("nodes", style="bold"), caption_justify="left",
+                  caption=Text(f"{hidden} more nodes not shown (kept under the message size limit; "
+                               "nodes in trouble come first)", style="yellow") if hidden else None)
     for name, justify in (("#", "right"), ("node", "left"), ("host", "left"), ("state", "left"),
                           ("heartbeat", "right"), ("activity", "left"), ("cpu", "right"), ("mem", "right"),
                           ("gpus", "left")):
@@ -186,7 +196,12 @@ def render_nodes(snapshot: Mapping[str, Any], now: float) -> Table:
 
 
 def render_ranks(snapshot: Mapping[str, Any], now: float) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left", title=Text("ranks", style="bold"))
+    hidden = nodes_not_shown(snapshot)
+    notes = ([f"ranks of {hidden} more nodes not shown"] if hidden else []) + (
+        ["no trend: iteration times not sent (message size limit)"]
+        if job_of(snapshot).get("iter_times_not_shown") else [])
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left", title=Text("ranks", style="bold"),
+                  caption=Text("\n".join(notes), style="yellow") if notes else None, caption_justify="left")
     for name, justify in (("rank", "right"), ("node", "right"), ("pid", "right"), ("state", "left"),
                           ("step", "right"), ("iter", "right"), ("trend", "left"), ("last step", "right")):
         # The sparkline column is wrapable so rich narrows it first; its Text is cropped, not wrapped.
@@ -315,7 +330,9 @@ def render_runs(rows: Sequence[tuple[Mapping[str, Any], Mapping[str, Any] | None
         sps = steps_per_second(snapshot)
         step = min_step(snapshot)
         table.add_row(job_id, endpoint, state_text(job.get("state"), JOB_STATE_STYLE),
-                      f"{job.get('restarts', 0)}/{job.get('max_restarts', '-')}", str(len(workers_of(snapshot))),
+                      f"{job.get('restarts', 0)}/{job.get('max_restarts', '-')}",
+                      # with nodes left out of the reply, the world size says how many there are
+                      str(job.get("world_size", "-") if nodes_not_shown(snapshot) else len(workers_of(snapshot))),
                       "-" if step is None else str(step), "-" if sps is None else f"{sps:.3g}",
                       fmt_age(job.get("started_at") or info.get("started_at"), now))
     return table
