@@ -61,3 +61,13 @@ def test_the_live_line_is_drawn_in_auto_only_where_no_worker_output_reaches_the_
     always = AgentUI("always")
     assert always.live
     always.close()
+
+
+def test_a_node_gone_while_the_job_forms_is_shown_with_what_the_job_waits_for(capsys) -> None:
+    from unicron.agent.ui import AgentUI
+
+    AgentUI("never").on_event({"kind": "waiting_for_nodes", "have": 1, "need": 2, "timeout_s": 600,
+                               "gone": "node h-b left: lost the coordinator"})
+    err = capsys.readouterr().err
+    assert ("node h-b left: lost the coordinator before the job started; waiting for 1 more node(s) "
+            "(--nnodes needs 2), up to the join timeout (600 s from the start)") in err, err

@@ -663,3 +663,18 @@ def test_the_node_hosting_the_store_gets_node_rank_0_unless_another_asked_for_it
     asked.join("b", "hb", 1, 0, 0)  # --node-rank 0 given: honoured
     asked.join("a", "ha", 1, None, 1)
     assert [n.node_id for n in asked.assign_ranks(first={"a"})] == ["b", "a"]
+
+
+def test_a_node_gone_before_the_first_attempt_is_said_with_what_the_job_waits_for() -> None:
+    # The job was forming (no attempt yet): without a word its host's console would wait out the
+    # join timeout in silence.
+    core = JobCore(spec(3, 3), ScriptedDecider(), now=0)
+    core.on_join("a", join("a", mn=3, mx=3), 0)
+    core.on_join("b", join("b", mn=3, mx=3), 0)
+    left = [o for o in core.on_leave("b", {"reason": "lost the coordinator"}, 1) if isinstance(o, Emit)]
+    waiting = [o.fields for o in left if o.kind == "waiting_for_nodes"]
+    assert waiting == [{"have": 1, "need": 3, "timeout_s": 60, "gone": "node h-b left: lost the coordinator"}]
+    core.on_join("c", join("c", mn=3, mx=3), 2)
+    core.on_heartbeat("c", {"workers": [], "health": {}}, 9)
+    lost = [o.fields for o in core.tick(10) if isinstance(o, Emit) and o.kind == "waiting_for_nodes"]
+    assert len(lost) == 1 and lost[0]["have"] == 1 and lost[0]["gone"].startswith("node h-a lost: no heartbeat"), lost

@@ -87,6 +87,11 @@ class AgentUI:
                       f"{event.get('restarts_used')} restart(s) spent) from its agents")
         elif kind == "waiting_for_nodes":
             missing = int(event.get("need", 0)) - int(event.get("have", 0))
+            if event.get("gone"):  # before the first attempt: the job is still forming
+                self.warn(f"{event['gone']} before the job started; waiting for {missing} more node(s) "
+                          f"(--nnodes needs {event.get('need')}), up to the join timeout "
+                          f"({event.get('timeout_s', 0):g} s from the start)")
+                return
             self.info(f"waiting for {missing} node(s) to join again (--nnodes needs {event.get('need')}), "
                       f"up to the join timeout ({event.get('timeout_s', 0):g} s)")
 

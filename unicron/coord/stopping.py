@@ -27,6 +27,10 @@ def node_gone(core: JobCore, node_id: str, host: str, how: str, why: str, now: f
     or, while it stops, one node fewer to wait for."""
     core.awaiting_resume.discard(node_id)  # back later, it is a joiner like any other
     attempt = core.attempt
+    if attempt is None and core.phase is Phase.WAITING and core.members.count() < core.spec.min_nodes:
+        # The job was still forming: said, or its console waits out the join timeout in silence.
+        return [Emit("waiting_for_nodes", {"have": core.members.count(), "need": core.spec.min_nodes,
+                                           "timeout_s": core.spec.join_timeout_s, "gone": f"node {host} {how}: {why}"})]
     if attempt is None or node_id not in attempt.node_set:
         return []
     message = why if how == "lost" else f"{how}: {why}"  # a node that said why it left, says so
