@@ -481,6 +481,10 @@ def test_bad_environment_names_its_variable(script: str, env: dict[str, str], me
     ("c.json", '{"max-restarts": 1, "max-restarts": 2}', "c.json: not valid JSON: 'max-restarts' appears twice"),
     ("c.yaml", "max-restarts: 1\nmax-restarts: 2\n", "c.yaml: not valid YAML: 'max-restarts' appears twice"),
     ("c.toml", "\udcff\udcfe = 1", "c.toml: not UTF-8 text (byte 0)"),
+    ("c.yaml", "nproc-per-node: 2024-06-01\n", "c.yaml: nproc-per-node: "),  # a date, given as its text
+    ("c.toml", "nproc-per-node = 1979-05-27T07:32:00\n", "c.toml: nproc-per-node: "),
+    ("c.yaml", "rdzv-id: !!set {a, b}\n", "c.yaml: rdzv-id: expected a string or number, got a set"),
+    ("c.yaml", "rdzv-id: !!binary aGVsbG8=\n", "c.yaml: rdzv-id: expected a string or number, got a bytes"),
 ])
 def test_bad_config_file_names_file_and_key(script: str, tmp_path: Path, name: str, text: str, message: str) -> None:
     (tmp_path / name).write_bytes(text.encode("utf-8", "surrogateescape"))  # \udcff: the byte 0xff
@@ -523,3 +527,11 @@ def test_inject_env_is_what_the_worker_parses(script: str) -> None:
     faults = parse_inject_spec(cfg.inject_env)
     assert [(f.kind, f.rank, f.step, None if f.value is None else float(f.value)) for f in faults] == \
            [(i.kind, i.rank, i.step, i.arg) for i in cfg.injects]
+
+
+def test_a_date_in_a_config_file_is_taken_as_the_text_written(script: str, tmp_path: Path) -> None:
+    # YAML and TOML read an unquoted 2024-06-01 as a date: a date-named job id is plausible.
+    (tmp_path / "c.yaml").write_text("rdzv-id: 2024-06-01\n")
+    (tmp_path / "c.toml").write_text("rdzv_id = 2024-06-01\n")
+    assert parse(["--config", str(tmp_path / "c.yaml"), script]).rdzv_id == "2024-06-01"
+    assert parse(["--config", str(tmp_path / "c.toml"), script]).rdzv_id == "2024-06-01"

@@ -355,3 +355,33 @@ def test_two_runs_of_one_job_id_keep_their_own_entries(tmp_path: Path, runs_dir:
     assert [r.endpoint for r in list_runs() if r.job == JOB] == ["127.0.0.1:1001"]
     unregister_run(JOB)  # this process's own
     assert [r for r in list_runs() if r.job == JOB] == []
+
+
+def test_a_run_registered_with_relative_paths_is_found_from_another_directory(
+        runs_dir: Path, tmp_path: Path, coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `unicron run --log-dir logs`: the usual form, and `unicron status` from a second terminal
+    # in another directory.
+    c = coordinator(lambda n: snapshot_with("running"))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "secret").write_bytes(KEY + b"\n")
+    monkeypatch.chdir(tmp_path)
+    register_run(RunInfo(job=JOB, endpoint=c.endpoint, pid=os.getpid(), secret_file="logs/secret", log_dir="logs",
+                         started_at=time.time()))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out = invoke(["status", "--json"])
+    assert code == 0 and json.loads(out)["job"]["id"] == JOB, out
+
+
+def test_one_run_whose_secret_is_unreadable_does_not_hide_the_others(runs_dir: Path, tmp_path: Path,
+                                                                      coordinator) -> None:
+    a = coordinator(lambda n: snapshot_with("running"))
+    register_local(tmp_path, a.endpoint, os.getpid(), job=JOB)
+    register_run(RunInfo(job="gone-dir", endpoint="127.0.0.1:1", pid=os.getpid(),
+                         secret_file=str(tmp_path / "deleted" / "secret"), log_dir=str(tmp_path / "deleted"),
+                         started_at=time.time()))
+    code, out = invoke(["status", "--timeout", "0.4"])
+    assert code == 0 and "2 unicron runs" in out and "secret unreadable" in out and "running" in out, out
+    code, msg = invoke(["status", "--job", "gone-dir"])  # asked for by name: the error itself
+    assert code == 2 and "cannot read its secret file" in msg, msg

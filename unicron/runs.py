@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -51,7 +51,10 @@ def _entry(job: str, pid: int) -> Path:
 
 
 def register_run(info: RunInfo) -> Path:
-    """Write the run's entry. ``ConfigError`` naming the directory when it cannot be written."""
+    """Write the run's entry. ``ConfigError`` naming the directory when it cannot be written.
+    Its paths are made absolute: `unicron status` runs from any directory (`--log-dir logs`)."""
+    info = replace(info, secret_file=os.path.abspath(info.secret_file) if info.secret_file else "",
+                   log_dir=os.path.abspath(info.log_dir) if info.log_dir else "")
     path = _entry(info.job, info.pid)
     tmp = path.with_suffix(".tmp")
     try:

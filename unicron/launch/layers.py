@@ -10,6 +10,7 @@ names where the bad text came from (``UNICRON_HANG_FACTOR: not a number: 'x'``,
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -108,9 +109,21 @@ def _from_file(opt: Any, value: Any, label: str) -> Any:
 
 
 def _from_file_scalar(opt: Any, value: Any, label: str) -> Any:
+    if isinstance(value, datetime.date | datetime.time):  # YAML and TOML read `2024-06-01` as a date
+        value = value.isoformat()
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ConfigError(f"{label}: expected a string or number, got {json.dumps(value)}")
+        raise ConfigError(f"{label}: expected a string or number, got {_shown(value)}")
     return _convert(opt.convert, str(value), label, ConfigError)
+
+
+def _shown(value: Any) -> str:
+    """A file's value as the error shows it: JSON where it is (a list, a table), else its type
+    (a YAML set or binary)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def load_config_file(path: str) -> dict[str, Any]:

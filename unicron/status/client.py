@@ -36,6 +36,7 @@ class Target:
     pid: int | None = None
     started_at: float = 0.0
     log_dir: str = ""
+    error: str = ""  # why it cannot be asked (one run of several whose secret is unreadable)
 
     def info(self) -> dict[str, Any]:
         return {"job": self.job, "endpoint": self.endpoint, "pid": self.pid, "started_at": self.started_at,
@@ -88,6 +89,9 @@ def poll_targets(targets: list[Target], timeout_s: float) -> list[RunRow]:
     """(run info, snapshot or None, error) for each target, asked one after another."""
     rows: list[RunRow] = []
     for target in targets:
+        if target.error:
+            rows.append((target.info(), None, target.error))
+            continue
         try:
             rows.append((target.info(), fetch_snapshot(target, timeout_s), ""))
         except EndpointUnreachableError:
@@ -108,10 +112,15 @@ def _secret(secret_file: str | None, env: Mapping[str, str]) -> bytes | None:
     return value.encode() if value else None
 
 
-def _local_target(info: runs.RunInfo) -> Target:
+def _local_target(info: runs.RunInfo, *, one_of_several: bool = False) -> Target:
+    """``one_of_several``: a run whose secret cannot be read is a row saying so, not an error
+    that would hide every other run."""
     try:
         key = runs.read_secret(info.secret_file)
     except OSError as err:
+        if one_of_several:
+            return Target(info.job, info.endpoint, b"", info.pid, info.started_at, info.log_dir,
+                          error=f"secret unreadable: {err.strerror or err}")
         raise ConfigError(f"run {info.job}: cannot read its secret file {info.secret_file}: "
                           f"{err.strerror or err}") from None
     return Target(info.job, info.endpoint, key, info.pid, info.started_at, info.log_dir)
@@ -143,7 +152,7 @@ def resolve_targets(endpoint: str | None, job: str | None, secret_file: str | No
         if not found:
             raise EndpointUnreachableError(f"no unicron run of job {job!r} found on this machine" if job
                                            else NO_RUN_MESSAGE)
-        return [_local_target(r) for r in found]
+        return [_local_target(r, one_of_several=len(found) > 1) for r in found]
     tcp_endpoint(endpoint)  # a malformed endpoint is the first thing to say
     key = _secret(secret_file, env)
     local = [r for r in runs.list_runs() if _same_endpoint(r.endpoint, endpoint) and (job is None or r.job == job)]

@@ -103,8 +103,8 @@ class RunsPoller:
         rows = poll_targets(targets, self.timeout_s)
         now = self.clock()
         hint = Text("pick one with --job ID for the full view", style="dim")
-        line = "; ".join(f"{info['job']}: {'no answer' if snap is None else format_status_line(snap, now)}"
-                         for info, snap, _ in rows)
+        line = "; ".join(f"{info['job']}: {(error or 'no answer') if snap is None else format_status_line(snap, now)}"
+                         for info, snap, error in rows)
         key = tuple((info["job"], None if snap is None else line_signature(snap)) for info, snap, _ in rows)
         return Frame(Group(render_runs(rows, now), hint), line, key=key)
 
