@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -28,12 +29,31 @@ def _one(proc: psutil.Process) -> tuple[float, float, int]:
     return t.user + t.system, reaped, int(moved)
 
 
+def in_storage_wait(pid: int) -> bool:
+    """Whether a thread of ``pid`` is in uninterruptible sleep (state D): in Linux, a wait on
+    storage (writeback an ``fsync`` waits for, a page read from a slow or network disk)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        # "tid (comm) S ...": the name may hold spaces and parentheses; the state follows the last ")".
+        if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"D":
+            return True
+    return False
+
+
 def tree_usage(pid: int) -> Usage | None:
     """CPU seconds and I/O bytes of ``pid`` and its descendants (and the descendants' part of
     the CPU), stamped with the time they were read (``time.monotonic``); None when ``pid`` is
     gone."""
     members = tree_of(pid)
-    own, helpers, moved = 0.0, 0.0, 0
+    own, helpers, moved, storage_wait = 0.0, 0.0, 0, False
     for n, member in enumerate(members):
         try:
             c, reaped, m = _one(psutil.Process(member))
@@ -47,4 +67,6 @@ def tree_usage(pid: int) -> Usage | None:
             helpers += c
         helpers += reaped  # every descendant's time, live or reaped, is its helpers'
         moved += m
-    return Usage(ts=time.monotonic(), cpu_s=own + helpers, io_bytes=moved, helper_cpu_s=helpers)
+        storage_wait = storage_wait or in_storage_wait(member)
+    return Usage(ts=time.monotonic(), cpu_s=own + helpers, io_bytes=moved, helper_cpu_s=helpers,
+                 storage_wait=storage_wait)

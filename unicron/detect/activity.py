@@ -49,6 +49,10 @@ class Usage:
     cpu_s: float  # user + system time, reaped children included
     io_bytes: int  # bytes read + written through read()/write()-like calls (files, pipes)
     helper_cpu_s: float = 0.0  # the part of cpu_s spent by the worker's descendants
+    # A thread of the tree was in uninterruptible sleep when sampled: waiting on storage (an
+    # fsync's writeback, a throttled or network disk), which moves no counter above. A peer in
+    # a collective waits interruptibly (gloo, NCCL's host threads), so this is never a hang's wait.
+    storage_wait: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ def level_between(before: Usage, after: Usage, rule: BusyRule) -> Activity:
     dt = after.ts - before.ts
     if dt <= 0:
         return Activity.IDLE
+    if after.storage_wait and before.storage_wait:  # waited on storage the whole window: I/O work
+        return Activity.WORKING
     if max(0, after.io_bytes - before.io_bytes) / dt >= rule.io_bytes_per_s:
         return Activity.WORKING
     if max(0.0, after.helper_cpu_s - before.helper_cpu_s) / dt >= rule.cpu_cores:
