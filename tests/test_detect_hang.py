@@ -353,3 +353,34 @@ def test_a_restarted_attempt_whose_ranks_all_wait_is_hung_after_k_times_the_earl
     first = HangDetector(first_step_timeout_s=300.0)
     first.start(0.0, [0])
     assert first.threshold_s() == (300.0, True)
+
+
+def test_a_rank_that_never_steps_is_let_go_once_another_is_past_warm_up() -> None:
+    # Ranks 0 and 1 learn; rank 2 (an actor, an evaluator) never builds an optimizer. Without
+    # letting it go the job would stay under the first-step allowance for good.
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=2, first_step_timeout_s=300.0)
+    det.start(0.0, [0, 1, 2])
+    expects = {0: True, 1: True, 2: False}
+    gone: list[int] = []
+    now = 0.0
+    for s in range(1, 8):
+        now += 0.1
+        for r in (0, 1):
+            det.observe(r, s, now)
+            gone += det.forget_stepless(r, expects.__getitem__)
+    assert gone == [2] and det.stats.ranks == [0, 1]
+    assert det.threshold_s() == (pytest.approx(0.5), False)  # the idle floor, not 300 s
+    verdict = det.check(now + 0.6)
+    assert verdict is not None and not verdict.warmup and verdict.stalled_ranks == (0, 1)
+    assert det.forget_stepless(0, expects.__getitem__) == []  # once an attempt
+    det.expect(2, now + 0.6)  # it built an optimizer after all: its first step is awaited
+    assert det.stats.ranks == [0, 1, 2] and det.threshold_s()[1]
+
+
+def test_a_rank_that_said_it_will_step_is_not_let_go() -> None:
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=2, first_step_timeout_s=300.0)
+    det.start(0.0, [0, 1])
+    for s in range(1, 6):
+        det.observe(0, s, s * 0.1)
+        assert det.forget_stepless(0, lambda r: True) == []
+    assert det.stats.ranks == [0, 1] and det.threshold_s() == (300.0, True)

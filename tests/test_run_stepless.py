@@ -325,3 +325,48 @@ def _ends_cleanly_without_a_fault(workdir, script: str) -> None:
     assert code == 0, err
     assert "rank 0 finished" in out and "rank 1 finished" in out
     assert not [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]
+
+
+def test_a_rank_that_never_steps_stalling_mid_run_is_found_in_seconds_and_named(workdir) -> None:
+    # Learner/actor: ranks 0 and 1 train (DDP over their own group), rank 2 never builds an
+    # optimizer and only runs the policy with the weights rank 0 broadcasts. The actor stalls for
+    # good at iteration 40 of the first attempt. The first-step timeout (the default 300 s) must
+    # not apply to the whole job because one rank never steps: the learners stop stepping, the
+    # hang is called at the idle threshold, and the actor is the culprit.
+    (workdir / "actor.py").write_text("""import os, time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+learners = dist.new_group([0, 1])
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+if rank < 2:
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=learners)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for it in range(80):
+    if rank < 2:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(it * 10 + rank))
+        opt.zero_grad()
+        (ddp(x) - x).pow(2).mean().backward()
+        opt.step()
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    if rank == 2:
+        with torch.no_grad():
+            model(torch.randn(16, 8)).sum().item()
+        if it == 40 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            time.sleep(3600)
+    time.sleep(0.02)
+print(f"rank {rank} done", flush=True)
+""")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "3", "--grace-period", "2",
+                                  "--max-restarts", "1", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "actor.py")], workdir, timeout=100)
+    assert code == 0, err
+    assert all(f"rank {r} done" in out for r in range(3)), out
+    events = read_events(workdir / "logs")
+    hang = next(e for e in events if e["kind"] == "fault")
+    assert hang["fault_kind"] == "hang" and "before its first step" not in hang["message"], hang
+    assert hang["latency_s"] < 60, hang  # the idle threshold, not the 300 s first-step timeout
+    assert next(e for e in events if e["kind"] == "decision")["culprits"] == [2]

@@ -124,6 +124,9 @@ class WorkerGroup:
         if r.note(t, msg, at):
             self.stepped_at = max(at_m, self.stepped_at or at_m)
             self.hang.observe(r.rank, r.step, at_m)
+            self.hang.forget_stepless(r.rank, lambda q: q not in self.ranks or self.ranks[q].steps_expected)
+        if t == "optim" and r.exitcode is None and r.bye_at is None:
+            self.hang.expect(r.rank, at_m)  # let go as stepless, it will step after all
         if t == "bye":
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for
         elif t == "exc" and r.exception is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,10 @@ class StepStats:
     def remove(self, rank: int) -> None:
         """Stop expecting ``rank`` (it finished cleanly or was taken out of the job)."""
         self._ranks.pop(rank, None)
+
+    def observe_start(self, rank: int, now: float) -> None:
+        """Expect ``rank``'s first step, its clock starting at ``now``."""
+        self._ranks.setdefault(rank, _RankProgress(now, times=deque(maxlen=self.window)))
 
     @property
     def ranks(self) -> list[int]:
@@ -218,9 +222,31 @@ class HangDetector:
         # How long an earlier attempt of this job took from its start to every rank's first step.
         self.startup_hint_s = startup_hint_s
         self.stats = StepStats(window=window, skip_first=max(warmup_steps, 1))
+        self._stepless_checked = False
 
     def start(self, now: float, ranks: Iterable[int]) -> None:
         self.stats.start(now, ranks)
+        self._stepless_checked = False
+
+    def forget_stepless(self, stepper: int, expects_steps: Callable[[int], bool]) -> list[int]:
+        """Once ``stepper`` is past warm-up (checked once an attempt), stop waiting for the
+        first step of ranks that neither stepped nor built an optimizer (``expects_steps``):
+        an RL actor, an evaluator or a data-serving rank never steps, and would keep the whole
+        job under the first-step allowance (minutes) for good. Its own stall shows as the
+        steppers' stall, which the stack dump then blames on it. Returns the ranks let go."""
+        if self._stepless_checked or self.stats.steps_in_attempt(stepper) <= max(self.warmup_steps, 1):
+            return []
+        self._stepless_checked = True
+        gone = [r for r in self.stats.ranks if self.stats.steps_in_attempt(r) == 0 and not expects_steps(r)]
+        for rank in gone:
+            self.stats.remove(rank)
+        return gone
+
+    def expect(self, rank: int, now: float) -> None:
+        """Wait for ``rank``'s steps again from ``now`` (let go by ``forget_stepless``, it built an
+        optimizer after all); nothing for a rank already expected."""
+        if rank not in self.stats.ranks:
+            self.stats.observe_start(rank, now)
 
     def observe(self, rank: int, step: int, now: float) -> bool:
         return self.stats.observe(rank, step, now)
