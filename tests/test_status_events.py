@@ -165,3 +165,27 @@ def test_a_log_whose_only_line_is_torn_is_empty_not_foreign(tmp_path: Path) -> N
     path = tmp_path / "events.jsonl"
     path.write_text('{"ts": 1, "kind": "agent_st')  # the launcher died writing its first event
     assert invoke(["events", str(path), "--json"]) == (0, "")
+
+
+@pytest.mark.parametrize("bad", [
+    '{"ts": NaN, "kind": "fault"}', '{"ts": 1e300, "kind": "fault"}', '{"ts": -1e20, "kind": "fault"}',
+    '{"ts": 3, "kind": "deep", "x": ' + "[" * 100000 + "]" * 100000 + "}",  # deeper than Python parses
+    '{"ts": 3, "kind": "deep", "x": ' + "[" * 980 + "]" * 980 + "}",  # parses, but could not be shown
+], ids=["nan", "huge", "negative", "unparsable-depth", "deep"])
+def test_a_line_no_clock_or_writer_of_ours_made_is_skipped_in_both_modes(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"ts": 1, "kind": "a"}\n' + bad + '\n{"ts": 2, "kind": "b", "nested": {"ok": [1, {"x": [2]}]}}\n')
+    code, out = invoke(["events", str(path), "--json"])
+    assert code == 0 and [json.loads(line)["kind"] for line in out.splitlines()] == ["a", "b"], out
+    code, out = invoke(["events", str(path)])
+    assert code == 0 and "2 events" in out, out
+
+
+def test_a_long_log_is_printed_in_tables_that_read_as_one(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps({"ts": 1_700_000_000 + i, "kind": f"k{i}", "rank": i}) + "\n" for i in range(1200)))
+    code, out = invoke(["events", str(path)])
+    assert code == 0 and out.count("1200 events") == 1 and out.count("details") == 1, out[:500]
+    rows = [line for line in out.splitlines() if line[:1].isdigit()]
+    assert [line.split()[2] for line in rows] == [f"k{i}" for i in range(1200)]
+    assert len({line.index(" k") for line in rows}) == 1  # one kind column across the tables

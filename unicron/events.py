@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 EVENTS_FILE = "events.jsonl"
+MAX_TS = 1e11  # unix seconds of the year 5138: past any clock, within what time.localtime() takes
+MAX_DEPTH = 32  # nesting of an event's JSON; ours go 4 deep
 
 
 def decision_line(event: Mapping[str, Any]) -> str:
@@ -117,12 +119,17 @@ def read_events(
             counts["lines"] += line.endswith("\n") or not line.lstrip().startswith("{")
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
                 continue
             if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
                 continue
+            # Nested deeper than any event of ours: parsed, it could not be shown or written back
+            # (RecursionError). Counting brackets first keeps the walk off ordinary lines.
+            if line.count("[") + line.count("{") > MAX_DEPTH and _deeper_than(event, MAX_DEPTH):
+                continue
             ts = event.get("ts")
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+            # A time no clock of ours wrote (NaN, 1e300, before 1970) is no event: it cannot be shown.
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < MAX_TS:
                 continue
             counts["events"] += 1
             if kinds is not None and event.get("kind") not in kinds:
@@ -135,3 +142,16 @@ def read_events(
             if until is not None and ts > until:
                 continue
             yield event
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` (parsed JSON) nests more than ``limit`` lists and dicts in one another."""
+    level: list[Any] = [obj]
+    for depth in range(1, limit + 2):
+        containers = [x for x in level if isinstance(x, list | dict)]
+        if not containers:
+            return False
+        if depth > limit:
+            return True
+        level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
+    return False

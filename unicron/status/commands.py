@@ -13,7 +13,7 @@ from rich.console import Console
 from unicron.errors import InputError, UsageError
 from unicron.events import read_events
 from unicron.status.client import fetch_snapshot, poll_targets, resolve_targets
-from unicron.status.events_view import TIME_HELP, find_events_file, parse_time, render_events_table
+from unicron.status.events_view import TIME_HELP, event_tables, find_events_file, parse_time
 from unicron.status.render import render_runs, render_status
 from unicron.status.watch import RunsPoller, SnapshotPoller, run_watch
 
@@ -115,7 +115,8 @@ def events(
         sys.stdout.write("".join(_dump(e) + "\n" for e in found))
         return 0
     console = _console()
-    console.print(render_events_table(found, title=f"{source} · {len(found)} events"))
+    for table in event_tables(found, title=f"{source} · {len(found)} events"):
+        console.print(table)
     return 0
 
 

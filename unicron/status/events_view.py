@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from unicron.status.render import event_style
 _RELATIVE = re.compile(r"^-?\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)(?:\s+ago)?$", re.IGNORECASE)
 _UNIT_S = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 TIME_HELP = "unix seconds, an ISO timestamp (2025-01-31T12:00:00) or a relative time like -5m, -30s, -2h, -1d"
+TABLE_ROWS = 500  # rows of each table a long log is printed in
 
 
 def parse_time(text: str, now: float) -> float:
@@ -75,16 +76,33 @@ def ranks_of(event: Mapping[str, Any]) -> str:
     return ""
 
 
-def render_events_table(events: Iterable[Mapping[str, Any]], title: str = "") -> Table:
+def render_events_table(events: Iterable[Mapping[str, Any]], title: str = "", *,
+                        widths: Sequence[int | None] = (None, None, None, None), header: bool = True) -> Table:
+    """The events as one table. ``widths``: fixed widths of the time, kind, rank and node
+    columns, so the tables of one long log (``event_tables``) line up."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title=title or None,
-                  title_justify="left", title_style="bold")
-    table.add_column("time", no_wrap=True)
-    table.add_column("kind", no_wrap=True)
-    table.add_column("rank", justify="right", no_wrap=True)
-    table.add_column("node", no_wrap=True, max_width=16, overflow="ellipsis")
+                  title_justify="left", title_style="bold", show_header=header)
+    time_w, kind_w, rank_w, node_w = widths
+    table.add_column("time", no_wrap=True, width=time_w)
+    table.add_column("kind", no_wrap=True, width=kind_w)
+    table.add_column("rank", justify="right", no_wrap=True, width=rank_w)
+    table.add_column("node", no_wrap=True, max_width=16, overflow="ellipsis", width=node_w)
     table.add_column("details", overflow="fold")
     for e in events:
         table.add_row(fmt_clock(e.get("ts")), Text(str(e.get("kind", "?")), style=event_style(e)), ranks_of(e),
                       str(e.get("node", "")),
                       event_details(e, skip=("ts", "kind", "job", "node", "rank", "ranks")))
     return table
+
+
+def event_tables(events: Sequence[Mapping[str, Any]], title: str = "", rows: int = TABLE_ROWS) -> Iterator[Table]:
+    """The events as tables of ``rows`` rows each, printed one after another: rich lays a table
+    out whole before printing it, which for a log of 100,000 events took minutes and gigabytes
+    with nothing shown. Column widths are the whole log's, so the tables read as one."""
+    widths = (max((len(fmt_clock(e.get("ts"))) for e in events), default=4),
+              max((len(str(e.get("kind", "?"))) for e in events), default=4),
+              max(4, max((len(ranks_of(e)) for e in events), default=4)),
+              min(16, max(4, max((len(str(e.get("node", ""))) for e in events), default=4))))
+    for start in range(0, max(len(events), 1), rows):
+        yield render_events_table(events[start:start + rows], title if start == 0 else "", widths=widths,
+                                  header=start == 0)
