@@ -384,3 +384,12 @@ def test_a_rank_that_said_it_will_step_is_not_let_go() -> None:
         det.observe(0, s, s * 0.1)
         assert det.forget_stepless(0, lambda r: True) == []
     assert det.stats.ranks == [0, 1] and det.threshold_s() == (300.0, True)
+
+
+def test_a_verdict_of_one_node_among_several_says_the_ranks_are_that_nodes() -> None:
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=0, first_step_timeout_s=10.0)
+    det.start(0.0, [2, 3])
+    verdict = det.check(11.0)
+    assert verdict is not None and "by rank(s) 2, 3 (" in verdict.message
+    from dataclasses import replace
+    assert "by this node's rank(s) 2, 3 (" in replace(verdict, one_node_of_several=True).message

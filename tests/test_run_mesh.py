@@ -803,3 +803,19 @@ def test_an_interrupted_node_whose_workers_stop_slowly_leaves_rather_than_being_
     assert left[0]["kind"] == "leave" and "interrupted by SIGTERM" in str(left[0].get("reason")), left
     code_a, _, err_a = a.wait(120)
     assert code_a == 0, err_a
+
+
+def test_a_hang_in_a_job_of_two_nodes_names_whose_ranks_stalled_and_the_culprit(workdir, launch) -> None:
+    # Each agent sees its own ranks only: the stalled ranks its verdict lists are its node's,
+    # and the line says so; the stuck rank (rank 1, on the other node) is named as the culprit.
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    agents = [launch(agent_args(workdir, port, "2", "--inject", "hang@1:8", "--max-restarts", "1", steps=16,
+                                sleep=0.02), workdir, env) for _ in range(2)]
+    for item in agents:
+        code, out, err = item.wait(120)
+        assert code == 0, err
+    events = read_events(workdir / "logs")
+    hangs = [e for e in events if e["kind"] == "fault" and e.get("fault_kind") == "hang"]
+    assert hangs and all("by this node's rank(s)" in e["message"] for e in hangs), hangs
+    assert next(e for e in events if e["kind"] == "decision")["culprits"] == [1]

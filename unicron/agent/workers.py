@@ -11,6 +11,7 @@ import json
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from unicron.agent.logs import RunLogDir, capture_stderr
@@ -310,6 +311,7 @@ class WorkerGroup:
                                   busy_at=self.busy_at)
         if verdict is None:
             return None
+        verdict = replace(verdict, one_node_of_several=self.spec.nnodes > 1)
         for r in self.ranks.values():
             if r.exitcode is None:
                 r.state = "hung"

@@ -171,6 +171,9 @@ class HangVerdict:
     stalled_ranks: tuple[int, ...]
     last_steps: dict[int, int | None]
     busy: bool = False  # some rank of the job was burning CPU with its Python still (the longer threshold)
+    # The detector holds one node's ranks: in a job of several nodes the stalled ones named are
+    # this node's, and the stuck rank may be another node's (the stack dump names it).
+    one_node_of_several: bool = False
 
     @property
     def message(self) -> str:
@@ -181,7 +184,8 @@ class HangVerdict:
             median = f"{self.median_s:.3f}s" if self.median_s is not None else "n/a"
             which = "busy: max(busy k x median" if self.busy else "idle: max(k x median"
             basis = f"threshold {self.threshold_s:.2f}s, {which} {median}, floor)"
-        return f"no step completed for {self.stalled_s:.2f}s by rank(s) {ranks} ({basis})"
+        whose = "this node's rank(s)" if self.one_node_of_several else "rank(s)"
+        return f"no step completed for {self.stalled_s:.2f}s by {whose} {ranks} ({basis})"
 
 
 @dataclass(frozen=True)
