@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import time
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -161,14 +160,27 @@ def large_instance(n_nodes: int, n_jobs: int, seed: int = 0) -> PlanInput:
                                 "horizon_s": 3600, "transition_s": 300})
 
 
-def test_2048_nodes_64_jobs_well_under_a_second() -> None:
+def test_2048_nodes_64_jobs_get_a_valid_plan() -> None:
+    # Its time is measured by scripts/bench_plan.py (docs/benchmarks.md), not asserted here.
     inp = large_instance(2048, 64)
-    best = math.inf
-    for _ in range(3):  # the machine is shared: take the best of three
-        start = time.perf_counter()
-        plan(inp)
-        best = min(best, time.perf_counter() - start)
-    assert best < 0.5, f"plan took {best:.3f} s"
+    result = plan(inp)
+    placed = [n for nodes in result.assignment.values() for n in nodes]
+    assert len(placed) == len(set(placed)) and not set(placed) & set(inp.failed)  # disjoint, healthy
+    assert set(placed) | set(result.idle) == set(inp.healthy)
+    for d in result.decisions:
+        job = next(j for j in inp.jobs if j.name == d.name)
+        assert not d.after or job.runnable(len(d.after))
+
+
+def test_a_job_waiting_to_start_is_said_to_wait_and_why() -> None:
+    base = {"nodes": cluster({"r0": 4}), "failed": [], "horizon_s": 3600, "transition_s": 60}
+    running = {"name": "a", "nodes": ["n0", "n1", "n2", "n3"], "throughput": {"4": 4}, "min_nodes": 4}
+    too_big = {"name": "c", "nodes": [], "min_nodes": 20, "throughput": {"20": 5}}
+    reasons = {d.name: d.reason for d in plan(PlanInput.from_dict({**base, "jobs": [running, too_big]})).decisions}
+    assert reasons["c"] == "waiting: no runnable size fits on the healthy nodes"
+    fits_but_no_room = {"name": "c", "nodes": [], "min_nodes": 2, "throughput": {"2": 0.1}}
+    reasons = {d.name: d.reason for d in plan(PlanInput.from_dict({**base, "jobs": [running, fits_but_no_room]})).decisions}
+    assert reasons["c"] == "waiting: no runnable size pays off on the nodes left"
 
 
 def test_growing_jobs_leave_each_other_their_own_racks() -> None:

@@ -557,7 +557,7 @@ def test_launcher_forwards_signal_and_exits_128_plus_signum(tmp_path: Path, sign
         print(f"launcher exited {code} in {elapsed:.3f}s; {rest.strip()}")
         assert code == 128 + signum
         assert f"codes {-signum} {-signum}" in rest  # the workers got the same signal
-        assert elapsed < 5
+        assert elapsed < 20  # not waiting out a timeout (a bound, not a timing: the machine is noisy)
         wait_until(lambda: all(gone(pid) for pid in worker_pids + grandchildren), what="no orphans")
     finally:
         if launcher.poll() is None:

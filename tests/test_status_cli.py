@@ -139,7 +139,7 @@ def test_silent_endpoint_is_one_error_within_the_timeout(runs_dir: Path) -> None
         silent.close(0)
     assert code == EndpointUnreachableError.exit_code
     assert msg.startswith(f"no answer from 127.0.0.1:{port} within 0.5 s") and "\n" not in msg
-    assert elapsed < 3
+    assert elapsed < 10  # the 0.5 s timeout ends the wait, not the test's (a bound, not a timing)
 
 
 @pytest.mark.parametrize("watch", [[], ["--watch"]])

@@ -214,10 +214,14 @@ def _reason(job: Job, after: tuple[str, ...], lost: list[str], took: list[str], 
     x, k = len(job.nodes), len(after)
     head = f"lost {', '.join(lost)}; " if lost else ""
     to = f" (to {', '.join(took)})" if took else ""
+    if x == 0:  # a job waiting to start (it has no nodes to keep)
+        if k:
+            return f"started on {k} node(s)"
+        if not any(job.runnable(c) for c in range(1, capacity + 1)):
+            return "waiting: no runnable size fits on the healthy nodes"
+        return "waiting: no runnable size pays off on the nodes left"
     if not lost and set(after) == set(job.nodes):
         return "unchanged: keeps its nodes, pays no transition"
-    if x == 0:
-        return f"started on {k} node(s)" if k else "waiting: no runnable size pays off on the nodes left"
     if k == 0:
         if not any(job.runnable(c) for c in range(1, capacity + 1)):
             return head + "stopped: no runnable size fits on the healthy nodes"
