@@ -84,3 +84,17 @@ def run_unicron(args: list[str], cwd: Path, timeout: float = 90, env: dict[str, 
         return item.wait(timeout)
     finally:
         item.kill()
+
+
+def remove_cgroup(group: Path, timeout: float = 30) -> None:
+    """Remove a cgroup a test made, once the processes in it are gone (a cgroup holding a
+    process cannot be removed; the test reaps them, the kernel then empties it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e import clean_env, read_events, unicron_cmd, wait_for
+from e2e import clean_env, read_events, remove_cgroup, unicron_cmd, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -74,15 +73,7 @@ def cgroup() -> Iterator[Path]:
             (group / swap).write_text(str(LIMIT) if swap.startswith("memory.memsw") else "0")
         yield group
     finally:
-        deadline = time.monotonic() + 30
-        while True:  # empty once every process of the job is reaped
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        remove_cgroup(group)
 
 
 def test_an_oom_killed_worker_is_named_as_such_and_the_job_heals(workdir: Path, cgroup: Path) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e import read_events, run_unicron
+from e2e import read_events, remove_cgroup, run_unicron
 
 from unicron.agent.usage import in_storage_wait, tree_usage
 from unicron.detect.activity import Activity, BusyRule, Usage, level_between
@@ -44,15 +44,7 @@ def throttled(tmp_path: Path) -> Iterator[Path]:
             pytest.skip(f"cannot throttle {os.major(dev)}:{os.minor(dev)} here: {err}")
         yield group / "cgroup.procs"
     finally:
-        deadline = time.monotonic() + 30
-        while True:  # empty once its processes exited (the tests reap them)
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        remove_cgroup(group)
 
 
 def test_storage_wait_of_a_whole_window_is_work_and_of_one_end_only_is_not() -> None:
