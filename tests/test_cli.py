@@ -19,6 +19,11 @@ def test_version_and_help() -> None:
     for command in ("run", "coordinator", "plan", "simulate", "status", "events"):
         assert command in out
     assert "--nproc-per-node" in _run("run", "--help").stdout
+    # -h, as torchrun takes it, on every command
+    assert "coordinator" in _run("-h").stdout
+    for command in ("run", "coordinator", "plan", "simulate", "status", "events"):
+        proc = _run(command, "-h")
+        assert proc.returncode == 0 and f"unicron {command}" in proc.stdout, proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -29,6 +34,10 @@ def test_version_and_help() -> None:
     (["run", "--bogus-flag", "x.py"], "--bogus-flag"),
     (["coordinator", "--port", "70000"], "port"),
     (["coordinator", "--port", "0", "--log-dir", "/etc/passwd"], "--log-dir: /etc/passwd is a file"),
+    (["coordinator", "--port", "0", "--metrics-port", "70000"], "--metrics-port: 70000 is not a TCP port"),
+    (["coordinator", "--port", "0", "--secret-file", "/dev/zero"], "/dev/zero: it is not a regular file"),
+    (["coordinator", "--port", "0", "--secret-file", "/dev/null"], "it is not a regular file"),
+    (["status", "--endpoint", "127.0.0.1:1", "--job", "j", "--secret-file", "/dev/zero"], "not a regular file"),
     ([], "missing command"),
 ])
 def test_misuse_is_one_line_and_nonzero(args, message) -> None:
@@ -70,3 +79,10 @@ def test_ctrl_c_while_importing_is_one_line() -> None:
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == "unicron: error: interrupted by SIGINT\n", proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_coordinators_empty_secret_file_is_named_as_empty(tmp_path) -> None:
+    empty = tmp_path / "secret"
+    empty.write_text("\n")
+    proc = _run("coordinator", "--port", "0", "--secret-file", str(empty))
+    assert proc.returncode == 2 and f"--secret-file: secret file {empty} is empty" in proc.stderr, proc.stderr

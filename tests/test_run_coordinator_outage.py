@@ -39,8 +39,13 @@ def _workers_of(pid: int) -> list[psutil.Process]:
             if "train_state.py" in " ".join(p.cmdline()) and "zygote" not in " ".join(p.cmdline())]
 
 
-@pytest.mark.parametrize("fault_while_down", [False, True], ids=["untouched", "fault-while-down"])
-def test_a_restarted_coordinator_takes_its_job_back(workdir, launch, fault_while_down: bool) -> None:
+@pytest.mark.parametrize("fault_while_down, stop_with", [(False, signal.SIGKILL), (True, signal.SIGKILL),
+                                                        (False, signal.SIGTERM)],
+                         ids=["untouched", "fault-while-down", "stopped-by-sigterm"])
+def test_a_restarted_coordinator_takes_its_job_back(workdir, launch, fault_while_down: bool,
+                                                    stop_with: signal.Signals) -> None:
+    # Crashed (SIGKILL), or stopped on purpose for an upgrade (SIGTERM: systemd's restart, kill,
+    # Ctrl-C): either way the jobs train on, and the coordinator started again takes them back.
     steps = ["--steps", "60"]
     code, _, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "ref"),
                                 str(workdir / "train_state.py"), *steps, "--out", str(workdir / "ref.txt")], workdir)
@@ -54,8 +59,10 @@ def test_a_restarted_coordinator_takes_its_job_back(workdir, launch, fault_while
             "--out", str(workdir / "out.txt")]
     a, b = launch(args, workdir, env), launch(args, workdir, env)
     wait_for(lambda: [s for s in _snapshot_steps_of(b.proc.pid) if s >= 5], 90, "node b to snapshot step 5")
-    first.proc.send_signal(signal.SIGKILL)
-    first.proc.wait(10)
+    first.proc.send_signal(stop_with)
+    code, _, err = first.wait(20)
+    if stop_with == signal.SIGTERM:
+        assert code == 0 and "stopped by SIGTERM; 1 job(s) train on without it (meshjob): start it again" in err, err
     step = max(_snapshot_steps_of(b.proc.pid))
     if fault_while_down:
         # A worker dies with nobody to decide: both agents report it to a coordinator that is gone.

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from unicron.errors import ConfigError
+from unicron.smallfile import NotReadable, read_regular
 
 
 @dataclass(frozen=True)
@@ -121,5 +122,12 @@ def list_runs() -> list[RunInfo]:
     return sorted(found, key=lambda r: r.started_at, reverse=True)
 
 
+SECRET_MAX_BYTES = 64 << 10  # as ``unicron run`` reads one: /dev/zero is refused, not read until memory runs out
+
+
 def read_secret(path: str) -> bytes:
-    return Path(path).read_bytes().strip()
+    """A secret file's key (stripped); OSError naming what is wrong (not a regular file, too big)."""
+    try:
+        return read_regular(path, SECRET_MAX_BYTES).strip()
+    except NotReadable as err:
+        raise OSError(f"it {err}") from None

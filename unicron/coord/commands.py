@@ -25,6 +25,9 @@ def register(app: typer.Typer) -> None:
                                     "(default: a temporary directory)."),
         metrics_port: int = typer.Option(-1, "--metrics-port", help="Serve Prometheus metrics on this port "
                                          "(0: any free port; default: off)."),
+        end_jobs_on_exit: bool = typer.Option(False, "--end-jobs-on-exit", help="On SIGINT/SIGTERM, end every "
+                                              "job it serves (their nodes exit 1) instead of leaving them to "
+                                              "train on until a coordinator is started again on the port."),
     ) -> int:
         """Serve the jobs whose agents join with `unicron run --coordinator HOST:PORT`."""
         from unicron.agent.ui import AgentUI
@@ -35,6 +38,8 @@ def register(app: typer.Typer) -> None:
 
         if not 0 <= port <= 65535:
             raise UsageError(f"--port: {port} is not a TCP port")
+        if not -1 <= metrics_port <= 65535:
+            raise UsageError(f"--metrics-port: {metrics_port} is not a TCP port")
         if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
             raise UsageError(f"--log-dir: {log_dir} is a file, not a directory")
         secret = _secret(secret_file)
@@ -65,8 +70,14 @@ def register(app: typer.Typer) -> None:
         except zmq.ZMQError as err:
             raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
         stop = threading.Event()
+        got: list[int] = []
+
+        def on_signal(signum: int, _frame: object) -> None:
+            got.append(signum)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         typer.echo(f"unicron coordinator listening on {_shown(host)}:{server.port}", err=True)
         server.start()
         metrics = None
@@ -82,7 +93,16 @@ def register(app: typer.Typer) -> None:
         finally:
             if metrics is not None:
                 metrics.stop()
-            server.stop()
+            how = f"stopped by {signal.Signals(got[0]).name}" if got else "stopped"
+            # Stopped on purpose (an upgrade, a restart by systemd, Ctrl-C): its jobs train on, as
+            # after a crash, and a coordinator started again on the port takes them back.
+            leave = bool(got) and not end_jobs_on_exit
+            server.stop(reason=f"the coordinator was {how}", end_jobs=not leave)
+            left = server.unfinished_jobs() if leave else []
+            if left:
+                typer.echo(f"unicron coordinator: {how}; {len(left)} job(s) train on without it "
+                           f"({', '.join(left)}): start it again on port {server.port} to take them back "
+                           "(--end-jobs-on-exit ends them instead)", err=True)
             for job in registered:
                 unregister_run(job)
             for log in logs.values():
@@ -91,11 +111,15 @@ def register(app: typer.Typer) -> None:
 
 
 def _secret(secret_file: str) -> bytes:
+    from unicron.runs import read_secret
+
     if secret_file:
         try:
-            secret = Path(secret_file).read_bytes().strip()
+            secret = read_secret(secret_file)
         except OSError as err:
-            raise ConfigError(f"--secret-file: cannot read {secret_file}: {err.strerror}") from None
+            raise ConfigError(f"--secret-file: cannot read {secret_file}: {err.strerror or err}") from None
+        if not secret:
+            raise ConfigError(f"--secret-file: secret file {secret_file} is empty")
     else:
         secret = os.environ.get("UNICRON_SECRET", "").encode()
     if not secret:

@@ -107,20 +107,27 @@ class CoordinatorServer:
         self._stop = threading.Event()
         self._stop_reason = "the coordinator stopped"
         self._stop_code = 1  # the exit code recorded for jobs that ``stop`` ends
+        self._end_jobs = True  # ``stop`` ends the jobs still going (else leaves them to a successor)
         self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
         self.stores = StoreOpener()
         self.thread: threading.Thread | None = None
 
     # ---- lifecycle -----------------------------------------------------------------
+    def unfinished_jobs(self) -> list[str]:
+        """Jobs not ended (read it once ``stop`` has returned: the serving thread owns them)."""
+        return sorted(job_id for job_id, slot in self.slots.items() if slot.finished_at is None)
+
     def start(self) -> None:
         preload()
         self.thread = threading.Thread(target=self.serve, name="unicron-coordinator", daemon=True)
         self.thread.start()
 
-    def stop(self, timeout: float = 5.0, reason: str = "the coordinator stopped", exit_code: int = 1) -> None:
+    def stop(self, timeout: float = 5.0, reason: str = "the coordinator stopped", exit_code: int = 1,
+             *, end_jobs: bool = True) -> None:
         """Stop serving; jobs still going end now (their nodes are told ``reason``; the job's
-        end is recorded with ``exit_code``)."""
-        self._stop_reason, self._stop_code = reason, exit_code
+        end is recorded with ``exit_code``), or, without ``end_jobs``, are left to train on as
+        after a crash: a coordinator started again on the port takes them back."""
+        self._stop_reason, self._stop_code, self._end_jobs = reason, exit_code, end_jobs
         self._stop.set()
         # Wake the serving thread now rather than at its next deadline (a socket of our own:
         # zmq sockets are not shared between threads).
@@ -170,7 +177,7 @@ class CoordinatorServer:
             # Stopped with jobs still going (the launcher hosting it interrupted, a standalone
             # coordinator stopped): their nodes hear it now, not after their silence timeout.
             for job_id, slot in list(self.slots.items()):
-                if slot.finished_at is None:
+                if slot.finished_at is None and self._end_jobs:
                     self._run(job_id, slot, slot.core.fail(self._stop_reason, self.clock(), self._stop_code))
         finally:
             for slot in self.slots.values():
