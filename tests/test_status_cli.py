@@ -385,3 +385,28 @@ def test_one_run_whose_secret_is_unreadable_does_not_hide_the_others(runs_dir: P
     assert code == 0 and "2 unicron runs" in out and "secret unreadable" in out and "running" in out, out
     code, msg = invoke(["status", "--job", "gone-dir"])  # asked for by name: the error itself
     assert code == 2 and "cannot read its secret file" in msg, msg
+
+
+def test_watching_several_runs_says_how_each_one_that_left_ended(tmp_path: Path) -> None:
+    from unicron.status.client import Target
+    from unicron.status.watch import RunsPoller, run_watch
+
+    failed_dir, killed_dir = tmp_path / "failed", tmp_path / "killed"
+    log = EventLog(failed_dir / "events.jsonl", job="bad", node="n")
+    log.emit("job_end", exit_code=1, reason="exception on rank 0 at step 60: ValueError: boom")
+    log.close()
+    killed_dir.mkdir()  # its launcher was SIGKILLed: no job_end in its log
+    good = Target("good", "127.0.0.1:1", b"k", 11, 1.0, str(tmp_path))
+    bad = Target("bad", "127.0.0.1:2", b"k", 12, 1.0, str(failed_dir))
+    killed = Target("killed", "127.0.0.1:3", b"k", 13, 1.0, str(killed_dir))
+    listed = [[good, bad, killed], [good, killed], [good], [good], []]
+    polls = iter(listed)
+    poller = RunsPoller(1.0, clock=lambda: 100.0, targets=lambda: next(polls),
+                        poll=lambda targets, _t: [(t.info(), snapshot_with("running"), "") for t in targets])
+    out = io.StringIO()
+    ended = run_watch(Console(file=out, width=200), poller, 0.0, wait=lambda _s: None)
+    text = out.getvalue() + ended
+    assert "bad: ended (failed, exit 1: exception on rank 0 at step 60: ValueError: boom)" in text, text
+    assert "killed: ended (its coordinator is gone; last state: running)" in text, text
+    assert "good: ended (its coordinator is gone; last state: running)" in ended  # the last one, at the end
+    assert ended.endswith("every unicron run on this machine ended")

@@ -178,7 +178,7 @@ class WatchState:
 
     def on_snapshot(self, snapshot: dict[str, Any], now: float) -> None:
         self.snapshot, self.last_ok_at, self.failing_since, self.error = snapshot, now, None, ""
-        state = _job_state(snapshot)
+        state = job_state(snapshot)
         if state in ENDED_STATES:
             job = snapshot.get("job") if isinstance(snapshot.get("job"), dict) else {}
             reason = f": {job['reason']}" if isinstance(job, dict) and job.get("reason") else ""
@@ -202,14 +202,14 @@ class WatchState:
             reason = f": {job_end['reason']}" if job_end.get("reason") else ""
             self.ended = f"{who} ended ({state}, exit {code}{reason})"
         else:
-            self.ended = f"{who} ended (its coordinator is gone; last state: {_job_state(self.snapshot)})"
+            self.ended = f"{who} ended (its coordinator is gone; last state: {job_state(self.snapshot)})"
 
     @property
     def reconnecting(self) -> bool:
         return self.failing_since is not None and not self.ended
 
 
-def _job_state(snapshot: Mapping[str, Any] | None) -> str:
+def job_state(snapshot: Mapping[str, Any] | None) -> str:
     job = snapshot.get("job") if snapshot else None
     return str(job.get("state", "unknown")) if isinstance(job, dict) else "unknown"
 

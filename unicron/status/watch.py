@@ -20,7 +20,15 @@ from rich.panel import Panel
 from rich.text import Text
 
 from unicron.errors import EndpointUnreachableError
-from unicron.status.client import Target, WatchState, fetch_snapshot, poll_targets, resolve_targets
+from unicron.status.client import (
+    RunRow,
+    Target,
+    WatchState,
+    fetch_snapshot,
+    job_state,
+    poll_targets,
+    resolve_targets,
+)
 from unicron.status.fmt import fmt_duration
 from unicron.status.render import render_runs, render_status
 from unicron.status.statusline import format_status_line, line_signature
@@ -89,24 +97,56 @@ class SnapshotPoller:
 
 
 class RunsPoller:
-    """Poll every run on this machine (the list is read again each time); ends when none is left."""
+    """Poll every run on this machine (the list is read again each time); ends when none is left.
+    A run that leaves the list (its launcher exited, or died) stays as a row saying how it
+    ended, from the ``job_end`` of its event log or else the last state seen: a monitor reading
+    the lines must not see a failed job just vanish."""
 
-    def __init__(self, timeout_s: float, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, timeout_s: float, *, clock: Callable[[], float] = time.time,
+                 targets: Callable[[], list[Target]] | None = None,
+                 poll: Callable[[list[Target], float], list[RunRow]] = poll_targets) -> None:
         self.timeout_s, self.clock = timeout_s, clock
+        self.targets = targets or (lambda: resolve_targets(None, None, None))
+        self.poll = poll
+        self.live: dict[tuple[str, int | None], Target] = {}
+        self.last_state: dict[tuple[str, int | None], str] = {}
+        self.ended: dict[tuple[str, int | None], tuple[dict[str, Any], str]] = {}
 
     def __call__(self) -> Frame:
         try:
-            targets = resolve_targets(None, None, None)
+            targets = self.targets()
         except EndpointUnreachableError:
-            return Frame(Text("no unicron run left on this machine"), "no unicron run left on this machine",
-                         ended="every unicron run on this machine ended")
-        rows = poll_targets(targets, self.timeout_s)
+            targets = []
+        now_live = {(t.job, t.pid): t for t in targets}
+        for key, target in self.live.items():
+            if key not in now_live and key not in self.ended:
+                self.ended[key] = (target.info(), self._how_it_ended(target, key))
+        self.live = now_live
+        rows = self.poll(targets, self.timeout_s) if targets else []
+        for info, snap, _ in rows:
+            if snap is not None:
+                self.last_state[(info["job"], info["pid"])] = job_state(snap)
+        rows += [(info, None, text) for info, text in self.ended.values()]
         now = self.clock()
-        hint = Text("pick one with --job ID for the full view", style="dim")
         line = "; ".join(f"{info['job']}: {(error or 'no answer') if snap is None else format_status_line(snap, now)}"
                          for info, snap, error in rows)
-        key = tuple((info["job"], None if snap is None else line_signature(snap)) for info, snap, _ in rows)
-        return Frame(Group(render_runs(rows, now), hint), line, key=key)
+        signature = tuple((info["job"], error if snap is None else line_signature(snap)) for info, snap, error in rows)
+        if not targets:
+            done = "every unicron run on this machine ended"
+            if not rows:
+                return Frame(Text("no unicron run left on this machine"), "no unicron run left on this machine",
+                             ended=done)
+            return Frame(render_runs(rows, now), line, ended=f"{line}\n{done}", key=signature)
+        hint = Text("pick one with --job ID for the full view", style="dim")
+        return Frame(Group(render_runs(rows, now), hint), line, key=signature)
+
+    def _how_it_ended(self, target: Target, key: tuple[str, int | None]) -> str:
+        end = target.final_event()
+        if end is not None:
+            code = end.get("exit_code")
+            reason = f": {end['reason']}" if end.get("reason") else ""
+            return f"ended ({'done' if code == 0 else 'failed'}, exit {code}{reason})"
+        return f"ended (its coordinator is gone; last state: {self.last_state.get(key, 'unknown')})"
 
 
 def run_watch(console: Console, poll: Callable[[], Frame], interval_s: float, *,
