@@ -370,3 +370,31 @@ print(f"rank {rank} done", flush=True)
     assert hang["fault_kind"] == "hang" and "before its first step" not in hang["message"], hang
     assert hang["latency_s"] < 60, hang  # the idle threshold, not the 300 s first-step timeout
     assert next(e for e in events if e["kind"] == "decision")["culprits"] == [2]
+
+
+def test_objects_left_out_of_the_state_are_warned_of_once_under_unicron(workdir) -> None:
+    # README's shortest example passes a model and an optimizer: a scheduler and a second
+    # optimizer left out would silently start again after a restore. Rank 0 says so, once.
+    (workdir / "leftout.py").write_text("""import torch, torch.distributed as dist
+import unicron
+
+dist.init_process_group("gloo")
+model, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+critic = torch.optim.Adam(head.parameters(), lr=0.01)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+state = unicron.State(model=model, optimizer=opt)
+for step in range(state.restore(), 4):
+    for o, m in ((opt, model), (critic, head)):
+        o.zero_grad()
+        m(torch.ones(2, 4)).sum().backward()
+        o.step()
+    sched.step()
+    state.commit(step + 1)
+print(f"rank {dist.get_rank()} done", flush=True)
+""")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "leftout.py")], workdir, timeout=100)
+    assert code == 0, err
+    assert err.count("an LR scheduler of 'optimizer' is not in this unicron.State") == 1, err
+    assert err.count("an optimizer (Adam) that has stepped is not in this unicron.State") == 1, err

@@ -422,3 +422,25 @@ def test_schedulers_left_out_sees_each_optimizer_and_wrapping_schedulers() -> No
     said = schedulers_left_out({"a": first, "b": second, "s": chained})
     assert len(said) == 1 and "of 'b'" in said[0], said
     assert len(schedulers_left_out({"a": first, "b": second})) == 2
+
+
+def test_optimizers_left_out_are_the_ones_that_stepped_outside_the_state_and_its_wrappers() -> None:
+    from unicron.worker.leftout import optimizers_left_out
+
+    model, opt = _model_and_opt()
+    _train_step(model, opt)  # Adam: it holds moments now
+    head = torch.nn.Linear(3, 1)
+    critic = torch.optim.Adam(head.parameters(), lr=0.1)
+    head(torch.ones(2, 3)).sum().backward()
+    critic.step()
+    plain = torch.optim.SGD(head.parameters(), lr=0.1)  # no momentum: no state to lose
+    plain.step()
+    said = optimizers_left_out({"model": model, "optimizer": opt}, [opt, critic, plain])
+    assert len(said) == 1 and "an optimizer (Adam) that has stepped is not in this unicron.State" in said[0], said
+    assert optimizers_left_out({"model": model, "optimizer": opt, "critic": critic}, [opt, critic, plain]) == []
+
+    class Wrapper:  # a ZeroRedundancyOptimizer's or a Lookahead's shape: the State holds the inner one
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            self.optim, self.state = inner, {"x": 1}
+
+    assert optimizers_left_out({"optimizer": opt, "critic": critic}, [Wrapper(critic)]) == []

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from types import ModuleType, TracebackType
 from typing import IO, Any, NoReturn
@@ -66,6 +67,7 @@ class _Runtime:
         self.stack_file: IO[str] | None = None
         self.optimizer_hook: Any = None  # torch RemovableHandle
         self.optimizer_built = False
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # every one built: State warns of one left out
         self.reported: set[int] = set()  # id()s of exceptions already sent
         self.hard_exit_callbacks: list[Callable[[int], object]] = []
         self.snapshot_step: int | None = None  # of unicron.State's newest complete snapshot
@@ -113,6 +115,11 @@ def step(completed: int | None = None) -> int:
     return _rt.counter.completed
 
 
+def built_optimizers() -> list[Any]:
+    """The optimizers this process built and still holds (with the hooks installed; else none)."""
+    return list(_rt.optimizers)
+
+
 def completed_steps() -> int:
     return _rt.counter.completed
 
@@ -145,6 +152,7 @@ def _announce_optimizers(optimizer_module: ModuleType) -> None:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        _rt.optimizers.add(self)
         if not _rt.optimizer_built:
             _rt.optimizer_built = True
             channel.get().emit("optim")

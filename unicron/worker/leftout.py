@@ -12,7 +12,7 @@ which the warning allows for).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -32,3 +32,25 @@ def schedulers_left_out(objects: Mapping[str, Any]) -> list[str]:
                             f"it starts its schedule again (unless the script sets it itself); pass it: "
                             f"unicron.State(..., {name}={name}, scheduler=scheduler)")
     return warnings
+
+
+def optimizers_left_out(objects: Mapping[str, Any], built: Iterable[Any]) -> list[str]:
+    """Warnings for the optimizers in ``built`` (those the process made) that have stepped but
+    are not in ``objects``, nor the inner optimizer of one that is, nor wrapped by one that is
+    (``.optim``/``.optimizer``: ZeroRedundancyOptimizer, wrappers such as Lookahead)."""
+    held = {id(o) for o in objects.values()}
+    for obj in objects.values():
+        held.update(id(inner) for attr in _INNER if (inner := getattr(obj, attr, None)) is not None)
+    warnings = []
+    for opt in built:
+        if id(opt) in held or not getattr(opt, "state", None):
+            continue  # in the State, or stateless (plain SGD): nothing a restore would lose
+        if any(id(getattr(opt, attr, None)) in held for attr in _INNER):
+            continue
+        warnings.append(f"unicron: an optimizer ({type(opt).__name__}) that has stepped is not in this unicron.State: after a "
+                        f"restore its state (moments, momentum) starts again from zero (unless the script restores "
+                        f"it itself); pass it: unicron.State(..., optimizer2=it)")
+    return warnings
+
+
+_INNER = ("optim", "optimizer", "_optimizer")  # how a wrapper names the optimizer it wraps
