@@ -56,7 +56,7 @@ Usage::
     cores it overlaps, and measured it bought nothing reliable (docs/benchmarks.md "Snapshot
     cost") while opening that window; ``background=True`` asks for the background half anyway.
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step. The first commit
-    warns (rank 0) of an LR scheduler of an optimizer in the State left out of it (``leftout``).
+    warns (rank 0) of what is left out of it: an LR scheduler, an optimizer that stepped (``leftout``).
     Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
     restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
     continues bit for bit. DDP rebuilds its buckets at its second forward, so the commit after
