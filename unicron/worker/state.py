@@ -100,9 +100,7 @@ a restored worker creates (``unicron.worker.loaders``, which says where that is 
 
 from __future__ import annotations
 
-import array
 import atexit
-import random
 import sys
 import weakref
 from pathlib import Path
@@ -125,6 +123,7 @@ from unicron.worker import (
     snapwriter,
 )
 from unicron.worker.errors import SnapshotTypeError, StateError
+from unicron.worker.globalrng import capture_rng, restore_rng
 
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
 
@@ -132,39 +131,6 @@ EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
 # take turns would overwrite each other's steps, and a restore would pair one State's objects
 # with the other's snapshot: the one that was taken over is refused at its next commit.
 _writers: dict[str, weakref.ref[State]] = {}
-
-
-def capture_rng() -> dict[str, Any]:
-    """Every RNG state a training step may draw from, as values ``snapcodec`` encodes."""
-    version, internal, gauss = random.getstate()  # 625 ints: one tensor, not 625 JSON numbers
-    # 625 ints through an array: half the time of torch.tensor(list of ints); the tensor keeps it alive
-    as_tensor = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
-    rng: dict[str, Any] = {"python": {"version": version, "state": as_tensor,
-                                      "gauss": gauss},
-                           "torch": torch.get_rng_state()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        rng["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                        "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]
-    return rng
-
-
-def restore_rng(rng: dict[str, Any]) -> None:
-    py = rng["python"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
-    torch.set_rng_state(rng["torch"])
-    if "numpy" in rng:
-        import numpy as np
-
-        n = rng["numpy"]
-        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                             n["has_gauss"], n["cached"]))
-    if "cuda" in rng and torch.cuda.is_available():
-        states = rng["cuda"][: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all(states)
 
 
 def _flush_at_exit(*_: Any) -> None:
