@@ -62,7 +62,7 @@ def test_a_restarted_coordinator_takes_its_job_back(workdir, launch, fault_while
     first.proc.send_signal(stop_with)
     code, _, err = first.wait(20)
     if stop_with == signal.SIGTERM:
-        assert code == 0 and "stopped by SIGTERM; 1 job(s) train on without it (meshjob): start it again" in err, err
+        assert code == 0 and "stopped by SIGTERM; 1 job(s) left to a successor (meshjob): start it again" in err, err
     step = max(_snapshot_steps_of(b.proc.pid))
     if fault_while_down:
         # A worker dies with nobody to decide: both agents report it to a coordinator that is gone.

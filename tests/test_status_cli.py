@@ -410,3 +410,28 @@ def test_watching_several_runs_says_how_each_one_that_left_ended(tmp_path: Path)
     assert "killed: ended (its coordinator is gone; last state: running)" in text, text
     assert "good: ended (its coordinator is gone; last state: running)" in ended  # the last one, at the end
     assert ended.endswith("every unicron run on this machine ended")
+
+
+def test_a_runs_end_is_read_only_from_since_it_started(tmp_path: Path) -> None:
+    # A standalone coordinator appends to one log per job id: a job id used again keeps the
+    # earlier run's job_end, which is not how this run ended.
+    from unicron.status.client import Target
+
+    log = EventLog(tmp_path / "events.jsonl", job="x", node="n")
+    log.emit("job_end", exit_code=0, reason="all workers finished successfully")
+    log.close()
+    assert Target("x", "127.0.0.1:1", b"k", 1, time.time() + 60, str(tmp_path)).final_event() is None
+    assert Target("x", "127.0.0.1:1", b"k", 1, time.time() - 60, str(tmp_path)).final_event()["exit_code"] == 0
+
+
+def test_the_one_run_left_whose_secret_is_unreadable_is_a_row_when_watching_runs(runs_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    from unicron.status.client import resolve_targets
+
+    register_run(RunInfo(job="gone-dir", endpoint="127.0.0.1:1", pid=os.getpid(),
+                         secret_file=str(tmp_path / "deleted" / "secret"), log_dir=str(tmp_path / "deleted"),
+                         started_at=time.time()))
+    with pytest.raises(UnicronError):
+        resolve_targets(None, None, None)  # asked for alone: the error itself
+    [row] = resolve_targets(None, None, None, as_rows=True)
+    assert row.job == "gone-dir" and row.error.startswith("secret unreadable")

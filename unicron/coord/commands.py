@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
             server.stop(reason=f"the coordinator was {how}", end_jobs=not leave)
             left = server.unfinished_jobs() if leave else []
             if left:
-                typer.echo(f"unicron coordinator: {how}; {len(left)} job(s) train on without it "
+                typer.echo(f"unicron coordinator: {how}; {len(left)} job(s) left to a successor "
                            f"({', '.join(left)}): start it again on port {server.port} to take them back "
                            "(--end-jobs-on-exit ends them instead)", err=True)
             for job in registered:

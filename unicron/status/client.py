@@ -55,12 +55,14 @@ class Target:
 
 
     def final_event(self) -> dict[str, Any] | None:
-        """The run's ``job_end`` event from its event log (how it ended), if there is one."""
+        """The run's ``job_end`` event from its event log (how it ended), if there is one. Only
+        one from since the run started: a standalone coordinator appends to one log per job id,
+        and a job id used again keeps the earlier run's end in it."""
         if not self.log_dir:
             return None
         path = Path(self.log_dir) / EVENTS_FILE
         try:
-            ends = list(read_events(path, kinds={"job_end"}))
+            ends = list(read_events(path, kinds={"job_end"}, since=self.started_at or None))
         except OSError:
             return None
         return ends[-1] if ends else None
@@ -139,7 +141,7 @@ def _same_endpoint(a: str, b: str) -> bool:
 
 
 def resolve_targets(endpoint: str | None, job: str | None, secret_file: str | None,
-                    env: Mapping[str, str] | None = None) -> list[Target]:
+                    env: Mapping[str, str] | None = None, *, as_rows: bool = False) -> list[Target]:
     """The jobs `unicron status` should show.
 
     With ``endpoint``: one target; the secret comes from ``secret_file``, else UNICRON_SECRET,
@@ -152,7 +154,7 @@ def resolve_targets(endpoint: str | None, job: str | None, secret_file: str | No
         if not found:
             raise EndpointUnreachableError(f"no unicron run of job {job!r} found on this machine" if job
                                            else NO_RUN_MESSAGE)
-        return [_local_target(r, one_of_several=len(found) > 1) for r in found]
+        return [_local_target(r, one_of_several=as_rows or len(found) > 1) for r in found]
     tcp_endpoint(endpoint)  # a malformed endpoint is the first thing to say
     key = _secret(secret_file, env)
     local = [r for r in runs.list_runs() if _same_endpoint(r.endpoint, endpoint) and (job is None or r.job == job)]

@@ -106,7 +106,8 @@ class RunsPoller:
                  targets: Callable[[], list[Target]] | None = None,
                  poll: Callable[[list[Target], float], list[RunRow]] = poll_targets) -> None:
         self.timeout_s, self.clock = timeout_s, clock
-        self.targets = targets or (lambda: resolve_targets(None, None, None))
+        # Rows, always: the one run left may be one whose secret cannot be read (a row saying so).
+        self.targets = targets or (lambda: resolve_targets(None, None, None, as_rows=True))
         self.poll = poll
         self.live: dict[tuple[str, int | None], Target] = {}
         self.last_state: dict[tuple[str, int | None], str] = {}
