@@ -308,7 +308,8 @@ def test_frames_for_each_watch_state() -> None:
     assert "waiting for h:1" in frame_for(state, target, now).line
     state.on_error("no answer", now - 2, run_gone=False)
     frame = frame_for(state, target, now)
-    assert frame.line.startswith("reconnecting to h:1… (no answer for 2.0s") and not frame.ended
+    # Never answered yet (a run on this machine still starting): waited for, not "reconnecting"
+    assert frame.line.startswith("waiting for h:1… (no answer for 2.0s") and not frame.ended
     state.on_snapshot(healed_snapshot(now), now)
     assert frame_for(state, target, now).line.startswith("gpt-demo running") and not state.reconnecting
     state.on_error("no answer", now, run_gone=False)
@@ -435,3 +436,15 @@ def test_the_one_run_left_whose_secret_is_unreadable_is_a_row_when_watching_runs
         resolve_targets(None, None, None)  # asked for alone: the error itself
     [row] = resolve_targets(None, None, None, as_rows=True)
     assert row.job == "gone-dir" and row.error.startswith("secret unreadable")
+
+
+def test_watching_a_local_run_that_does_not_answer_yet_waits_for_it(runs_dir: Path, tmp_path: Path,
+                                                                      coordinator) -> None:
+    # A run on this machine whose process lives but whose coordinator is slow to answer its first
+    # poll (starting on a loaded machine) is waited for; only an endpoint never reached is an error.
+    script = [None, None, snapshot_with("running"), snapshot_with("done")]
+    c = coordinator(lambda n: script[min(n, len(script) - 1)])
+    register_local(tmp_path, c.endpoint, os.getpid())
+    code, out = invoke(["status", "--watch", "--interval", "0.05", "--timeout", "0.3"])
+    assert code == 0 and out.splitlines()[-1] == "run gpt-demo ended (done)", out
+    assert out.startswith(f"waiting for {c.endpoint}… (no answer for"), out

@@ -68,12 +68,13 @@ def run_agent(s: AgentSettings) -> int:
             server, endpoint = _coordinator(s, events, ui.warn)
             if server is not None:
                 secret_file = s.secret_file or write_secret_file(events_dir, s.secret, ui.warn)
-                register_run_or_warn(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}",
-                                             pid=os.getpid(), secret_file=secret_file, log_dir=events_dir,
-                                             started_at=time.time()), ui.warn)
                 # This node's own flags define the job, not those of whichever node joins first.
                 server.job_settings[s.run_id] = join_body(s, "", _display_host(s), os.getpid(), {})
                 server.start()
+                # Registered once it serves: `unicron status` finds no run it cannot ask yet.
+                register_run_or_warn(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}",
+                                             pid=os.getpid(), secret_file=secret_file, log_dir=events_dir,
+                                             started_at=time.time()), ui.warn)
                 ui.info(f"coordinator for job {s.run_id} on port {server.port}; events in {events.path}")
                 if s.metrics_port is not None:
                     from unicron.status.metrics import start_metrics_server

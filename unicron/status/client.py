@@ -199,16 +199,20 @@ class WatchState:
             return
         who = f"run {_job_id(self.snapshot)}" if self.snapshot else "the run"
         if job_end is not None:
-            code = job_end.get("exit_code")
-            state = "done" if code == 0 else "failed"
-            reason = f": {job_end['reason']}" if job_end.get("reason") else ""
-            self.ended = f"{who} ended ({state}, exit {code}{reason})"
+            self.ended = f"{who} ended ({how_it_ended(job_end)})"
         else:
             self.ended = f"{who} ended (its coordinator is gone; last state: {job_state(self.snapshot)})"
 
     @property
     def reconnecting(self) -> bool:
         return self.failing_since is not None and not self.ended
+
+
+def how_it_ended(job_end: Mapping[str, Any]) -> str:
+    """A run's ``job_end`` event in words: ``failed, exit 1: <reason>``."""
+    code = job_end.get("exit_code")
+    reason = f": {job_end['reason']}" if job_end.get("reason") else ""
+    return f"{'done' if code == 0 else 'failed'}, exit {code}{reason}"
 
 
 def job_state(snapshot: Mapping[str, Any] | None) -> str:

@@ -4,7 +4,8 @@ A poll gives a ``Frame``: the full view (for a terminal), one line (for a pipe o
 once the run is over, why. ``run_watch`` draws frames until one says the run ended. The
 coordinator may not answer for a while during a transition; the view then says
 "reconnecting…" over the last snapshot it had and keeps polling. One that does not answer the
-first poll is an error, as without ``--watch``.
+first poll is an error, as without ``--watch``, unless it is a run on this machine whose process
+lives (starting on a loaded machine): that one is waited for.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from unicron.status.client import (
     Target,
     WatchState,
     fetch_snapshot,
+    how_it_ended,
     job_state,
     poll_targets,
     resolve_targets,
@@ -55,6 +57,9 @@ def frame_for(state: WatchState, target: Target, now: float) -> Frame:
     """What to show for ``state`` (pure)."""
     if state.ended:
         banner: Text | None = Text(state.ended, style="bold blue")
+    elif state.snapshot is None:  # a run on this machine not answering yet: nothing to reconnect to
+        since = fmt_duration(now - state.failing_since) if state.failing_since is not None else "0s"
+        banner = Text(f"waiting for {target.endpoint}… (no answer for {since})", style="dim")
     elif state.reconnecting:
         banner = reconnect_banner(state, target.endpoint, now)
     else:
@@ -86,9 +91,12 @@ class SnapshotPoller:
         try:
             snapshot = self.fetch(self.target, self.timeout_s)
         except EndpointUnreachableError as err:
-            if self.state.snapshot is None and not self.state.ended:
-                raise  # never reached: the same one error as without --watch, not an endless wait
             gone = self.target.gone()
+            # Never reached: the same one error as without --watch, not an endless wait; unless
+            # it is a run on this machine whose process lives (busy starting, on a loaded machine).
+            alive = self.target.pid is not None and not gone
+            if self.state.snapshot is None and not self.state.ended and not alive:
+                raise
             self.state.on_error(str(err), self.clock(), run_gone=gone,
                                 job_end=self.target.final_event() if gone else None)
         else:
@@ -144,9 +152,7 @@ class RunsPoller:
     def _how_it_ended(self, target: Target, key: tuple[str, int | None]) -> str:
         end = target.final_event()
         if end is not None:
-            code = end.get("exit_code")
-            reason = f": {end['reason']}" if end.get("reason") else ""
-            return f"ended ({'done' if code == 0 else 'failed'}, exit {code}{reason})"
+            return f"ended ({how_it_ended(end)})"
         return f"ended (its coordinator is gone; last state: {self.last_state.get(key, 'unknown')})"
 
 
