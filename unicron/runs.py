@@ -125,6 +125,17 @@ def list_runs() -> list[RunInfo]:
 SECRET_MAX_BYTES = 64 << 10  # as ``unicron run`` reads one: /dev/zero is refused, not read until memory runs out
 
 
+def secret_from_file(path: str) -> bytes:
+    """A secret file's key, or ``ConfigError`` saying why there is none (unreadable, empty)."""
+    try:
+        key = read_secret(path)
+    except OSError as err:
+        raise ConfigError(f"cannot read secret file {path}: {err.strerror or err}") from None
+    if not key:
+        raise ConfigError(f"secret file {path} is empty")
+    return key
+
+
 def read_secret(path: str) -> bytes:
     """A secret file's key (stripped); OSError naming what is wrong (not a regular file, too big)."""
     try:

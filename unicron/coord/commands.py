@@ -111,15 +111,13 @@ def register(app: typer.Typer) -> None:
 
 
 def _secret(secret_file: str) -> bytes:
-    from unicron.runs import read_secret
+    from unicron.runs import secret_from_file
 
     if secret_file:
         try:
-            secret = read_secret(secret_file)
-        except OSError as err:
-            raise ConfigError(f"--secret-file: cannot read {secret_file}: {err.strerror or err}") from None
-        if not secret:
-            raise ConfigError(f"--secret-file: secret file {secret_file} is empty")
+            secret = secret_from_file(secret_file)
+        except ConfigError as err:
+            raise ConfigError(f"--secret-file: {err}") from None
     else:
         secret = os.environ.get("UNICRON_SECRET", "").encode()
     if not secret:

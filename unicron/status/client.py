@@ -103,13 +103,7 @@ def poll_targets(targets: list[Target], timeout_s: float) -> list[RunRow]:
 
 def _secret(secret_file: str | None, env: Mapping[str, str]) -> bytes | None:
     if secret_file:
-        try:
-            key = runs.read_secret(secret_file)
-        except OSError as err:
-            raise ConfigError(f"cannot read secret file {secret_file}: {err.strerror or err}") from None
-        if not key:
-            raise ConfigError(f"secret file {secret_file} is empty")
-        return key
+        return runs.secret_from_file(secret_file)
     value = env.get(SECRET_ENV, "").strip()
     return value.encode() if value else None
 
