@@ -40,3 +40,23 @@ def test_a_node_whose_workers_wait_for_the_zygote_says_busy(tmp_path) -> None:
     sent = [codec.decode(raw) for raw in reporter.dealer.sent]  # type: ignore[attr-defined]
     assert [m.body["activity"] for m in sent if m.kind == "heartbeat"] == ["idle", "busy"]
     events.close()
+
+
+def test_health_evidence_goes_out_after_the_failure_it_may_explain(tmp_path) -> None:
+    """The coordinator stops an attempt on the first fault it hears and names it as the reason:
+    a host note kept as evidence (another process OOM-killed) must not be that first fault."""
+    events = EventLog(tmp_path / "events.jsonl", job="j")
+    reporter = Reporter(Codec(KEY, "n1", job="j"), node_id="n1", host="h", heartbeat_interval_s=1.0,
+                        events=events, ui=_UI())
+    reporter.dealer = _Dealer()  # type: ignore[assignment]
+    note = {"kind": "health", "node": "n1", "ts": 5.0, "error": "oom_kill: kernel OOM killer killed 1 process(es)"}
+    reporter.health.evidence.append(note)
+    crash = {"kind": "exit", "rank": 1, "exitcode": -11, "ts": 9.0}
+    reporter.report(crash, None)
+    codec = Codec(KEY, "coordinator", job="j")
+    sent = [codec.decode(raw).body["fault"] for raw in reporter.dealer.sent]  # type: ignore[attr-defined]
+    assert [f["kind"] for f in sent] == ["exit", "health"]
+    assert sent[1]["error"] == note["error"] and sent[1]["attempt"] == -1
+    assert not reporter.health.evidence  # taken: it goes with this failure only
+    assert [f["kind"] for f in reporter.attempt_faults] == ["exit", "health"]  # a resume tells both
+    events.close()

@@ -363,5 +363,9 @@ def test_a_death_by_signal_is_summarised_by_its_signal_not_by_a_warning_printed_
             '  File "/data/ext.py", line 9 in crash\n\nExtension modules: numpy.core._multiarray_umath, '
             "torch._C (total: 2)\n")
     assert killed(-11, segv) == "signal SIGSEGV (11): Fatal Python error: Segmentation fault"
+    # CPython's own fatal errors (Py_FatalError) say the runtime's state between cause and dump
+    fatal = ("Fatal Python error: Cannot recover from stack overflow.\nPython runtime state: initialized\n\n"
+             "Current thread 0x00007fdb81a51b80 (most recent call first):\n  File \"<string>\", line 1 in <module>\n")
+    assert killed(-6, fatal) == "signal SIGABRT (6): Fatal Python error: Cannot recover from stack overflow."
     # an exit code (no signal): the last line that is not a frame is the error, as before
     assert killed(3, "step 12 loss 3.2\nconfig error: no such file\n") == "config error: no such file"

@@ -55,17 +55,20 @@ class Reporter:
             reading = self.health.with_oom_kills_now()  # was it the OOM killer? (the classifier asks)
             if reading is not None:
                 self._check_health(reading, group)
-        if fault.get("kind") in ("exit", "exception") and self.health.evidence:
-            # Recent health changes travel with the failure they may explain.
-            for item in self.health.take_evidence():
-                evidence = dict(item, attempt=attempt)
-                self.attempt_faults.append(evidence)
-                self.send("fault", {"node_id": self.node_id, "attempt": attempt, "fault": evidence})
         self.attempt_faults.append(fault)
         fields = {k: v for k, v in fault.items() if k not in ("stderr_tail", "traceback", "kind", "ts")}
         self.events.emit("fault", fault_kind=fault.get("kind"), occurred_at=fault.get("ts"), **fields)
         self.ui.warn(fault_line(fault, self.node_id))
         self.send("fault", {"node_id": self.node_id, "attempt": attempt, "fault": fault})
+        if fault.get("kind") in ("exit", "exception") and self.health.evidence:
+            # Recent health changes travel with the failure they may explain, after it: the
+            # coordinator stops the attempt on the first fault it hears and names it as the
+            # reason, and a host's note (another process OOM-killed) is not why it stopped.
+            # The decision waits for every node's stop, so the classifier still sees them.
+            for item in self.health.take_evidence():
+                evidence = dict(item, attempt=attempt)
+                self.attempt_faults.append(evidence)
+                self.send("fault", {"node_id": self.node_id, "attempt": attempt, "fault": evidence})
 
     def heartbeat(self, group: WorkerGroup | None, *, epoch: int, now: float | None = None,
                   at_once: bool = False, starting: bool = False) -> None:

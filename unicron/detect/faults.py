@@ -197,10 +197,11 @@ class Classification:
 
 # Lines of a crash report that say where or how to debug, not what went wrong: C++ stack frames
 # (torch's c10::Error dumps them), CUDA's standard hints, indented traceback lines.
-# faulthandler's report of a fatal signal ends in thread headers and the extension module list.
+# faulthandler's report of a fatal signal ends in thread headers and the extension module list;
+# CPython's ``Fatal Python error: ...`` is followed by the runtime's state and the same dump.
 _NOT_THE_ERROR = re.compile(r"^(frame #\d+:|Exception raised from |Search for `|CUDA kernel errors might|"
                             r"For debugging consider|Compile with `TORCH_USE_CUDA_DSA`|Current thread 0x|"
-                            r"Thread 0x|Extension modules:|\s)")
+                            r"Thread 0x|Extension modules:|Python runtime state:|\s)")
 _CXX_WHAT = re.compile(r"^\s*what\(\):\s*(\S.*)$")  # std::terminate's report of the C++ exception
 
 
