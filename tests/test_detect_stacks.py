@@ -67,6 +67,12 @@ CHILD = textwrap.dedent("""\
             model(torch.randn(4, 8)).sum().backward()  # blocks in DDP's gradient all-reduce
         else:
             sleep_forever()
+    elif mode == "ddp_ctor":
+        if rank == 0:
+            open(os.path.join(workdir, f"ready{rank}"), "w").close()
+            torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))  # blocks: its shape check
+        else:
+            sleep_forever()
     """)
 
 
@@ -134,6 +140,11 @@ def ddp_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, st
     yield _collect("ddp", tmp_path_factory.mktemp("ddp"))
 
 
+@pytest.fixture(scope="module")
+def ddp_ctor_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+    yield _collect("ddp_ctor", tmp_path_factory.mktemp("ddp_ctor"))
+
+
 def test_parse_real_dump_threads_and_main_thread(allreduce_dumps: dict[int, str]) -> None:
     for text in allreduce_dumps.values():
         threads = parse_dump(text)
@@ -159,6 +170,15 @@ def test_ddp_backward_waiter_vs_sleeper(ddp_dumps: dict[int, str]) -> None:
     waiter = analyze_dump(0, ddp_dumps[0])
     assert waiter is not None and waiter.in_collective and "autograd" in waiter.where, ddp_dumps[0]
     report = name_culprits(ddp_dumps)
+    assert (report.verdict, report.culprits) == ("culprits", (1,))
+
+
+def test_a_rank_waiting_in_ddps_constructor_is_inside_a_collective(ddp_ctor_dumps: dict[int, str]) -> None:
+    """DDP's (and FSDP's) constructor checks parameter shapes and broadcasts them across ranks in
+    C++ below torch/distributed/utils.py: a rank there waits for the others; the sleeper is the culprit."""
+    waiter = analyze_dump(0, ddp_ctor_dumps[0])
+    assert waiter is not None and waiter.in_collective and "distributed/utils.py" in waiter.where, ddp_ctor_dumps[0]
+    report = name_culprits(ddp_ctor_dumps)
     assert (report.verdict, report.culprits) == ("culprits", (1,))
 
 

@@ -103,6 +103,10 @@ COLLECTIVE_FRAMES: tuple[tuple[str, str | None], ...] = (
     ("torch/distributed/_functional_collectives", None),  # wait_tensor of functional collectives
     ("torch/distributed/algorithms/", None),  # DDP communication hooks
     ("torch/nn/parallel/distributed.py", None),  # DDP's own buffer/param sync
+    # DDP's and FSDP's constructors: the shape check and the first broadcast, C++ collectives
+    ("torch/distributed/utils.py", "_verify_param_shape_across_processes"),
+    ("torch/distributed/utils.py", "_sync_params_and_buffers"),
+    ("torch/distributed/utils.py", "_sync_module_states"),
     # DDP all-reduces gradients in autograd hooks, and backward waits for them in C++ below:
     ("torch/autograd/graph.py", "_engine_run_backward"),
     ("torch/autograd/__init__.py", "backward"),
