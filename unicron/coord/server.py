@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from unicron.coord.deafness import DEAF_CAP_S, DeafWatch
 from unicron.coord.decide import Decider
 from unicron.coord.job import JobCore
 from unicron.coord.membership import NodeState
@@ -111,6 +112,7 @@ class CoordinatorServer:
         self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
         self.stores = StoreOpener()
         self.thread: threading.Thread | None = None
+        self.deaf = DeafWatch(clock())
 
     # ---- lifecycle -----------------------------------------------------------------
     def unfinished_jobs(self) -> list[str]:
@@ -169,6 +171,7 @@ class CoordinatorServer:
                 now = self.clock()
                 # A stall can land while the messages are handled, just before the verdicts.
                 self._paused(stalls.lapse(now))
+                self._excuse_deafness(now)
                 for job_id, slot in list(self.slots.items()):
                     self._tick(job_id, slot, now)
                 if self.exit_when_done and self.slots and all(
@@ -197,8 +200,31 @@ class CoordinatorServer:
         """This process was not running for ``gap_s`` (SIGSTOP, a VM or swap stall, a clock
         step): it heard nobody meanwhile, which says nothing about the nodes."""
         if gap_s > 0:
+            self.deaf.paused(gap_s)
             for slot in self.slots.values():
                 slot.core.paused(gap_s)
+
+    def _excuse_deafness(self, now: float) -> None:
+        """Heard no node of any job for a while: the silence is this coordinator's own
+        (``unicron.coord.deafness``); no job counts it against its nodes."""
+        going = [(job_id, slot) for job_id, slot in self.slots.items() if slot.finished_at is None]
+        nodes = sum(slot.core.members.count() for _, slot in going)
+        for job_id, slot in going:
+            told = self.deaf.spell_started(job_id)
+            spec = slot.core.spec
+            gap_s = self.deaf.excuse(job_id, now, interval_s=spec.heartbeat_interval_s,
+                                     timeout_s=spec.heartbeat_timeout_s, nodes=nodes)
+            if gap_s > 0:
+                slot.core.paused(gap_s)
+                if not told:
+                    slot.events.emit("coordinator_deaf", silent_s=round(self.deaf.deaf_s(now), 3),
+                                     nodes=nodes, cap_s=DEAF_CAP_S)
+
+    def _heard(self, now: float) -> None:
+        for job_id, excused_s in self.deaf.heard(now).items():
+            slot = self.slots.get(job_id)
+            if slot is not None and slot.finished_at is None:
+                slot.events.emit("coordinator_hears_again", excused_s=round(excused_s, 3))
 
     def _wait_s(self) -> float:
         """How long to sleep when no message comes: until some job's next deadline (each
@@ -240,6 +266,8 @@ class CoordinatorServer:
             log.exception("dropped a message that could not be read")
             self.codec.dropped.add("malformed")
             return
+        if msg.kind != "status_req":  # a node's message: the network works (``unicron status`` may be local)
+            self._heard(self.clock())
         try:
             self._on_message(identity, msg)
         except Exception:  # a bug must not take the coordinator down with the job
