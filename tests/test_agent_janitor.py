@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from unicron.agent.janitor import Janitor
 
@@ -122,6 +123,7 @@ def test_closing_lets_the_watcher_go_and_reaps_it(tmp_path: Path) -> None:
     assert os.path.isdir(kept)
 
 
+@pytest.mark.timeout(240)
 def test_the_janitor_outlives_restarts_and_goes_with_its_agent(workdir: Path) -> None:
     """The janitor is the agent's child but no worker's leftover: a restart (which stops every
     adopted orphan with the attempt) leaves it alone, and the agent reaps it at its end."""
@@ -131,7 +133,7 @@ def test_the_janitor_outlives_restarts_and_goes_with_its_agent(workdir: Path) ->
 
     shutil.copy(SCRIPTS / "train_state.py", workdir)
     logs = workdir / "logs"
-    job = Launched(["run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--grace-period", "30",
+    job = Launched(["run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--grace-period", "60",
                     "--inject", "kill@0:3", "--log-dir", str(logs), str(workdir / "train_state.py"), "--steps", "40",
                     "--sleep", "0.05", "--out", str(workdir / "out.txt")], workdir)
     try:
@@ -139,10 +141,12 @@ def test_the_janitor_outlives_restarts_and_goes_with_its_agent(workdir: Path) ->
             return [c for c in psutil.Process(job.proc.pid).children() if "-S" in c.cmdline()]
 
         janitor = wait_for(lambda: janitors() or None, 60, "the janitor")[0]
-        # With the janitor taken for an orphan, attempt 1 would wait out the 30 s grace period
-        # for it (it ignores SIGTERM) and start without it.
+        # Timed from the kill, not from the start: a loaded machine can take long to import torch.
+        wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "fault"], 120, "the injected kill")
+        # With the janitor taken for an orphan, attempt 1 would wait out the 60 s grace period
+        # for it (it ignores SIGTERM), then kill it and start without it.
         wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "workers_started" and e["attempt"] == 1],
-                 20, "attempt 1 to start")
+                 50, "attempt 1 to start")
         assert janitor.is_running() and janitor.status() != psutil.STATUS_ZOMBIE
         code, out, err = job.wait(60)
     finally:

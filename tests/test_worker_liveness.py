@@ -224,7 +224,9 @@ def test_native_calls_one_after_another_are_motion_one_long_call_is_not() -> Non
     steps was called a busy hang)."""
     if main_thread_cpu() is None:  # the loop counts only with the main thread's CPU clock
         pytest.skip("no per-thread CPU clock")
-    assert _moved_while(_native_loop) >= 1
+    # The loop counts at a fifth of a core (MIN_CPU_THREAD): on a machine loaded several times
+    # over, one 1.5 s window can give the thread less; one of three windows must see it.
+    assert any(_moved_while(_native_loop) >= 1 for _ in range(3))
     assert _moved_while(_one_native_call) == 0
 
 
