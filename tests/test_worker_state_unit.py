@@ -254,7 +254,7 @@ state = unicron.State(model=model, optimizer=zero.optim)  # the rank-local shard
 dist.destroy_process_group()
 """
     env = {**os.environ, "UNICRON_SNAPSHOT_DIR": str(tmp_path / "snaps"), "RANK": "0"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, env=env)
     assert out.returncode == 0, out.stderr
     assert "refused: unicron.State(optimizer=...): a ZeroRedundancyOptimizer's state_dict() is a collective" in out.stdout
     assert "unicron.State(optimizer=optimizer.optim, ...)" in out.stdout
@@ -288,7 +288,7 @@ except StateError as err:
     print("refused:", err)
 dist.destroy_process_group()
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr
     assert "refused: unicron.State: model['w'] was a DTensor of shape (4,)" in out.stdout
 
