@@ -74,3 +74,34 @@ def test_a_destroyed_process_group_stops_hang_calls_until_a_new_step(tmp_path: P
         group.stop(2.0)
         tee.close()
     group.poll(time.time())
+
+
+def test_a_rank_that_execs_or_never_initialises_distributed_has_unknown_progress(tmp_path: Path) -> None:
+    """A rank that replaced its image (``exec``) lost its hooks: no step reports, no stack-dump
+    handler; one that said hello but never initialised torch.distributed for NEVER_READY_S runs
+    its trainer in a child process (a per-rank wrapper). Either way its failure is not "before
+    its first step", which the crash-loop guard and the user-error rules would act on."""
+    from unicron.agent.workers import NEVER_READY_S
+
+    spec = GroupSpec(attempt=0, restart_count=0, rank_offset=0, world_size=2, node_rank=0, nnodes=1,
+                     local_world_sizes=(2,), master_addr="127.0.0.1", master_port=1, restore_step=None, inject="")
+    tee = ConsoleTee()
+    group = WorkerGroup(spec, cmd=[sys.executable, "-c", "import time; time.sleep(60)"], env_for=lambda *_: {},
+                        run_logs=RunLogDir(LogSpec(log_dir=str(tmp_path)), "j"), tee=tee, host="h",
+                        hang=HangDetector(), role="default", stack_dir=str(tmp_path))
+    start = time.time() - 100.0
+    group.start(start)
+    try:
+        for rank in (0, 1):
+            group.on_message({"t": "hello", "rank": rank, "ts": start + 1}, start + 1)
+        group.on_message({"t": "exec", "rank": 0, "ts": start + 2}, start + 2)
+        execd, wrapper = group.ranks[0], group.ranks[1]
+        assert not execd.hooked and wrapper.hooked
+        assert group.steps_completed(execd, start + 3) is None  # at once: the hooks are gone
+        assert group.steps_completed(wrapper, start + 1 + NEVER_READY_S - 1) == 0  # still starting up
+        assert group.steps_completed(wrapper, start + 1 + NEVER_READY_S + 1) is None
+        assert group.progress(start + 3) is None
+    finally:
+        group.stop(2.0)
+        tee.close()
+    group.poll(time.time())

@@ -398,3 +398,38 @@ print(f"rank {dist.get_rank()} done", flush=True)
     assert code == 0, err
     assert err.count("an LR scheduler of 'optimizer' is not in this unicron.State") == 1, err
     assert err.count("an optimizer (Adam) that has stepped is not in this unicron.State") == 1, err
+
+
+def test_a_rank_that_execs_itself_and_fails_mid_run_is_restarted_like_under_torchrun(workdir) -> None:
+    # A per-rank launcher pattern: set something that must be in place before the interpreter
+    # starts, then exec Python again on the same script. The new image has none of unicron's
+    # hooks, so its steps are unknown: a failure after 4 steps is not "before its first step",
+    # and --max-restarts is honoured as under torchrun (once taken for a crash loop: exit 1).
+    (workdir / "reexec.py").write_text("""
+import os, sys, time
+if os.environ.get("REEXECED") != "1":
+    os.environ["REEXECED"] = "1"
+    os.execv(sys.executable, [sys.executable, "-u", *sys.argv])
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    if step == 3 and rank == 1 and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < 2:
+        raise RuntimeError("late failure")
+print(f"rank {rank} done", flush=True)
+""")
+    code, out, err = run_unicron(["run", *COMMON, "--max-restarts", "3", "--log-dir", str(workdir / "logs"),
+                                  str(workdir / "reexec.py")], workdir, timeout=150)
+    assert code == 0, err
+    assert "rank 0 done" in out and "rank 1 done" in out
+    assert _attempts(read_events(workdir / "logs")) == 3
+    assert "before its first step" not in err, err

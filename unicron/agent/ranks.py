@@ -30,6 +30,7 @@ class RankState:
     snapshot_step: int | None = None
     steps_in_attempt: int = 0
     hooked: bool = False  # said hello: its stack-dump signal handler is installed
+    hello_at: float | None = None  # when (the worker's clock)
     ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
     steps_expected: bool = False  # built an optimizer: it will report steps
     exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
@@ -43,6 +44,9 @@ class RankState:
         worker's clock). True when it completed a step."""
         if t == "hello":
             self.hooked = True
+            self.hello_at = self.hello_at or at
+        elif t == "exec":  # replaced its image: no hooks, no stack-dump handler, steps unknown
+            self.hooked = False
         elif t == "ready":
             self.ready_at = self.ready_at or at
         elif t == "optim":

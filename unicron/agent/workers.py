@@ -29,6 +29,7 @@ from unicron.detect.hang import HangDetector, uneven_progress
 from unicron.textclip import clip_fields
 
 RAN_FOR_S = 1.0  # see WorkerGroup.ran_past_startup
+NEVER_READY_S = 10.0  # a rank never "ready" this long after its hello: it trains in a child
 LINGER_S = 30.0  # a process this long past its script's clean end is named once (lingering_notices)
 
 
@@ -356,9 +357,16 @@ class WorkerGroup:
         """``r`` reports no steps (none in any attempt of this job) yet ran, after initialising
         torch.distributed, at least as long as it took to get there (and ``RAN_FOR_S``): it was
         training, so its progress is unknown, not zero. A rank that dies right after joining
-        stays "before the first step" (the crash-loop guard and the user-error rules apply)."""
-        if self.expect_steps or r.steps_expected or r.ready_at is None:
+        stays "before the first step" (the crash-loop guard and the user-error rules apply).
+        A rank that replaced its image (``exec``: its hooks went with the old one), or that
+        said hello but not, for ``NEVER_READY_S``, that it initialised torch.distributed (a
+        per-rank wrapper running the trainer as a child process), has unknown progress too."""
+        if r.hello_at is not None and not r.hooked:
+            return True
+        if self.expect_steps or r.steps_expected:
             return False
+        if r.ready_at is None:
+            return r.hello_at is not None and now - r.hello_at >= NEVER_READY_S
         return now - r.ready_at >= max(RAN_FOR_S, r.ready_at - self.started_at)
 
     def summary(self) -> list[dict[str, Any]]:

@@ -327,6 +327,24 @@ def _os_exit(status: int) -> NoReturn:
     _real_os_exit(status)
 
 
+def _before_exec(real: Callable[..., NoReturn]) -> Callable[..., NoReturn]:
+    """``os.execv``/``os.execve`` (every ``os.exec*`` ends in one) that first tell the agent:
+    the new image runs without these hooks, no stack-dump handler (the agent's signal for
+    stacks would kill it) and no step reports, so its progress is unknown from then on."""
+
+    def execute(*args: Any) -> NoReturn:
+        if os.getpid() == _rt.pid:  # a forked child's exec is its own business
+            try:
+                _rt.frames.stop()
+                channel.get().emit("exec")
+            except BaseException:  # the exec must happen whatever the channel does
+                pass
+        return real(*args)
+
+    execute.__wrapped__ = real  # type: ignore[attr-defined]
+    return execute
+
+
 # -- install ----------------------------------------------------------------------------------
 
 
@@ -360,6 +378,7 @@ def install() -> None:
     sys.excepthook = _excepthook
     threading.excepthook = _threading_excepthook
     os._exit = _os_exit
+    os.execv, os.execve = _before_exec(os.execv), _before_exec(os.execve)
     importwatch.after_import(_AFTER_IMPORT)
     try:
         threading.Thread(target=_watch_ready, name="unicron-ready", daemon=True).start()
