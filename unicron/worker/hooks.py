@@ -335,11 +335,15 @@ def _before_exec(real: Callable[..., NoReturn]) -> Callable[..., NoReturn]:
     def execute(*args: Any) -> NoReturn:
         if os.getpid() == _rt.pid:  # a forked child's exec is its own business
             try:
-                _rt.frames.stop()
                 channel.get().emit("exec")
             except BaseException:  # the exec must happen whatever the channel does
                 pass
-        return real(*args)
+        try:
+            real(*args)
+        except BaseException:  # it did not happen (no such file): this image and its hooks go on
+            if os.getpid() == _rt.pid:
+                channel.get().emit("hello", local_rank=env.local_rank(), pid=os.getpid())
+            raise
 
     execute.__wrapped__ = real  # type: ignore[attr-defined]
     return execute
