@@ -336,14 +336,10 @@ def _before_exec(real: Callable[..., NoReturn]) -> Callable[..., NoReturn]:
         if os.getpid() == _rt.pid:  # a forked child's exec is its own business
             try:
                 channel.get().emit("exec")
+                channel.get().close()  # flushed now: zmq's I/O thread dies with this image
             except BaseException:  # the exec must happen whatever the channel does
                 pass
-        try:
-            real(*args)
-        except BaseException:  # it did not happen (no such file): this image and its hooks go on
-            if os.getpid() == _rt.pid:
-                channel.get().emit("hello", local_rank=env.local_rank(), pid=os.getpid())
-            raise
+        real(*args)  # should it fail (no such file), the script goes on with no channel
 
     execute.__wrapped__ = real  # type: ignore[attr-defined]
     return execute
