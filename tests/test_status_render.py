@@ -118,6 +118,10 @@ def test_formatters() -> None:
     assert fmt_iter_time(0.052) == "52ms" and fmt_iter_time(1.5) == "1.50s" and fmt_iter_time(None) == "-"
     assert fmt_bytes(80 * 1024**3) == "80G" and fmt_bytes(512) == "512B" and fmt_bytes(1536) == "1.5K"
     assert event_details({"ts": 1, "kind": "k", "job": "j", "rank": 2, "msg": "a\nb"}) == "rank=2 msg=a b"
+    # a time of day is shown as its offset from the event's own time, not as 1.797e+09
+    fault = {"ts": 1796567160.209, "kind": "fault", "job": "j", "occurred_at": 1796567155.009, "latency_s": 0.01}
+    assert "occurred_at=-5.200s" in event_details(fault) and "latency_s=0.01" in event_details(fault)
+    assert "occurred_at=5" in event_details({"ts": 9.0, "kind": "k", "job": "j", "occurred_at": 5.0})
 
 
 def test_sparkline_scales_between_min_and_max() -> None:
