@@ -78,14 +78,14 @@ def register(app: typer.Typer) -> None:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
-        typer.echo(f"unicron coordinator listening on {_shown(host)}:{server.port}", err=True)
+        typer.echo(f"unicron coordinator listening on {_listening(host, server.port)}", err=True)
         server.start()
         metrics = None
         if metrics_port >= 0:
             from unicron.status.metrics import start_metrics_server
 
             metrics, mport = start_metrics_server(metrics_port, server.metrics)
-            typer.echo(f"metrics on http://{_shown(host)}:{mport}/metrics", err=True)
+            typer.echo(f"metrics on {_listening(host, mport, 'http://', '/metrics')}", err=True)
         try:
             while not stop.wait(0.2):
                 if server.thread is not None and not server.thread.is_alive():
@@ -126,4 +126,13 @@ def _secret(secret_file: str) -> bytes:
 
 
 def _shown(host: str) -> str:
+    """Where a client on this host reaches it (the runs registry)."""
     return "127.0.0.1" if host in ("*", "0.0.0.0", "") else host
+
+
+def _listening(host: str, port: int, scheme: str = "", path: str = "") -> str:
+    """Where it listens, as its operator needs it: every interface is not 127.0.0.1 only."""
+    if host in ("*", "0.0.0.0", ""):
+        name = socket.gethostname()
+        return f"every interface, port {port} (nodes reach it at {scheme}{name}:{port}{path})"
+    return f"{scheme}{host}:{port}{path}"
