@@ -73,6 +73,22 @@ def test_argv_main_and_path_like_python(probe: Path) -> None:
     assert got["path0"] == str(probe.parent.resolve()) and got["pickled"] == 3 and got["spec"] is None
 
 
+@pytest.mark.parametrize("module", [False, True])
+def test_safe_path_keeps_pythonpath_first_like_python_p(probe: Path, tmp_path: Path, module: bool) -> None:
+    # PYTHONSAFEPATH=1 (python -P): python puts neither the script's directory nor the working
+    # directory first, so the first PYTHONPATH entry is sys.path[0]; boot once overwrote it.
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    env = {**base_env(), "PYTHONSAFEPATH": "1", "PYTHONPATH": f"{lib}{os.pathsep}{base_env().get('PYTHONPATH', '')}"}
+    cwd = probe.parent.parent
+    target = ["pkg.probe"] if module else ["pkg/probe.py"]
+    rc, out, err = run_boot(*target, env=env, cwd=cwd, module=module)
+    assert rc == 0, err
+    plain = subprocess.run([PYTHON, "-u", *(["-m"] if module else []), *target], cwd=cwd, capture_output=True,
+                           text=True, env=env, timeout=60)
+    assert _report(out)["path0"] == _report(plain.stdout)["path0"] == str(lib)
+
+
 def test_module_mode_like_python_m(probe: Path) -> None:
     cwd = probe.parent.parent
     # What the package sees while it imports: python says "-m" there.

@@ -68,14 +68,19 @@ _MAIN_EXTRAS: dict[str, object] = {"__annotations__": {}} if sys.version_info < 
 def run_target(target: Target) -> None:
     """Run the script or module as ``__main__`` with python's argv and path conventions."""
     sys.argv = [target.script, *target.args]
+    # python -P (PYTHONSAFEPATH): nothing was put before the PYTHONPATH entries for this module
+    # to take over, and nothing is for the script either.
+    safe = bool(getattr(sys.flags, "safe_path", False))
     if target.module:
         # python -m: argv[0] is "-m" while the package imports, the module's file once it runs
         # (run_module's alter_sys sets that).
         sys.argv[0] = "-m"
-        sys.path[0] = os.getcwd()
+        if not safe:
+            sys.path[0] = os.getcwd()
         runpy.run_module(target.script, run_name="__main__", alter_sys=True, init_globals=dict(_MAIN_EXTRAS))
     elif os.path.isfile(target.script) and not zipfile.is_zipfile(target.script):
-        sys.path[0] = os.path.dirname(os.path.realpath(target.script))
+        if not safe:
+            sys.path[0] = os.path.dirname(os.path.realpath(target.script))
         run_file_as_main(target.script)
     else:
         run_dir_as_main(target.script)
@@ -109,7 +114,10 @@ def run_dir_as_main(script: str) -> None:
     """What ``python DIR`` (or ``python APP.zip``) does: DIR first on ``sys.path``, its
     ``__main__`` module run as ``__main__`` (argv[0] stays as given)."""
     path = os.path.abspath(script)
-    sys.path[0] = path
+    if getattr(sys.flags, "safe_path", False):
+        sys.path.insert(0, path)  # python -P still runs DIR's __main__ from DIR
+    else:
+        sys.path[0] = path
     spec = importlib.machinery.PathFinder.find_spec("__main__", [path])
     code = spec.loader.get_code("__main__") if spec is not None and spec.loader is not None else None  # type: ignore[attr-defined]
     if spec is None or code is None:
