@@ -363,6 +363,11 @@ def test_a_death_by_signal_is_summarised_by_its_signal_not_by_a_warning_printed_
             '  File "/data/ext.py", line 9 in crash\n\nExtension modules: numpy.core._multiarray_umath, '
             "torch._C (total: 2)\n")
     assert killed(-11, segv) == "signal SIGSEGV (11): Fatal Python error: Segmentation fault"
+    # std::terminate's what() is the cause whatever its words (gloo's enforce on a collective mismatch)
+    enforce = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+               "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 84488 vs 1000. "
+               "Received data size doesn't match expected size. Is there a distributed collective mismatch?\n")
+    assert killed(-6, enforce).startswith("signal SIGABRT (6): [enforce fail at pair.cc:456] op.preamble")
     # CPython's own fatal errors (Py_FatalError) say the runtime's state between cause and dump
     fatal = ("Fatal Python error: Cannot recover from stack overflow.\nPython runtime state: initialized\n\n"
              "Current thread 0x00007fdb81a51b80 (most recent call first):\n  File \"<string>\", line 1 in <module>\n")

@@ -232,6 +232,8 @@ def signal_cause(tail: str) -> str:
     reads as an error (a C++ ``what()`` before SIGABRT, ``Fatal Python error: Segmentation
     fault``), else "" (a SIGKILL from outside leaves whatever was printed last, a warning or a
     log line, which is not its cause)."""
+    if any(_CXX_WHAT.match(line) for line in tail.splitlines()):
+        return stderr_summary(tail)  # what a C++ exception said as it terminated the process is why
     said = stderr_summary(tail)
     if not said or _WARNING.search(said) or not _READS_AS_ERROR.search(said):
         return ""
