@@ -127,6 +127,12 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
     ("uncaught-exception", F(exitcode=1, stderr_tail=DATALOADER_CHAIN), ()),
     ("uncaught-exception", F("exception", error_type="BrokenPipeError", message="[Errno 32] Broken pipe"), ()),
     ("oom-killer", F(exitcode=-9), (OOM_EVIDENCE,)),
+    # its DataLoader worker was the OOM killer's victim (torch's message names no cause)
+    ("loader-oom-killer", F("exception", error_type="RuntimeError",
+                            message="DataLoader worker (pid(s) 3370) exited unexpectedly"), (OOM_EVIDENCE,)),
+    ("loader-oom-killer", F("exception", error_type="RuntimeError",
+                            message="DataLoader worker (pid 7103) is killed by signal: Killed.",
+                            traceback=DATALOADER_CHAIN), (OOM_EVIDENCE,)),
     ("sigkill", F(exitcode=-9), ()),
     ("sigkill", F(exitcode=137), ()),
     ("agent-channel-broken", F(exitcode=-6, stderr_tail="Invalid argument (src/signaler.cpp:157)\n"), ()),

@@ -54,6 +54,10 @@ def _has(*needles: str, case: bool = True) -> Callable[[Fault, Evidence], bool]:
     return lambda _f, ev: any(n in ev.text.lower() for n in lowered)
 
 
+# torch's DataLoader when one of its worker processes dies (killed, or its own exit).
+_LOADER_WORKER_KILLED = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (exited unexpectedly|is killed by signal)")
+
+
 def _failed_process(fault: Fault) -> bool:
     return fault.kind in ("exit", "exception") and not _clean_exit(fault)
 
@@ -298,6 +302,12 @@ RULES: tuple[Rule, ...] = (
     Rule("oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGKILL and any(
         h.error_type == "oom_kill" for h in ev.health),
          lambda f, _ev: f"{f.where()} was killed by the kernel OOM killer (out of memory: the host's, or its cgroup's limit)"),
+    # A DataLoader worker (or a Pool child) killed by the OOM killer: torch's error names no cause.
+    Rule("loader-oom-killer", Severity.SEV2, lambda f, ev: _failed_process(f)
+         and bool(_LOADER_WORKER_KILLED.search(ev.exception_message if ev.exception_type else ev.text))
+         and any(h.error_type == "oom_kill" for h in ev.health),
+         lambda f, ev: f"{f.where()}: a DataLoader worker was killed by the kernel OOM killer (out of memory: "
+                       f"the host's, or its cgroup's limit; {error_summary(f, ev)})"),
     Rule("sigkill", Severity.SEV2, _signal_in(frozenset({_signal.SIGKILL})),
          lambda f, _ev: f"{f.where()} was killed by SIGKILL (from outside, or by the kernel OOM killer)"),
     # libzmq asserts ("Invalid argument (src/signaler.cpp:157)") when the descriptors of the
