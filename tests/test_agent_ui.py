@@ -18,6 +18,10 @@ def test_a_fault_line_says_who_when_and_what() -> None:
     exc = {"kind": "exception", "rank": 0, "error_type": "RuntimeError", "message": "boom", "steps_completed": 3}
     assert fault_line(exc, "n") == "exception on rank 0 at step 3: RuntimeError: boom"
     assert fault_line({"kind": "node_lost", "node_id": "b"}, "a") == "node_lost on node b: node_lost"
+    # an exit code first: stderr's last line may be a progress print, not what happened
+    code = {"kind": "exit", "rank": 1, "exitcode": 3, "summary": "step 20 loss 2.0791", "steps_completed": 20}
+    assert fault_line(code, "n") == "exit on rank 1 at step 20: exit code 3, last said: step 20 loss 2.0791"
+    assert fault_line(dict(code, summary=""), "n") == "exit on rank 1 at step 20: exit code 3"
 
 
 def test_a_refused_join_is_shown_on_the_coordinators_console(capsys) -> None:

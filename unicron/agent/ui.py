@@ -125,6 +125,11 @@ def fault_line(fault: dict[str, Any], node_id: str) -> str:
     what = first_line(str(fault.get("summary") or fault.get("message") or ""))
     if fault.get("error_type") and not fault.get("summary"):
         what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
+    code = fault.get("exitcode")
+    if fault.get("kind") == "exit" and type(code) is int and code > 0 and not fault.get("error_type") \
+            and not what.startswith("exit code"):
+        # The code first: stderr's last line may be a progress print, not what happened.
+        what = f"exit code {code}" + (f", last said: {what}" if what else "")
     step = fault.get("steps_completed")
     # unknown (None) for scripts that report no steps, or a rank that died before its hooks were in
     at = "" if not isinstance(step, int) else " before its first step" if step == 0 else f" at step {step}"
