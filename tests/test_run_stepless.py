@@ -433,3 +433,35 @@ print(f"rank {rank} done", flush=True)
     assert "rank 0 done" in out and "rank 1 done" in out
     assert _attempts(read_events(workdir / "logs")) == 3
     assert "before its first step" not in err, err
+
+
+def test_a_working_directory_file_named_like_a_module_torch_imports_breaks_no_rank(workdir) -> None:
+    # A project root holding its data-prep script as tokenize.py, the training script under
+    # scripts/: torchrun's `python scripts/train.py` never looks in the working directory; the
+    # zygote and the cold boot (both `python -m`) once imported it in place of the stdlib's.
+    (workdir / "tokenize.py").write_text("raise SystemExit('the project tokenize.py was imported')\n")
+    (workdir / "scripts").mkdir()
+    (workdir / "scripts" / "train.py").write_text("""
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(2)
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} sum {t.tolist()}", flush=True)
+dist.destroy_process_group()
+""")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from e2e import clean_env
+
+    # The installed command, as users run it (`python -m unicron` would put the directory first itself).
+    command = str(Path(sys.executable).parent / "unicron")
+    for warm in ([], ["--no-warm"]):
+        done = subprocess.run([command, "run", *COMMON, *warm, "scripts/train.py"], cwd=workdir, env=clean_env(),
+                              capture_output=True, text=True, timeout=120)
+        code, out, err = done.returncode, done.stdout, done.stderr
+        assert code == 0, err
+        assert "project tokenize.py" not in err and "rank 1 sum [2.0, 2.0]" in out, out + err

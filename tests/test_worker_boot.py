@@ -73,6 +73,22 @@ def test_argv_main_and_path_like_python(probe: Path) -> None:
     assert got["path0"] == str(probe.parent.resolve()) and got["pickled"] == 3 and got["spec"] is None
 
 
+def test_a_working_directory_file_named_like_a_stdlib_module_shadows_nothing(probe: Path) -> None:
+    # python SCRIPT (torchrun's workers) puts only the script's directory first; python -m (our
+    # entry) put the working directory first while the stdlib and torch were imported, so a
+    # tokenize.py there (a data-prep script) broke every rank of a script run from elsewhere.
+    cwd = probe.parent.parent
+    (cwd / "tokenize.py").write_text("raise SystemExit('the tokenize.py of the working directory was imported')\n")
+    env = base_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p)  # "" is the cwd
+    rc, out, err = run_boot("pkg/probe.py", "raise", env=env, cwd=cwd)
+    plain = subprocess.run([PYTHON, "-u", "pkg/probe.py", "raise"], cwd=cwd, capture_output=True, text=True,
+                           env=env, timeout=60)
+    assert "working directory was imported" not in err + plain.stderr, err
+    assert rc == plain.returncode == 1 and "ValueError: boom in script" in err  # the traceback printed
+    assert _report(out) == _report(plain.stdout)
+
+
 @pytest.mark.parametrize("module", [False, True])
 def test_safe_path_keeps_pythonpath_first_like_python_p(probe: Path, tmp_path: Path, module: bool) -> None:
     # PYTHONSAFEPATH=1 (python -P): python puts neither the script's directory nor the working

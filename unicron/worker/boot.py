@@ -18,6 +18,10 @@ already imported) and is told to become a worker: set ``os.environ`` first, then
 
 from __future__ import annotations
 
+# First: the working directory off sys.path before anything else is imported (nocwd).
+from unicron.worker import nocwd  # noqa: F401, I001
+
+# isort: split
 import atexit
 import builtins
 import importlib.machinery
@@ -76,11 +80,11 @@ def run_target(target: Target) -> None:
         # (run_module's alter_sys sets that).
         sys.argv[0] = "-m"
         if not safe:
-            sys.path[0] = os.getcwd()
+            sys.path.insert(0, os.getcwd())  # as python -m does (``nocwd`` took it off for the imports)
         runpy.run_module(target.script, run_name="__main__", alter_sys=True, init_globals=dict(_MAIN_EXTRAS))
     elif os.path.isfile(target.script) and not zipfile.is_zipfile(target.script):
         if not safe:
-            sys.path[0] = os.path.dirname(os.path.realpath(target.script))
+            sys.path.insert(0, os.path.dirname(os.path.realpath(target.script)))
         run_file_as_main(target.script)
     else:
         run_dir_as_main(target.script)
@@ -114,10 +118,7 @@ def run_dir_as_main(script: str) -> None:
     """What ``python DIR`` (or ``python APP.zip``) does: DIR first on ``sys.path``, its
     ``__main__`` module run as ``__main__`` (argv[0] stays as given)."""
     path = os.path.abspath(script)
-    if getattr(sys.flags, "safe_path", False):
-        sys.path.insert(0, path)  # python -P still runs DIR's __main__ from DIR
-    else:
-        sys.path[0] = path
+    sys.path.insert(0, path)  # python -P too runs DIR's __main__ from DIR
     spec = importlib.machinery.PathFinder.find_spec("__main__", [path])
     code = spec.loader.get_code("__main__") if spec is not None and spec.loader is not None else None  # type: ignore[attr-defined]
     if spec is None or code is None:

@@ -54,6 +54,10 @@ What a warm worker cannot redo, and how it is handled:
 
 from __future__ import annotations
 
+# First: the working directory off sys.path before anything else is imported (nocwd).
+from unicron.worker import nocwd  # noqa: F401, I001
+
+# isort: split
 import ctypes
 import json
 import os
