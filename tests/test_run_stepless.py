@@ -465,3 +465,30 @@ dist.destroy_process_group()
         code, out, err = done.returncode, done.stdout, done.stderr
         assert code == 0, err
         assert "project tokenize.py" not in err and "rank 1 sum [2.0, 2.0]" in out, out + err
+
+
+def test_a_python_exec_without_unicron_runs_its_workers_as_torchrun_would(workdir) -> None:
+    # PYTHON_EXEC naming another environment's interpreter (here: this one without its site
+    # packages, so no unicron): its workers start as under torchrun, said once; --inject, which
+    # needs the hooks, is refused in one line. Every rank once failed to start instead.
+    import stat
+    import subprocess
+    import sys
+
+    from e2e import clean_env
+
+    python = workdir / "other-python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    (workdir / "plain.py").write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    env = clean_env(PYTHON_EXEC=str(python))
+    env.pop("PYTHONPATH", None)
+    premise = subprocess.run([str(python), "-c", "import unicron"], cwd=workdir, env=env, capture_output=True)
+    assert premise.returncode != 0  # it has no unicron
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "plain.py"], workdir, env=env)
+    assert code == 0, err
+    assert "rank 0 of 2" in out and "rank 1 of 2" in out
+    assert "cannot import unicron's worker hooks" in err and "as with --no-inject" in err, err
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--inject", "kill@0:1", "plain.py"],
+                                 workdir, env=env)
+    assert code == 2 and err.strip().count("\n") == 0 and "--inject needs unicron's worker hooks" in err, err

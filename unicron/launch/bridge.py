@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Mapping
+from dataclasses import replace
 
 from unicron.agent.logs import LogSpec, Std
 from unicron.agent.settings import AgentSettings
+from unicron.errors import UsageError
 from unicron.launch.args import StdSpec as LaunchStd
 from unicron.launch.config import LaunchConfig
 from unicron.launch.workerenv import master_addr_for, worker_command, worker_env
@@ -25,7 +29,32 @@ def _std(spec: LaunchStd) -> Std | dict[int, Std]:
     return Std(spec.default)
 
 
+def hooks_reachable(cfg: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:
+    """``cfg`` for an interpreter that can run the worker hooks. ``PYTHON_EXEC`` may name another
+    environment's Python (its own torch: why people set it) without unicron: its workers then
+    start as torchrun starts them, as with --no-inject, and the user is told once, rather than
+    every rank failing on ``No module named 'unicron'`` until the budget is spent."""
+    if not cfg.uses_boot or os.path.realpath(cfg.python_exec) == os.path.realpath(sys.executable):
+        return cfg
+    try:
+        probe = subprocess.run([cfg.python_exec, "-c", "import unicron.worker.boot"], env=dict(environ),
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UsageError(f"PYTHON_EXEC {cfg.python_exec!r} cannot be run: {err}") from None
+    if probe.returncode == 0:
+        return cfg
+    why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+    if cfg.injects:
+        raise UsageError(f"--inject needs unicron's worker hooks, which PYTHON_EXEC {cfg.python_exec} cannot "
+                         f"import ({why})")
+    note = (f"PYTHON_EXEC {cfg.python_exec} cannot import unicron's worker hooks ({why}): its workers start "
+            "as under torchrun, as with --no-inject (no step reports, no stacks of a hang, no warm restarts; "
+            "install unicron in that environment for them)")
+    return replace(cfg, no_inject=True, warm=False, warnings=(*cfg.warnings, note))
+
+
 def settings_from_config(cfg: LaunchConfig) -> AgentSettings:
+    cfg = hooks_reachable(cfg, os.environ)
     base_env = dict(os.environ)
     run_id = cfg.rdzv_id
 
