@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import zmq
+from e2e import wait_for
 
 from unicron.coord.deafness import DeafWatch, allowance_s
 from unicron.coord.decide import DetectDecider
@@ -75,16 +76,6 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _heartbeat(sock: zmq.Socket, codec: Codec, node: str) -> None:
     sock.send(codec.encode("heartbeat", {"node_id": node, "epoch": 0, "attempt": -1, "workers": [], "health": {}}))
 
@@ -110,7 +101,7 @@ def test_everyone_silent_at_once_loses_nobody_and_a_node_still_silent_after_is_l
     for node in ("n1", "n2"):
         request(ep, "join", _join_body(node), job="j", key=KEY, timeout_s=5, expect="welcome")
     joined = time.monotonic()
-    _wait_for(lambda: any(e["kind"] == "coordinator_deaf" for e in _events(log)), 15, "the coordinator to say it hears nobody")
+    wait_for(lambda: any(e["kind"] == "coordinator_deaf" for e in _events(log)), 15, "the coordinator to say it hears nobody")
     while time.monotonic() < joined + 5:  # well past the 3 s timeout, polling its view (not heard)
         snap = request(ep, "status_req", {}, job="j", key=KEY, timeout_s=5, expect="status").body["snapshot"]
         assert {n["node_id"]: n["state"] for n in snap["nodes"]} == {"n1": "healthy", "n2": "healthy"}
@@ -132,7 +123,7 @@ def test_everyone_silent_at_once_loses_nobody_and_a_node_still_silent_after_is_l
             _heartbeat(sock, codec, "n1")  # n1 goes on heartbeating every 0.1 s
             time.sleep(0.1)
             return [e for e in _events(log) if e["kind"] == "node_lost"]
-        lost = _wait_for(n2_lost, 15, "n2 to be lost")
+        lost = wait_for(n2_lost, 15, "n2 to be lost")
     finally:
         sock.close(0)
     assert [e["node_id"] for e in lost] == ["n2"]
@@ -144,6 +135,6 @@ def test_everyone_silent_at_once_loses_nobody_and_a_node_still_silent_after_is_l
 def test_a_lone_nodes_silence_is_its_own(served: Any) -> None:
     ep, log = served
     request(ep, "join", _join_body("n1"), job="j", key=KEY, timeout_s=5, expect="welcome")
-    lost = _wait_for(lambda: [e for e in _events(log) if e["kind"] == "node_lost"], 15, "n1 to be lost")
+    lost = wait_for(lambda: [e for e in _events(log) if e["kind"] == "node_lost"], 15, "n1 to be lost")
     assert [e["node_id"] for e in lost] == ["n1"]
     assert not [e for e in _events(log) if e["kind"] == "coordinator_deaf"]
