@@ -142,6 +142,7 @@ def checks_by_name(path: Path) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in result["checks"]}
 
 
+@pytest.mark.device_script
 @pytest.mark.timeout(300)  # a loaded machine takes minutes for what a quiet one does in one
 def test_cpu_run_of_the_warm_hang_crash_and_snapshot_checks(workdir: Path) -> None:
     out_file = workdir / "cpu.json"
@@ -167,6 +168,7 @@ def test_cpu_run_of_the_warm_hang_crash_and_snapshot_checks(workdir: Path) -> No
     assert snap["device"] == "cpu" and snap["exact"] == [True, True, True] and snap["ratio_background"] > 0
 
 
+@pytest.mark.device_script
 @pytest.mark.timeout(300)  # a loaded machine takes minutes for what a quiet one does in one
 def test_cpu_run_of_the_one_rank_fault_checks(workdir: Path) -> None:
     out_file = workdir / "one.json"
@@ -189,6 +191,7 @@ def test_a_check_past_its_timeout_is_stopped_and_recorded(workdir: Path) -> None
     assert "[FAIL] crash" in out
 
 
+@pytest.mark.device_script
 @pytest.mark.timeout(300)  # a loaded machine takes minutes for what a quiet one does in one
 def test_cpu_run_of_the_real_stall_checks(workdir: Path) -> None:
     """No injection: rank 1 is stuck for real in a native call at step 5 (a regular expression
