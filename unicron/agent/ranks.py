@@ -31,6 +31,7 @@ class RankState:
     steps_in_attempt: int = 0
     hooked: bool = False  # said hello: its stack-dump signal handler is installed
     hello_at: float | None = None  # when (the worker's clock)
+    joining: bool = False  # called init_process_group (it may not have returned: then not ``ready``)
     ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
     steps_expected: bool = False  # built an optimizer: it will report steps
     exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
@@ -47,6 +48,8 @@ class RankState:
             self.hello_at = self.hello_at or at
         elif t == "exec":  # replaced its image: no hooks, no stack-dump handler, steps unknown
             self.hooked = False
+        elif t == "init":
+            self.joining = True
         elif t == "ready":
             self.ready_at = self.ready_at or at
         elif t == "optim":

@@ -359,14 +359,16 @@ class WorkerGroup:
         training, so its progress is unknown, not zero. A rank that dies right after joining
         stays "before the first step" (the crash-loop guard and the user-error rules apply).
         A rank that replaced its image (``exec``: its hooks went with the old one), or that
-        said hello but not, for ``NEVER_READY_S``, that it initialised torch.distributed (a
-        per-rank wrapper running the trainer as a child process), has unknown progress too."""
+        said hello and, for ``NEVER_READY_S``, never called ``init_process_group`` (a per-rank
+        wrapper running the trainer as a child process, a job without torch.distributed), has
+        unknown progress too. One that called it and never got out (a peer it cannot reach)
+        is still starting up: failing there again in the same place is a node's fault."""
         if r.hello_at is not None and not r.hooked:
             return True
         if self.expect_steps or r.steps_expected:
             return False
         if r.ready_at is None:
-            return r.hello_at is not None and now - r.hello_at >= NEVER_READY_S
+            return r.hello_at is not None and not r.joining and now - r.hello_at >= NEVER_READY_S
         return now - r.ready_at >= max(RAN_FOR_S, r.ready_at - self.started_at)
 
     def summary(self) -> list[dict[str, Any]]:

@@ -198,6 +198,8 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
         if _rt.closed:
             _rt.closed = False
             channel.get().emit("opened")
+        # Joining: a rank that fails in here (a peer it cannot reach) is still starting up.
+        channel.get().emit("init")
         return init(*args, **kwargs)
 
     package = sys.modules.get("torch.distributed")
