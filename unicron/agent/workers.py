@@ -29,7 +29,7 @@ from unicron.detect.hang import HangDetector, uneven_progress
 from unicron.textclip import clip_fields
 
 RAN_FOR_S = 1.0  # see WorkerGroup.ran_past_startup
-NEVER_READY_S = 10.0  # a rank never "ready" this long after its hello: it trains in a child
+NEVER_READY_S = 10.0  # hello, and no init_process_group call this long after: it trains in a child
 LINGER_S = 30.0  # a process this long past its script's clean end is named once (lingering_notices)
 
 

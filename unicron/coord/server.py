@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from unicron.coord.deafness import DEAF_CAP_S, DeafWatch
+from unicron.coord.deafness import DeafWatch
 from unicron.coord.decide import Decider
 from unicron.coord.job import JobCore
 from unicron.coord.membership import NodeState
@@ -218,7 +218,7 @@ class CoordinatorServer:
                 slot.core.paused(gap_s)
                 if not told:
                     slot.events.emit("coordinator_deaf", silent_s=round(self.deaf.deaf_s(now), 3),
-                                     nodes=nodes, cap_s=DEAF_CAP_S)
+                                     nodes=nodes, cap_s=self.deaf.cap_s)
 
     def _heard(self, now: float) -> None:
         for job_id, excused_s in self.deaf.heard(now).items():
