@@ -73,3 +73,36 @@ def test_the_work_directory_leaves_a_temp_dir_too_long_for_its_sockets() -> None
     assert work_base(long_, lambda d: False) is None
     edge = "/" + "e" * (SOCKET_PATH_MAX - len("/unicron-agent-XXXXXXXX/agent.sock.bell") - 1)
     assert work_base(edge, lambda d: True) == edge and work_base(edge + "e", lambda d: True) == "/tmp"
+
+
+HOLDER = ("import sys\n"
+          "from unicron.agent.shm import make_owned_dir\n"
+          "print(make_owned_dir('unicron-job-', sys.argv[1]), flush=True)\n"
+          "sys.stdin.read()\n")
+
+
+def test_a_live_agent_in_another_pid_namespace_keeps_its_directory(tmp_path) -> None:
+    """Acceptance 19B F4: a container started with --ipc=host shares /dev/shm but not pids; a
+    job starting there removed a running job's snapshots as orphaned (its owner's pid meant
+    nothing in the new namespace). The owner's lock says it lives; once it is gone, the lock
+    is free and its directory goes."""
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a PID namespace")
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", HOLDER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        path = holder.stdout.readline().strip()
+        if not path:
+            pytest.skip(f"cannot make a PID namespace here: {holder.communicate(timeout=30)[1].strip()}")
+        assert open(os.path.join(path, OWNER_FILE)).read().split()[0] == "1"  # its pid, in its own namespace
+        remove_orphaned_shm(str(tmp_path))
+        assert os.path.exists(path), "a live agent's directory was removed"
+    finally:
+        holder.communicate(input="", timeout=30)  # end of input: it exits, and its lock goes with it
+    remove_orphaned_shm(str(tmp_path))
+    assert not os.path.exists(path)

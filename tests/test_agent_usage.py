@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
 import pytest
 
+from unicron.agent.sendqueues import SendQueueWatch, drained_between, parse_tcp_table, send_queues
 from unicron.agent.usage import tree_usage
 from unicron.detect.activity import Activity, ActivityTracker, BusyRule
 
@@ -144,3 +148,134 @@ def _inside_write(pid: int) -> bool:
     """The big write has not returned: ``wchar`` (counted when a call returns) has not got it."""
     fields = dict(line.split(": ") for line in open(f"/proc/{pid}/io").read().splitlines() if ": " in line)
     return int(fields["wchar"]) < 768 << 20
+
+
+# A rank whose collective's data waits in its socket's send queue for a slow link (or a slow
+# reader): one burst of writes, as gloo hands a chunk to the kernel, then nothing but waiting.
+ONE_BURST = ("import socket, sys, time\n"
+             "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
+             "s.setblocking(False)\n"
+             "sent = 0\n"
+             "try:\n"
+             "    while True:\n"
+             "        sent += s.send(b'x' * 65536)\n"
+             "except BlockingIOError:\n"
+             "    pass\n"
+             "print('ready', sent, flush=True)\n"
+             "time.sleep(3600)\n")
+
+
+def test_data_draining_from_a_ranks_send_queue_is_work_a_stuck_queue_is_not() -> None:
+    """Acceptance 18C F4: at 1 Mbit/s a collective's write lands in the send buffer at once and
+    then drains for seconds, with no counter moving; the job was called hung. The bytes that
+    leave the send queue count (a reader draining 800 KB/s here, far below the 64 KiB/s of
+    ``io_bytes`` in any window after the burst); once the reader stops, nothing drains: idle."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    proc = subprocess.Popen([sys.executable, "-c", ONE_BURST, str(listener.getsockname()[1])],
+                            stdout=subprocess.PIPE, text=True)
+    reading = threading.Event()
+    reading.set()
+    stop = threading.Event()
+    try:
+        conn, _ = listener.accept()
+        assert proc.stdout is not None
+        ready, sent = proc.stdout.readline().split()
+        assert ready == "ready" and int(sent) > 1 << 20, sent  # more than a second of reading
+
+        def read_slowly() -> None:
+            while not stop.is_set():
+                if reading.is_set():
+                    conn.recv(16384)
+                time.sleep(0.02)
+
+        threading.Thread(target=read_slowly, daemon=True).start()
+        watch = SendQueueWatch()
+
+        def verdict_within(expected: Activity, timeout_s: float) -> dict[int, Activity]:
+            tracker = ActivityTracker()
+            deadline = time.monotonic() + timeout_s
+            levels: dict[int, Activity] = {}
+            while time.monotonic() < deadline:
+                now = time.monotonic()
+                if tracker.due(now):
+                    tracker.add(now, {0: tree_usage(proc.pid, watch)})
+                    levels = tracker.levels(now)
+                    if levels.get(0) is expected:
+                        break
+                time.sleep(0.05)
+            return levels
+
+        assert verdict_within(Activity.WORKING, 10) == {0: Activity.WORKING}
+        reading.clear()  # the peer stops reading: its buffer fills, nothing drains
+        assert verdict_within(Activity.IDLE, 10) == {0: Activity.IDLE}
+        assert send_queues(proc.pid), "the queue is still full, and read"
+    finally:
+        stop.set()
+        proc.kill()
+        proc.wait()
+        listener.close()
+
+
+def test_send_queues_are_read_from_the_kernels_table() -> None:
+    table = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+             "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0\n"
+             "   1: 0100007F:C350 0100007F:1F90 01 0001E000:00000000 01:00000014 00000000     0        0 4243 2 0\n"
+             "   2: garbage\n"
+             "   3: 0100007F:C351 0100007F:1F90 01 zz:00000000 01:00000014 00000000     0        0 4244 2 0\n")
+    assert parse_tcp_table(table) == {4242: 0, 4243: 0x1E000}
+    # What left each socket present in both readings; a new socket or a refill adds nothing.
+    assert drained_between({1: 100, 2: 50, 3: 10}, {1: 40, 2: 80, 4: 999}) == 60
+
+
+def _levels_until(pids: dict[int, int], expected: dict[int, Activity], timeout_s: float) -> dict[int, Activity]:
+    tracker = ActivityTracker()  # the default rule
+    deadline = time.monotonic() + timeout_s
+    levels: dict[int, Activity] = {}
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if tracker.due(now):
+            tracker.add(now, {rank: tree_usage(pid) for rank, pid in pids.items()})
+            levels = tracker.levels(now)
+            if levels == expected:
+                break
+        time.sleep(0.05)
+    return levels
+
+
+def test_a_rank_computing_on_an_oversubscribed_cpu_is_busy_a_sleeping_one_idle() -> None:
+    """Acceptance 19B F1: ten other sessions' busy processes on two cores left a rank in one
+    native call 0.18 of a core, under the 0.2 that made it busy: it was called idle (a hang at
+    1.5 s). Here a spinner shares one CPU with eight busy siblings, each in a session of its
+    own (as other users' jobs are): it receives about 0.11 of a core and wants a whole one."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    pin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\n"
+    started: list[subprocess.Popen] = []
+    try:
+        for _ in range(8):
+            started.append(subprocess.Popen([sys.executable, "-c", pin + "while True: pass"], start_new_session=True))
+        spinner, sleeper = (subprocess.Popen([sys.executable, "-c", pin + code], stdout=subprocess.PIPE, text=True,
+                                             start_new_session=True) for code in (SPIN, IDLE))
+        started += [spinner, sleeper]
+        for proc in (spinner, sleeper):
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        expected = {0: Activity.BUSY, 1: Activity.IDLE}
+        assert _levels_until({0: spinner.pid, 1: sleeper.pid}, expected, 30) == expected
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+
+
+# A rank printing every step into a console that stopped reading (a full pipe).
+PRINTS = "print('ready', flush=True)\nwhile True:\n    print('step ' + 'x' * 2000, flush=True)\n"
+
+
+def test_a_rank_blocked_writing_to_a_console_that_does_not_read_is_work(procs) -> None:
+    """Acceptance 19B F2: `unicron run ... | less`, a terminal paused with Ctrl-S, `| tee` over a
+    slow link: the ranks block in write(1, ...) with no counter moving, and were called hung
+    at 1.5 s. A rank blocked writing to a socket (a peer that stopped reading) is not this."""
+    printer = procs(PRINTS)  # nothing reads its stdout after 'ready': the pipe fills
+    stuck_socket = procs("import socket\na, b = socket.socketpair()\nprint('ready', flush=True)\n"
+                         "while True: a.sendall(b'x' * 65536)\n")
+    expected = {0: Activity.WORKING, 1: Activity.IDLE}
+    assert _levels_until({0: printer.pid, 1: stuck_socket.pid}, expected, 30) == expected

@@ -32,6 +32,37 @@ def test_helper_processes_that_compute_are_work_the_worker_itself_spinning_is_bu
     assert level_between(Usage(0.0, 5.0, 0, 4.0), Usage(1.0, 1.05, 0, 0.0), rule) is Activity.IDLE
 
 
+def test_cpu_waited_for_counts_only_for_a_thread_runnable_at_both_ends() -> None:
+    """On an oversubscribed host a computing rank receives 0.1 of a core and waits 0.9 on a run
+    queue (acceptance 19B F1: it was called idle, and hung at 1.5 s). A waiting rank's threads
+    sleep, whatever their brief wake-ups waited: not runnable at the samples, nothing counts."""
+    rule = BusyRule(cpu_cores=0.2)
+    computing = (Usage(0.0, 1.0, 0, runq_s=3.0, runnable=True), Usage(1.0, 1.1, 0, runq_s=3.9, runnable=True))
+    assert level_between(*computing, rule) is Activity.BUSY
+    woke_once = (Usage(0.0, 1.0, 0, runq_s=3.0, runnable=False), Usage(1.0, 1.1, 0, runq_s=3.9, runnable=True))
+    assert level_between(*woke_once, rule) is Activity.IDLE
+    # A data loader's workers that want the CPU while the worker waits for their batches.
+    helpers = (Usage(0.0, 1.0, 0, 0.5, runq_s=1.0, helper_runq_s=1.0, helper_runnable=True),
+               Usage(1.0, 1.1, 0, 0.6, runq_s=1.5, helper_runq_s=1.5, helper_runnable=True))
+    assert level_between(*helpers, rule) is Activity.WORKING
+    # The helpers' wait is theirs: it does not make the worker itself busy.
+    assert level_between(Usage(0.0, 1.0, 0, 0.5, runq_s=1.0, helper_runq_s=1.0, runnable=True),
+                         Usage(1.0, 1.1, 0, 0.6, runq_s=1.5, helper_runq_s=1.5, runnable=True), rule) is Activity.IDLE
+
+
+def test_a_blocked_console_and_a_draining_send_queue_are_work() -> None:
+    rule = BusyRule()
+    # Blocked writing stdout into a full pipe at both ends of the window (acceptance 19B F2).
+    assert level_between(Usage(0.0, 1.0, 0, output_wait=True), Usage(1.0, 1.0, 0, output_wait=True),
+                         rule) is Activity.WORKING
+    assert level_between(Usage(0.0, 1.0, 0), Usage(1.0, 1.0, 0, output_wait=True), rule) is Activity.IDLE
+    # Its data leaving over a slow link (acceptance 18C F4): 2 KB/s is enough, 500 B/s is not.
+    assert level_between(Usage(0.0, 1.0, 0, net_drained=10), Usage(1.0, 1.0, 0, net_drained=2010),
+                         rule) is Activity.WORKING
+    assert level_between(Usage(0.0, 1.0, 0, net_drained=10), Usage(1.0, 1.0, 0, net_drained=510),
+                         rule) is Activity.IDLE
+
+
 def test_wire_names() -> None:
     assert [Activity.parse(n) for n in ("idle", "busy", "working", "WORKING")] == [
         Activity.IDLE, Activity.BUSY, Activity.WORKING, Activity.WORKING]

@@ -287,6 +287,23 @@ def test_slurm_fills_missing_values(script: str) -> None:
     assert (cfg.max_nodes, cfg.node_rank, cfg.rdzv_id, cfg.master_addr) == (2, 0, "mine", "m")
 
 
+def test_a_job_sized_apart_from_the_slurm_allocation_ignores_its_node_values(script: str) -> None:
+    """Acceptance 19C F1: `srun -N2 unicron run --standalone ...` (one job per node: a sweep,
+    evaluation shards) was refused on the second node, whose SLURM_NODEID 1 is an index into
+    the allocation, not into a one-node job; torchrun runs it."""
+    env = {"SLURM_JOB_ID": "123", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "vm,node2",
+           "UNICRON_SECRET": "k"}
+    for argv in (["--standalone"], ["--nnodes", "1"], ["--standalone", "--nnodes", "1"]):
+        cfg = parse([*argv, "--nproc-per-node", "2", script], env)
+        assert (cfg.max_nodes, cfg.node_rank) == (1, None), argv
+        assert cfg.rdzv_id != "123"  # two such jobs on one host are not one job
+    cfg = parse(["--nproc-per-node", "2", script], {**env, "PET_NNODES": "1"})
+    assert (cfg.max_nodes, cfg.node_rank) == (1, None)
+    # Sized as the allocation is: Slurm's node id and job id are this job's.
+    cfg = parse(["--nnodes", "2", "--nproc-per-node", "2", script], env)
+    assert (cfg.max_nodes, cfg.node_rank, cfg.rdzv_id) == (2, 1, "123")
+
+
 def test_slurm_info_and_nodelist() -> None:
     assert slurm_info({}) is None
     assert expand_nodelist("node[01-04,07]") == ["node01", "node02", "node03", "node04", "node07"]

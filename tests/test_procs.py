@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -144,6 +145,17 @@ def test_log_dir_that_is_a_file_is_a_usage_error(tmp_path: Path) -> None:
         RunLogDir(LogSpec(log_dir=str(file)), "job")
 
 
+def test_a_log_dir_this_user_cannot_write_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Acceptance 19C F6: another user's existing directory was "internal error:
+    PermissionError", exit 70. (Root may write anywhere, so the refusal is the kernel's, faked.)"""
+    def refused(*args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with pytest.raises(UsageError, match=f"--log-dir: cannot create logs in {tmp_path}: Permission denied"):
+        RunLogDir(LogSpec(log_dir=str(tmp_path)), "job")
+
+
 def test_temporary_log_dir_when_none_given() -> None:
     logdir = RunLogDir(LogSpec(), "job")
     try:
@@ -231,6 +243,48 @@ def test_tee_finish_drains_everything_written(tmp_path: Path) -> None:
     tee.close(timeout_s=30)
     assert console.getvalue().decode().splitlines() == ["[p]:" + line for line in lines]
     assert tee.pending() == 0
+
+
+class _SlowConsole(io.RawIOBase):
+    """A console that takes each write after ``delay_s``, or never once ``stuck`` is set."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.data = bytearray()
+        self.delay_s = delay_s
+        self.stuck = threading.Event()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        if self.stuck.is_set():
+            threading.Event().wait(60)
+        time.sleep(self.delay_s)  # the console's own pace, not a wait for a condition
+        self.data += bytes(b)
+        return len(b)
+
+
+def test_close_waits_for_an_echo_that_is_behind_and_gives_up_on_a_console_that_blocks(tmp_path: Path) -> None:
+    """Acceptance 19B F6: ranks that logged hundreds of MB on a busy host left the echo far
+    behind when the job ended, and close() gave up after 10 s: lines lost, exit 0. A backlog
+    is echoed to its end, however long it takes; a console that takes nothing is left behind,
+    and close() says so (the agent then keeps the files and names them)."""
+    log = tmp_path / "stderr.log"
+    lines = [f"line {i:05d} " + "x" * 40 for i in range(20000)]  # about 20 reads of 64 KiB
+    log.write_text("\n".join(lines) + "\n")
+    console = _SlowConsole(0.05)  # 1 s of echo in all, 0.05 s of it between two reads
+    tee = ConsoleTee(stdout=console, interval_s=0.01)
+    tee.follow(str(log), "[p]:")()
+    assert tee.close(timeout_s=0.3) is True
+    assert console.data.decode().splitlines() == ["[p]:" + line for line in lines]
+
+    stuck = _SlowConsole(0.0)
+    stuck.stuck.set()
+    tee = ConsoleTee(stdout=stuck, interval_s=0.01)
+    tee.follow(str(log), "[p]:")()
+    started = time.monotonic()
+    assert tee.close(timeout_s=0.3) is False
+    assert time.monotonic() - started < 5
 
 
 def test_a_teed_stream_ends_lines_at_carriage_returns_as_torchrun_does(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ shortage is real (``posix_fallocate`` failing with ENOSPC) and nothing outside i
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -63,10 +64,11 @@ def _run_in_tmpfs(tmp_path: Path, size_k: int) -> dict[str, object]:
     return result
 
 
+# Two slots' worth (2 MiB here, more than a quarter of these file systems) always stays free.
 @pytest.mark.parametrize("size_k, held, kept", [
-    (4 * 1024, [5, 6, 7], None),   # room for all three
-    (2700, [6, 7], 2),             # room for two: they alternate, the newest two are kept
-    (1500, [7], 1),                # room for one: it is rewritten every step
+    (6 * 1024, [5, 6, 7], None),   # room for all three
+    (4300, [6, 7], 2),             # room for two: they alternate, the newest two are kept
+    (3200, [7], 1),                # room for one: it is rewritten every step
 ])
 def test_fewer_slots_when_shared_memory_is_short(tmp_path: Path, size_k: int, held: list[int], kept: int | None) -> None:
     result = _run_in_tmpfs(tmp_path, size_k)
@@ -81,5 +83,19 @@ def test_fewer_slots_when_shared_memory_is_short(tmp_path: Path, size_k: int, he
 
 
 def test_no_room_for_one_snapshot_is_an_error(tmp_path: Path) -> None:
-    result = _run_in_tmpfs(tmp_path, 512)
+    result = _run_in_tmpfs(tmp_path, 2500)  # one would fit, but would leave the job too little
     assert result["error"] == "ENOSPC" and result["held"] == []
+
+
+def test_snapshots_leave_a_quarter_of_shared_memory_and_two_slots_free() -> None:
+    """Acceptance 19B F3: in a container's 64 MB /dev/shm the snapshots took what the job's
+    DataLoader workers needed, and the job failed where torchrun trains."""
+    from unicron.worker.snapslots import check_headroom, headroom_bytes
+
+    assert headroom_bytes(64 * MIB, 25 * MIB) == 50 * MIB  # two slots' worth
+    assert headroom_bytes(24 << 30, 25 * MIB) == 6 << 30  # a quarter of a host's 24 GiB
+    stat = os.statvfs_result((4096, 4096, 16384, 16384, 16384, 0, 0, 0, 0, 255))  # 64 MiB, all free
+    check_headroom(stat, 8 * MIB, 4 * MIB)  # 56 MiB left, 16 MiB kept
+    with pytest.raises(OSError) as err:
+        check_headroom(stat, 25 * MIB, 25 * MIB)  # 39 MiB left, 50 MiB kept
+    assert err.value.errno == errno.ENOSPC and "--shm-size" in str(err.value)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +21,7 @@ import zmq
 from rich.console import Console
 from typer.testing import CliRunner
 
-from unicron.errors import EndpointUnreachableError, ProtocolError, UnicronError
+from unicron.errors import ConfigError, EndpointUnreachableError, ProtocolError, UnicronError
 from unicron.events import EventLog
 from unicron.proto.messages import Codec
 from unicron.runs import RunInfo, register_run
@@ -164,6 +166,30 @@ def test_an_unusable_runs_dir_is_one_line_naming_the_variable(tmp_path: Path, mo
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (f"unicron: error: UNICRON_RUNS_DIR: cannot use {taken} as the directory of "
                                    "live runs: File exists")
+
+
+def test_the_default_runs_dir_ignores_tmpdir_and_must_be_this_users_own(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Acceptance 19C F5: a run started under a batch job's own TMPDIR was invisible to `unicron
+    status` from a shell without it. 19C F3: in a shared /tmp another user could make the
+    directory first (mode 777), plant runs in this user's status, or remove theirs."""
+    import unicron.runs as runs
+
+    monkeypatch.delenv("UNICRON_RUNS_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert runs.default_runs_base() == "/tmp"
+    monkeypatch.setattr(runs, "default_runs_base", lambda: str(tmp_path))
+    mine = tmp_path / f"unicron-runs-{os.getuid()}"
+    assert runs.runs_dir() == mine and stat.S_IMODE(mine.stat().st_mode) == 0o700
+    mine.chmod(0o777)  # as another user would have made it
+    with pytest.raises(ConfigError, match="is not this user's own .*mode 777.*remove it, or set UNICRON_RUNS_DIR"):
+        runs.runs_dir()
+    if os.geteuid() == 0:
+        mine.chmod(0o700)
+        os.chown(mine, 65534, 65534)
+        with pytest.raises(ConfigError, match="owner uid 65534"):
+            runs.runs_dir()
 
 
 def test_no_run_on_this_machine(runs_dir: Path) -> None:

@@ -335,10 +335,11 @@ def test_restore_puts_extra_into_the_scripts_own_objects(snap_env: Path, monkeyp
     # step. After a restore it must hold the restored values, as its model does.
     mom = {"w": torch.zeros(3), "b": torch.zeros(1)}
     hist: list = []
-    state = State(extra={"mom": mom, "hist": hist, "n": 0, "shape": torch.zeros(2)})
+    state = State(extra={"mom": mom, "hist": hist, "n": 0, "shape": torch.zeros(2), "losses": [], "tail": [7]})
     for step in range(1, 4):
         mom["w"].add_(step)
         hist.append(step)
+        state.extra["losses"].append(step / 10)
         state.extra["n"] = step
         state.commit(step)
     state.flush()
@@ -346,12 +347,19 @@ def test_restore_puts_extra_into_the_scripts_own_objects(snap_env: Path, monkeyp
     mine = {"w": torch.zeros(3), "b": torch.zeros(1), "stale": torch.ones(1)}
     my_hist = [0, 0, 0]
     other_shape = torch.zeros(5)
-    again = State(extra={"mom": mine, "hist": my_hist, "n": -1, "shape": other_shape})
+    # A history the script starts empty (acceptance 19A F1: it kept its own empty list) and a
+    # list longer than the one saved are restored in place too.
+    my_losses: list = []
+    my_tail = [1, 2, 3]
+    again = State(extra={"mom": mine, "hist": my_hist, "n": -1, "shape": other_shape, "losses": my_losses,
+                         "tail": my_tail})
     assert again.restore_step == 3
     assert again.restore() == 3
     assert again.extra["mom"] is mine and torch.equal(mine["w"], torch.full((3,), 6.0)) and "stale" not in mine
     assert again.extra["hist"] is my_hist and my_hist == [1, 2, 3] and again.extra["n"] == 3
     assert again.extra["shape"] is not other_shape and again.extra["shape"].shape == (2,)  # replaced, not forced
+    assert again.extra["losses"] is my_losses and my_losses == [0.1, 0.2, 0.3]
+    assert again.extra["tail"] is my_tail and my_tail == [7]
 
 
 def test_restore_step_is_known_before_restore(snap_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:

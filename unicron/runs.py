@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -30,17 +31,29 @@ class RunInfo:
     started_at: float
 
 
+def default_runs_base() -> str:
+    """``/tmp``, whatever ``TMPDIR`` says: a run started under a batch job's own TMPDIR must be
+    found by `unicron status` from a shell without it (the temp dir only where /tmp is unusable)."""
+    return "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
+
+
 def runs_dir() -> Path:
-    """The registry's directory (created): ``UNICRON_RUNS_DIR``, else one per user in the temp
-    dir. ``ConfigError`` naming where it came from when it cannot be used."""
+    """The registry's directory (created): ``UNICRON_RUNS_DIR``, else ``/tmp/unicron-runs-UID``.
+    ``ConfigError`` naming where it came from when it cannot be used, or when the default one is
+    not this user's own: in a shared /tmp another user could make it first, and plant runs in
+    this user's `unicron status` or remove theirs."""
     given = os.environ.get("UNICRON_RUNS_DIR")
-    path = Path(given or os.path.join(tempfile.gettempdir(), f"unicron-runs-{os.getuid()}"))
+    path = Path(given or os.path.join(default_runs_base(), f"unicron-runs-{os.getuid()}"))
+    source = "UNICRON_RUNS_DIR" if given else "the runs directory"
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
     except OSError as err:
-        source = "UNICRON_RUNS_DIR" if given else "the runs directory"
         raise ConfigError(f"{source}: cannot use {path} as the directory of live runs: "
                           f"{err.strerror or err}") from None
+    if not given and (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022):
+        raise ConfigError(f"{source} {path} is not this user's own (owner uid {st.st_uid}, mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): remove it, or set UNICRON_RUNS_DIR")
     return path
 
 

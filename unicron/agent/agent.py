@@ -63,6 +63,7 @@ class Agent(AgentOrders):
         self.hosts_coordinator = hosts_coordinator  # its coordinator ends the job when this launcher stops
         # Set by run_agent when it does: ends that coordinator's job (reason, exit code).
         self.end_own_job: Callable[[str, int], None] | None = None
+        self.output_left_behind = False  # the console blocked: the rest of the workers' output is only in their files
         self.endpoint = endpoint
         self.run_logs = run_logs
         self.events = events
@@ -198,7 +199,7 @@ class Agent(AgentOrders):
             self._stop_group(reason="agent exit")
             if self.pool is not None:
                 self.pool.close()
-            self.tee.close()
+            self.output_left_behind = not self.tee.close()
             conn.close()
             probe.close()
             dealer.close(linger=500)

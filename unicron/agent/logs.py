@@ -235,9 +235,11 @@ class RunLogDir:
                 raise UsageError(f"--log-dir: {spec.log_dir} is a file, not a directory")
             try:
                 os.makedirs(spec.log_dir, exist_ok=True)
-            except OSError as err:
-                raise UsageError(f"--log-dir: cannot create {spec.log_dir}: {err.strerror}") from None
+                self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=spec.log_dir)
+            except OSError as err:  # read-only, full, or another user's directory
+                raise UsageError(f"--log-dir: cannot create logs in {spec.log_dir}: {err.strerror}") from None
             self.root = spec.log_dir
+            return
         self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self.root)
 
     def discard_worker_logs(self) -> None:

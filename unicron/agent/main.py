@@ -93,7 +93,10 @@ def run_agent(s: AgentSettings) -> int:
                 agent.end_own_job = lambda why, code: server.stop(
                     reason=f"the coordinator's node stopped: {why}", exit_code=code)
             code = agent.run()
-            if code == 0:
+            if agent.output_left_behind:  # kept: the only copy of what the console did not take
+                ui.warn(f"the console took nothing for 10 s: the rest of the workers' output is in "
+                        f"{run_logs.run_dir or run_logs.root}")
+            elif code == 0:
                 run_logs.discard_worker_logs()  # the temporary copies of a job that succeeded
             return code
         except BaseException as err:

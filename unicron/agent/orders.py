@@ -194,7 +194,7 @@ class AgentOrders:
         nproc = spec.local_world_sizes[spec.node_rank]
         self.ui.info(attempt_line(spec, [spec.rank_offset + lr for lr in range(nproc)]))
         try:
-            group.start(time.time())
+            group.start(time.time(), tick=lambda: self._heartbeat(starting=True))
         except FatalUserError as err:  # no such program, not executable: this node is not lost
             self._report({"kind": "startup", "rank": spec.rank_offset + len(group.ranks), "host": self.host,
                           "ts": time.time(), "attempt": spec.attempt, "message": str(err),
@@ -271,10 +271,11 @@ class AgentOrders:
     def _report(self, fault: dict[str, Any]) -> None:
         self.reporter.report(fault, self.group)
 
-    def _heartbeat(self, *, at_once: bool = False) -> None:
+    def _heartbeat(self, *, at_once: bool = False, starting: bool = False) -> None:
+        """``starting``: this node's workers are being started (its peers' ranks wait for them)."""
         if self.joining.welcomed:  # not a member (yet, or again): the coordinator would refuse it
             self.reporter.heartbeat(self.group, epoch=self.epoch, at_once=at_once,
-                                    starting=self.pending_assign is not None)
+                                    starting=starting or self.pending_assign is not None)
 
     def _send(self, kind: str, body: dict[str, Any]) -> None:
         self.reporter.send(kind, body)

@@ -8,11 +8,13 @@ snapshots outlive the workers, and removes it when it exits.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from typing import IO
 
 from unicron.errors import UsageError
 
@@ -85,12 +87,36 @@ def make_work_dir() -> str:
     return make_owned_dir("unicron-agent-", base)
 
 
+# The owner marks the agent holds open and locked for its life (never inherited: Python opens
+# files close-on-exec, and the agent forks nothing that runs on without exec).
+_HELD_MARKS: list[IO[str]] = []
+
+
 def make_owned_dir(prefix: str, base: str) -> str:
     remove_orphaned_shm(base)
     path = tempfile.mkdtemp(prefix=prefix, dir=base)
-    with open(os.path.join(path, OWNER_FILE), "w") as fh:
-        fh.write(f"{os.getpid()} {_start_time(os.getpid())}")
+    mark = open(os.path.join(path, OWNER_FILE), "w")  # noqa: SIM115 - held open for the agent's life
+    try:
+        fcntl.flock(mark, fcntl.LOCK_EX | fcntl.LOCK_NB)  # before the mark names us
+    except OSError:
+        pass  # a file system without locks: the pid and start time below still judge
+    mark.write(f"{os.getpid()} {_start_time(os.getpid())}")
+    mark.flush()
+    _HELD_MARKS.append(mark)
     return path
+
+
+def _locked_by_someone(mark_path: str) -> bool:
+    """Whether a live agent holds the owner mark's lock: it works across PID namespaces (a
+    container with ``--ipc=host`` shares ``/dev/shm`` but not pids) and survives pid reuse."""
+    try:
+        with open(mark_path) as probe:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when probe closes
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _start_time(pid: int) -> float:
@@ -114,6 +140,8 @@ def remove_orphaned_shm(base: str) -> None:
             pid, created = int(pid_text), float(started)
         except (OSError, ValueError):
             continue  # not ours to judge (no owner mark)
+        if _locked_by_someone(os.path.join(base, entry, OWNER_FILE)):
+            continue  # its agent lives, perhaps in another PID namespace where its pid means nothing here
         if _start_time(pid) != created:  # that agent is gone (or its pid was reused)
             shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
 

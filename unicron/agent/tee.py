@@ -88,6 +88,7 @@ class ConsoleTee:
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.read_bytes = 0  # read from the files so far: how close() tells a backlog from a blocked console
 
     def follow(
         self, path: str, prefix: str, *, stream: str = "stdout", copy: LineCopy | None = None, raw: bool = False
@@ -132,16 +133,25 @@ class ConsoleTee:
         with self._lock:
             return len(self._follows)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Echo what is left of every file and stop. A console that blocks longer than timeout is left behind."""
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Echo what is left of every file and stop; False if some was left unshown. However far
+        behind the echo is (ranks that logged hundreds of MB on a busy host), it goes on while
+        it makes progress; only a console that takes nothing for ``timeout_s`` is left behind."""
         with self._lock:
             self._closing = True
             for entry in self._follows:
                 entry.finished = True
             thread = self._thread
         self._wake.set()
-        if thread is not None:
+        if thread is None:
+            return True
+        while True:
+            before = self.read_bytes
             thread.join(timeout_s)
+            if not thread.is_alive():
+                return True
+            if self.read_bytes == before:  # the console blocks: what is left stays in the files
+                return False
 
     def _run(self) -> None:
         while True:
@@ -173,6 +183,7 @@ class ConsoleTee:
             except OSError:
                 return False
         data = entry.handle.read(1 << 16)
+        self.read_bytes += len(data)
         if not data:
             if entry.raw_held:  # the writer paused mid-line (a prompt, a progress bar): show it now
                 self._emit(entry, entry.raw_held)

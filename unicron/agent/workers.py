@@ -19,6 +19,7 @@ from unicron.agent.procs import start_worker
 from unicron.agent.proctree import is_exiting, process_state
 from unicron.agent.ranks import GroupSpec, RankState, median
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
+from unicron.agent.sendqueues import SendQueueWatch
 from unicron.agent.stackdump import dump_stacks
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.terminate import terminate_all
@@ -63,18 +64,23 @@ class WorkerGroup:
         self.peers_done = False  # the coordinator says a rank of another node is past its last step
         self.saw_hello = False
         self.activity = ActivityTracker()
+        self.sendq = SendQueueWatch()  # each rank's TCP send queues, drained (a slow collective)
         self.level = Activity.IDLE  # what the local ranks overdue for a step are doing
         self.working_at: float | None = None  # when a rank of the job was last seen working (monotonic)
         self.busy_at: float | None = None  # ... and busy
         self.linger_s = LINGER_S  # see lingering_notices
 
     # ---- lifecycle -----------------------------------------------------------------
-    def start(self, now: float) -> None:
+    def start(self, now: float, tick: Callable[[], None] = lambda: None) -> None:
+        """Start every local rank; ``tick`` runs between two (the agent's heartbeat: forking
+        two dozen ranks on a busy host takes seconds, longer than the heartbeat timeout)."""
         nproc = self.spec.local_world_sizes[self.spec.node_rank]
         pairs = [(lr, self.spec.rank_offset + lr) for lr in range(nproc)]
         plans = self.run_logs.prepare_attempt(self.spec.attempt, pairs, role=self.role)
         self.started_at = now
-        for plan in plans:
+        for n, plan in enumerate(plans):
+            if n:
+                tick()
             plan = capture_stderr(plan)
             env = self.env_for(plan.local_rank, plan.rank, plan.error_file or "")
             # A warm interpreter (torch already imported) if one is ready, else a cold start.
@@ -199,7 +205,7 @@ class WorkerGroup:
             self.level = Activity.IDLE
             return self.level
         if self.activity.due(mono):
-            self.activity.add(mono, {r.rank: tree_usage(r.proc.pid) if r.exitcode is None else None
+            self.activity.add(mono, {r.rank: tree_usage(r.proc.pid, self.sendq) if r.exitcode is None else None
                                      for r in self.ranks.values()})
         self.level = self.activity.level(mono) or Activity.IDLE
         stats = self.hang.stats

@@ -10,7 +10,8 @@ Three levels, job-wide (the highest level of any rank counts):
   ``unicron.worker.liveness``): a slow read is not a peer holding up a collective, and may use
   no CPU at all. A hang only after the longer ``max(busy_k x median, busy_floor)``.
 - ``WORKING``: some rank's Python keeps moving (``unicron.worker.liveness``: an evaluation, a
-  compilation), its process tree reads or writes (a checkpoint), or its helper processes
+  compilation), its process tree reads or writes (a checkpoint), its own sockets' data drains
+  to a peer (a collective over a slow link: ``unicron.agent.sendqueues``), or its helper processes
   compute (data loader workers, a ``multiprocessing.Pool``, compile workers) while the worker
   waits for them. That is progress: the hang clock restarts from it. A wait in a collective
   keeps no helper computing: a data loader stops once its prefetch queue is full.
@@ -53,6 +54,24 @@ class Usage:
     # fsync's writeback, a throttled or network disk), which moves no counter above. A peer in
     # a collective waits interruptibly (gloo, NCCL's host threads), so this is never a hang's wait.
     storage_wait: bool = False
+    # Bytes the worker's own TCP send queues drained (``unicron.agent.sendqueues``): a
+    # collective's data leaving over a slow link after its write was counted, all at once.
+    net_drained: int = 0
+    # Seconds the tree's threads were runnable but waited for a CPU (``schedstat``'s run delay),
+    # and the descendants' part of it. On an oversubscribed host a computing rank receives a
+    # fraction of a core but wants a whole one: what it wants is what tells it from a waiting
+    # one (a wait in a collective sleeps, and is never on a run queue).
+    runq_s: float = 0.0
+    helper_runq_s: float = 0.0
+    # A thread of the worker (of its descendants) was runnable (R) when sampled. Run-queue
+    # wait counts only when so at both ends of the window: a computing thread always is, while
+    # a waiting rank's threads sleep, however long each of their brief wake-ups waited for a CPU.
+    runnable: bool = False
+    helper_runnable: bool = False
+    # The worker's main output (stdout or stderr) was blocked writing into a full pipe or a
+    # stopped terminal when sampled: a console reader that is slow or paused (``| less``,
+    # Ctrl-S, ``| tee`` over a slow link). The job waits for its reader, as under torchrun.
+    output_wait: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,22 +79,27 @@ class BusyRule:
     """Rates that make a rank BUSY (CPU) or WORKING (I/O), measured over ``window_s``.
 
     0.2 of a core is far above what an idle worker burns (a ZeroMQ I/O thread, a watchdog
-    waking up) and far below a single thread computing or spin-waiting (1.0). 64 KiB/s of I/O
+    waking up) and far below a single thread computing or spin-waiting (1.0); CPU counts as
+    received plus waited for on a run queue, so a host with ten busy processes per core, where
+    a computing rank receives 0.1 of a core, still shows it computing. 64 KiB/s of I/O
     catches a checkpoint being written or a dataset being read with little CPU, and a
     collective's traffic through a slow link: gloo sends with ``writev``, which the kernel
     counts (its receives are not counted, but activity is job-wide, and every transfer has a
     sender). A rank in a hung collective moves no bytes at all, and a logging thread far less
-    (64 KiB/s would be over 300 lines of 200 characters a second).
+    (64 KiB/s would be over 300 lines of 200 characters a second). Bytes drained from the
+    worker's TCP send queues need far less (1 KiB/s): only data on its way to a peer drains, so
+    even a link degraded to a few kbit/s is a collective at work; a hung one drains nothing.
     """
 
     cpu_cores: float = 0.2
     io_bytes_per_s: float = 64.0 * 1024.0
+    net_bytes_per_s: float = 1024.0
     window_s: float = 1.0
     period_s: float = 0.25
 
     def __post_init__(self) -> None:
-        if self.cpu_cores <= 0 or self.io_bytes_per_s <= 0 or self.period_s <= 0:
-            raise ValueError("cpu_cores, io_bytes_per_s and period_s must be > 0")
+        if min(self.cpu_cores, self.io_bytes_per_s, self.net_bytes_per_s, self.period_s) <= 0:
+            raise ValueError("cpu_cores, io_bytes_per_s, net_bytes_per_s and period_s must be > 0")
         if self.window_s < self.period_s:
             raise ValueError("window_s must be at least period_s")
 
@@ -88,12 +112,22 @@ def level_between(before: Usage, after: Usage, rule: BusyRule) -> Activity:
         return Activity.IDLE
     if after.storage_wait and before.storage_wait:  # waited on storage the whole window: I/O work
         return Activity.WORKING
+    if after.output_wait and before.output_wait:  # ... or on whoever reads its output
+        return Activity.WORKING
     if max(0, after.io_bytes - before.io_bytes) / dt >= rule.io_bytes_per_s:
         return Activity.WORKING
-    if max(0.0, after.helper_cpu_s - before.helper_cpu_s) / dt >= rule.cpu_cores:
-        return Activity.WORKING  # its helpers compute: the worker waits for their output
-    if max(0.0, after.cpu_s - before.cpu_s) / dt >= rule.cpu_cores:
-        return Activity.BUSY
+    if max(0, after.net_drained - before.net_drained) / dt >= rule.net_bytes_per_s:
+        return Activity.WORKING  # its data is on its way to a peer: a slow collective
+    helpers = max(0.0, after.helper_cpu_s - before.helper_cpu_s)
+    if before.helper_runnable and after.helper_runnable:
+        helpers += max(0.0, after.helper_runq_s - before.helper_runq_s)
+    if helpers / dt >= rule.cpu_cores:
+        return Activity.WORKING  # its helpers compute (or want to): the worker waits for their output
+    wanted = max(0.0, after.cpu_s - before.cpu_s)
+    if before.runnable and after.runnable:
+        wanted += max(0.0, (after.runq_s - after.helper_runq_s) - (before.runq_s - before.helper_runq_s))
+    if wanted / dt >= rule.cpu_cores:
+        return Activity.BUSY  # it computes, or would if the host gave it a core
     return Activity.IDLE
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from unicron.errors import UsageError
 from unicron.launch.args import BY_DEST, InjectSpec, RdzvConf, StdSpec, split_endpoint
 from unicron.launch.commands import split_argv
-from unicron.launch.layers import CLI, DEFAULT, Resolver, load_config_file
+from unicron.launch.layers import CLI, DEFAULT, ENV, Resolver, load_config_file
 from unicron.launch.slurm import slurm_info
 from unicron.smallfile import NotReadable, read_regular
 
@@ -176,6 +176,20 @@ def _read_secret(path: str, label: str, warnings: list[str]) -> bytes:
     return data
 
 
+def _sized_apart_from_slurm(v: Mapping[str, Any], r: Resolver, slurm_nnodes: str | None) -> bool:
+    """Under Slurm, whether the job's size is the user's own: ``--standalone``, or a node count
+    given above Slurm's layer (a flag or variable) that is not the allocation's."""
+    if v["standalone"]:
+        return True
+    if r.ranks["nnodes"] > ENV:
+        return False
+    _, max_nodes = v["nnodes"]
+    try:
+        return slurm_nnodes is None or int(slurm_nnodes) != max_nodes
+    except ValueError:
+        return True  # Slurm's own value is unusable; the user's wins
+
+
 def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
                    probe: DeviceProbe = default_probe) -> LaunchConfig:
     """Parse `unicron run` arguments (without the `run`) against ``environ``. Raises
@@ -192,8 +206,16 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
                 slurm_layer[dest] = (value, slurm.source[dest])
     r = Resolver(split.given, split.spelling, environ, slurm_layer, file_values,
                   str(config_path) if config_path else None)
-    warnings: list[str] = []
     v: dict[str, Any] = {o.dest: r.get(o.dest) for o in BY_DEST.values()}
+    if slurm is not None and _sized_apart_from_slurm(v, r, slurm.nnodes):
+        # Slurm's node count, node id and job id describe the allocation, not a job the user
+        # sized apart from it (`srun -N2 unicron run --standalone ...`: one job per node, as
+        # torchrun runs them; two such jobs must not share an id either).
+        slurm_layer = {}
+        r = Resolver(split.given, split.spelling, environ, slurm_layer, file_values,
+                      str(config_path) if config_path else None)
+        v = {o.dest: r.get(o.dest) for o in BY_DEST.values()}
+    warnings: list[str] = []
     label = r.labels
     min_nodes, max_nodes = v["nnodes"]
     nproc = resolve_nproc(v["nproc_per_node"], probe, label["nproc_per_node"])

@@ -192,8 +192,11 @@ class SlotStore:
         path = self.directory / slot_name(slot)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size > total:
+            size = os.fstat(fd).st_size
+            if size > total:
                 os.ftruncate(fd, total)
+            elif size < total:
+                check_headroom(os.fstatvfs(fd), total - size, total)
             # reserve the pages now: a full tmpfs is then an OSError here, not a SIGBUS mid-copy
             os.posix_fallocate(fd, 0, total)
         finally:
@@ -220,6 +223,25 @@ class SlotStore:
         if data is not None and slot in self._pinned:  # unregistered while still mapped
             self._pinned.discard(slot)
             cudadriver.unregister_host(data.data_ptr())
+
+
+def headroom_bytes(fs_bytes: int, slot_bytes: int) -> int:
+    """Shared memory snapshots leave free (pure): a quarter of the file system, and never less
+    than two slots' worth. The job itself needs ``/dev/shm``: a DataLoader's workers pass every
+    batch through it, NCCL's intra-node transport too; a container's default is 64 MB."""
+    return max(fs_bytes // 4, 2 * slot_bytes)
+
+
+def check_headroom(vfs: os.statvfs_result, growth: int, slot_bytes: int) -> None:
+    """Raise ENOSPC (as a full file system would) when growing a slot by ``growth`` bytes would
+    leave less than ``headroom_bytes`` free; the caller keeps fewer snapshots, or none."""
+    fs_bytes, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+    keep = headroom_bytes(fs_bytes, slot_bytes)
+    if free - growth < keep:
+        raise OSError(errno.ENOSPC, f"shared memory too small for a {slot_bytes / 1e6:.1f} MB snapshot: "
+                                    f"{free / 1e6:.0f} of {fs_bytes / 1e6:.0f} MB free, and {keep / 1e6:.0f} MB "
+                                    "stay free for the job's own use (DataLoader workers, NCCL); give the "
+                                    "container more (docker run --shm-size, or --ipc=host)")
 
 
 class PendingSnapshot:
