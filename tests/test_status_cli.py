@@ -370,6 +370,19 @@ def test_watch_reads_how_a_gone_run_ended_from_its_event_log(runs_dir: Path, tmp
     assert out.splitlines()[-1] == "run gpt-demo ended (done, exit 0: all workers finished successfully)"
 
 
+def test_two_runs_of_one_job_id_are_told_apart_by_their_endpoints(tmp_path: Path, runs_dir: Path) -> None:
+    """Acceptance 19C F2: two one-node jobs of one Slurm allocation share its job id; `status
+    --json --job ID` said to pick one with --job, which cannot tell them apart."""
+    register_local(tmp_path, "127.0.0.1:1001", os.getpid())
+    register_local(tmp_path, "127.0.0.1:1002", os.getppid())
+    register_local(tmp_path, "127.0.0.1:1003", os.getpid(), job="other")
+    code, msg = invoke(["status", "--json", "--job", JOB])
+    assert code == 2 and msg == (f"2 runs of job {JOB!r} on this machine: pick one with --endpoint "
+                                 "(127.0.0.1:1001, 127.0.0.1:1002)")
+    code, msg = invoke(["status", "--json"])
+    assert code == 2 and "pick one with --endpoint" in msg  # the job ids alone repeat
+
+
 def test_two_runs_of_one_job_id_keep_their_own_entries(tmp_path: Path, runs_dir: Path) -> None:
     """The same --rdzv-id at two endpoints on one machine: both are listed, and the first to end
     removes only its own entry (it used to overwrite the other's, then delete it)."""

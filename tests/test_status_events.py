@@ -81,6 +81,28 @@ def test_find_events_file_picks_the_newest_run(tmp_path: Path) -> None:
         find_events_file(tmp_path / "missing")
 
 
+def test_a_path_that_cannot_be_read_is_one_error_naming_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Acceptance 19C F7: another user's run (its directory 0700) was "internal error:
+    PermissionError", exit 70, and its parent "no events.jsonl under DIR" in silence."""
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    with pytest.raises(InputError, match="cannot read .*a-file/events.jsonl: Not a directory"):
+        find_events_file(afile / "events.jsonl")
+    theirs = tmp_path / "theirs" / "run"
+    theirs.mkdir(parents=True)
+    (theirs / "events.jsonl").write_text("{}\n")
+    real_scandir = os.scandir
+
+    def refused(path):  # what a 0700 directory of another user does (root reads anything)
+        if str(path) == str(theirs):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refused)
+    with pytest.raises(InputError, match=r"no events.jsonl under .* \(1 directory could not be read, e.g. .*theirs/run\)"):
+        find_events_file(tmp_path / "theirs")
+
+
 def _empty_dir(base: Path) -> Path:
     d = base / "empty"
     d.mkdir()

@@ -27,3 +27,28 @@ def test_clip_fields_bounds_each_text_field_of_a_fault() -> None:
     assert fault["summary"] == "s" and fault["stderr_tail"] is None and fault["rank"] == 0
     for name in ("message", "traceback"):
         assert len(fault[name]) < FAULT_FIELD_LIMITS[name] + 100
+
+
+def test_an_exception_from_a_data_loader_worker_shows_the_workers_own_line() -> None:
+    """Acceptance 19A F2: a corrupt sample was reported everywhere as "Caught ValueError in
+    DataLoader worker process 0.": which sample, and what was wrong, were lost. The message is
+    torch's own (``ExceptionWrapper.reraise``), made here by a real loader."""
+    from torch.utils.data import DataLoader, Dataset
+
+    from unicron.textclip import first_line
+
+    class Corrupt(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> int:
+            raise ValueError(f"corrupt sample {i}\nsecond line of it")
+
+    try:
+        next(iter(DataLoader(Corrupt(), num_workers=1)))
+    except ValueError as err:
+        message = str(err)
+    assert message.startswith("Caught ValueError in DataLoader worker process 0.")
+    assert first_line(message) == "ValueError: corrupt sample 0 (in DataLoader worker process 0)"
+    assert first_line("\nplain\nmore") == "plain" and first_line(" \n ") == ""
+    assert first_line("Caught X in Y.\nOriginal Traceback (most recent call last):\n  gone") == "Caught X in Y."

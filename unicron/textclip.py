@@ -32,10 +32,24 @@ def clip(text: str, limit: int) -> str:
     return f"{text[:head]} ... [{len(text) - limit} characters left out] ... {text[len(text) - tail:]}"
 
 
+_WRAPPED = "Original Traceback (most recent call last):"
+
+
 def first_line(text: str) -> str:
     """The first line of ``text`` that holds something (torch's own messages may start with a
-    newline): what a one-line report shows of a multi-line message."""
-    return next((line.strip() for line in text.split("\n") if line.strip()), "")
+    newline): what a one-line report shows of a multi-line message. An exception torch carried
+    out of a DataLoader worker (``Caught E in DataLoader worker process N.``, the worker's
+    traceback, its last line ``E: message``) shows the worker's own line, which names the
+    sample or file: "E: message (in DataLoader worker process N)"."""
+    lines = [line.strip() for line in text.split("\n") if line.strip()]
+    if not lines:
+        return ""
+    if len(lines) > 2 and lines[1] == _WRAPPED and lines[0].startswith("Caught "):
+        kind, _, where = lines[0].removeprefix("Caught ").removesuffix(".").partition(" in ")
+        own = next((line for line in reversed(lines[2:]) if line == kind or line.startswith(f"{kind}:")), None)
+        if own is not None:
+            return f"{own} (in {where})" if where else own
+    return lines[0]
 
 
 def clip_line(value: object, limit: int = LINE_LIMIT) -> str:

@@ -59,14 +59,20 @@ def status(
         raise UsageError("--json and --watch cannot be combined (use --watch, or poll --json yourself)")
     targets = resolve_targets(endpoint, job, secret_file)
     console = _console()
+    # Two runs may share a job id (one --rdzv-id at two endpoints, two one-node jobs of one
+    # Slurm allocation): then only the endpoint tells them apart.
+    shared_id = len(targets) > 1 and len({t.job for t in targets}) < len(targets)
+    pick = "--endpoint HOST:PORT" if shared_id else "--job ID"
     if as_json:
         if len(targets) > 1:
-            raise UsageError(f"{len(targets)} runs on this machine: pick one with --job "
-                             f"({', '.join(t.job for t in targets)})")
+            names = sorted(t.endpoint for t in targets) if shared_id else [t.job for t in targets]
+            raise UsageError(f"{len(targets)} runs {f'of job {job!r} ' if job else ''}on this machine: pick one "
+                             f"with {pick.split()[0]} ({', '.join(names)})")
         print(_dump(fetch_snapshot(targets[0], timeout)))
         return 0
     if watch:
-        poll = SnapshotPoller(targets[0], timeout) if len(targets) == 1 else RunsPoller(timeout)
+        poll = SnapshotPoller(targets[0], timeout) if len(targets) == 1 else RunsPoller(
+            timeout, targets=lambda: resolve_targets(None, job, None, as_rows=True))
         try:
             ended = run_watch(console, poll, interval)
         except KeyboardInterrupt:
@@ -77,7 +83,7 @@ def status(
         console.print(render_status(fetch_snapshot(targets[0], timeout), time.time()))
         return 0
     print_runs(console, render_runs(poll_targets(targets, timeout), time.time()))
-    console.print("pick one with --job ID for the full view", style="dim")
+    console.print(f"pick one with {pick} for the full view", style="dim")
     return 0
 
 

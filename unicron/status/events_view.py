@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -47,15 +49,25 @@ def parse_time(text: str, now: float) -> float:
 def find_events_file(path: str | Path) -> Path:
     """``path`` itself if it is a file; for a directory, the newest events.jsonl below it."""
     p = Path(path)
-    if p.is_file():
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file or directory") from None
+    except OSError as err:  # a directory on the way this user may not enter (another user's run)
+        raise InputError(f"cannot read {path}: {err.strerror or err}") from None
+    if stat.S_ISREG(st.st_mode):
         return p
-    if not p.exists():
-        raise InputError(f"{path}: no such file or directory")
-    if not p.is_dir():
+    if not stat.S_ISDIR(st.st_mode):
         raise InputError(f"{path}: not a file or directory")
-    found = [f for f in p.rglob(EVENTS_FILE) if f.is_file()]
+    found: list[Path] = []
+    unreadable: list[str] = []
+    for root, _, files in os.walk(p, onerror=lambda err: unreadable.append(str(err.filename))):
+        if EVENTS_FILE in files and os.path.isfile(os.path.join(root, EVENTS_FILE)):
+            found.append(Path(root) / EVENTS_FILE)
     if not found:
-        raise InputError(f"no {EVENTS_FILE} under {path}")
+        why = f" ({len(unreadable)} director{'y' if len(unreadable) == 1 else 'ies'} could not be read, " \
+              f"e.g. {unreadable[0]})" if unreadable else ""
+        raise InputError(f"no {EVENTS_FILE} under {path}{why}")
     return max(found, key=lambda f: f.stat().st_mtime)
 
 
