@@ -3,7 +3,9 @@ errors into one line for the user and an exit code."""
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import sys
 
 import typer
@@ -93,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         if os.environ.get("UNICRON_DEBUG"):
             raise
+        if getattr(exc, "errno", None) == errno.EMFILE:  # an OSError, or ZeroMQ's own error
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            error_line(f"out of open files (the limit is {limit}: ulimit -n); raise it, or start fewer ranks per node")
+            return 1
         error_line(f"internal error: {type(exc).__name__}: {exc} (set UNICRON_DEBUG=1 for the traceback)")
         return 70
     if rv == 130:  # typer turned a Ctrl-C into Exit(130), which standalone_mode=False returns

@@ -16,6 +16,7 @@ import zmq
 
 from unicron.agent import errorfile
 from unicron.agent.agent import Agent
+from unicron.agent.fdlimit import ensure_fd_limit
 from unicron.agent.joining import join_body
 from unicron.agent.logs import RunLogDir
 from unicron.agent.settings import AgentSettings
@@ -47,6 +48,7 @@ def run_job(cfg: Any) -> int:
 
 def run_agent(s: AgentSettings) -> int:
     set_child_subreaper(True)  # orphaned grandchildren of workers come to us, so we can reap them
+    fd_warning = ensure_fd_limit(s.nproc)  # before anything opens: a few hundred ranks outgrow 1024
     run_logs = RunLogDir(s.log_spec, s.run_id)
     events_dir = run_logs.run_dir or tempfile.mkdtemp(prefix="unicron_events_")
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
@@ -57,7 +59,7 @@ def run_agent(s: AgentSettings) -> int:
     stopped_by, stopped_code = "", 1
     metrics: Any = None
     secret_file: str | None = None
-    for warning in s.warnings:
+    for warning in [*s.warnings, fd_warning] if fd_warning else s.warnings:
         ui.warn(warning)
     with LauncherSignals(s.signals) as signals:
         # Once this launcher is interrupted, what the embedded coordinator decides about this
