@@ -86,3 +86,26 @@ def test_a_coordinators_empty_secret_file_is_named_as_empty(tmp_path) -> None:
     empty.write_text("\n")
     proc = _run("coordinator", "--port", "0", "--secret-file", str(empty))
     assert proc.returncode == 2 and f"--secret-file: secret file {empty} is empty" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("closed", ["2>&-", ">&-"])
+def test_a_launcher_started_with_a_standard_stream_closed_runs_its_job(tmp_path, closed: str) -> None:
+    """Acceptance 19C F8: with stderr closed (`2>&-`, some daemonizers and cron wrappers) the
+    launcher exited 1 at once, silently (its first line met ``sys.stderr`` None); with stdout
+    closed the zygote died in a traceback and every worker started cold. torchrun runs both."""
+    import shlex
+
+    script = tmp_path / "t.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\nprint('to stdout')\n")
+    marker = tmp_path / "ran"
+    cmd = " ".join(shlex.quote(a) for a in unicron_cmd("run", "--standalone", "--nproc-per-node", "1",
+                                                      "--log-dir", str(tmp_path / "logs"), str(script), str(marker)))
+    # The stream not closed goes to a file, so the test sees what was said there.
+    rest = ">out.txt" if closed == "2>&-" else "2>err.txt"
+    proc = subprocess.run(["sh", "-c", f"exec {closed} {rest}; exec {cmd}"], cwd=tmp_path, env=clean_env(), timeout=120)
+    assert proc.returncode == 0, (tmp_path / "err.txt").read_text() if (tmp_path / "err.txt").exists() else ""
+    assert marker.read_text() == "ran"
+    if closed == ">&-":
+        assert "Traceback" not in (tmp_path / "err.txt").read_text()
+        events = next((tmp_path / "logs").rglob("events.jsonl")).read_text()
+        assert '"warm":1' in events, "the worker started cold"

@@ -299,6 +299,10 @@ def test_a_job_sized_apart_from_the_slurm_allocation_ignores_its_node_values(scr
         assert cfg.rdzv_id != "123"  # two such jobs on one host are not one job
     cfg = parse(["--nproc-per-node", "2", script], {**env, "PET_NNODES": "1"})
     assert (cfg.max_nodes, cfg.node_rank) == (1, None)
+    # 19C F9: with an explicit --master-port (several one-node jobs per node) it stays local too.
+    cfg = parse(["--nnodes", "1", "--master-port", "38500", script], env)
+    assert (cfg.max_nodes, cfg.node_rank, cfg.master_addr) == (1, None, "127.0.0.1")
+    assert cfg.rdzv_endpoint == "127.0.0.1:38500"
     # Sized as the allocation is: Slurm's node id and job id are this job's.
     cfg = parse(["--nnodes", "2", "--nproc-per-node", "2", script], env)
     assert (cfg.max_nodes, cfg.node_rank, cfg.rdzv_id) == (2, 1, "123")

@@ -207,7 +207,8 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
     r = Resolver(split.given, split.spelling, environ, slurm_layer, file_values,
                   str(config_path) if config_path else None)
     v: dict[str, Any] = {o.dest: r.get(o.dest) for o in BY_DEST.values()}
-    if slurm is not None and _sized_apart_from_slurm(v, r, slurm.nnodes):
+    sized_apart = slurm is not None and _sized_apart_from_slurm(v, r, slurm.nnodes)
+    if sized_apart:
         # Slurm's node count, node id and job id describe the allocation, not a job the user
         # sized apart from it (`srun -N2 unicron run --standalone ...`: one job per node, as
         # torchrun runs them; two such jobs must not share an id either).
@@ -215,6 +216,8 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         r = Resolver(split.given, split.spelling, environ, slurm_layer, file_values,
                       str(config_path) if config_path else None)
         v = {o.dest: r.get(o.dest) for o in BY_DEST.values()}
+        if v["nnodes"][1] == 1:
+            slurm = None  # a one-node job: nor Slurm's first host (an elastic one keeps it: its nodes meet there)
     warnings: list[str] = []
     label = r.labels
     min_nodes, max_nodes = v["nnodes"]
