@@ -50,5 +50,16 @@ def test_an_exception_from_a_data_loader_worker_shows_the_workers_own_line() -> 
         message = str(err)
     assert message.startswith("Caught ValueError in DataLoader worker process 0.")
     assert first_line(message) == "ValueError: corrupt sample 0 (in DataLoader worker process 0)"
+    # The decision's cause and the exception's console line say it once, type included.
+    from unicron.agent.ui import fault_line
+    from unicron.detect.evidence import short
+
+    assert short(message) == "ValueError: corrupt sample 0 (in DataLoader worker process 0)"
+    line = fault_line({"kind": "exception", "rank": 1, "error_type": "ValueError", "message": message}, "n")
+    assert line.endswith(": ValueError: corrupt sample 0 (in DataLoader worker process 0)"), line
+    from unicron.coord.view import describe_fault
+
+    assert describe_fault({"kind": "exception", "rank": 1, "error_type": "ValueError", "message": message}) == \
+        "exception on rank 1: ValueError: corrupt sample 0 (in DataLoader worker process 0)"
     assert first_line("\nplain\nmore") == "plain" and first_line(" \n ") == ""
     assert first_line("Caught X in Y.\nOriginal Traceback (most recent call last):\n  gone") == "Caught X in Y."

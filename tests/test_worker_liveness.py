@@ -295,6 +295,10 @@ def test_work_on_another_thread_moves_while_the_main_thread_waits_for_it() -> No
 
     assert _moved_while(on_a_pool(_evaluate)) >= 1
     assert _moved_while(on_a_pool(_poll)) == 0  # a monitoring thread: new calls, little CPU
+    # Acceptance 19A F3: a pool task that is one long native op changes no frame for seconds;
+    # it computes while the main thread waits for it (on the main thread itself: one long call).
+    if main_thread_cpu() is not None:
+        assert _moved_while(on_a_pool(_one_native_call)) >= 1
 
 
 def test_another_threads_motion_needs_its_own_cpu() -> None:

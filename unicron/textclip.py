@@ -44,12 +44,18 @@ def first_line(text: str) -> str:
     lines = [line.strip() for line in text.split("\n") if line.strip()]
     if not lines:
         return ""
+    return wrapped_origin(lines) or lines[0]
+
+
+def wrapped_origin(lines: list[str]) -> str | None:
+    """The worker's own line of a message torch carried out of a DataLoader worker (its
+    non-empty, stripped ``lines``), with where it came from; None for any other message."""
     if len(lines) > 2 and lines[1] == _WRAPPED and lines[0].startswith("Caught "):
         kind, _, where = lines[0].removeprefix("Caught ").removesuffix(".").partition(" in ")
         own = next((line for line in reversed(lines[2:]) if line == kind or line.startswith(f"{kind}:")), None)
         if own is not None:
             return f"{own} (in {where})" if where else own
-    return lines[0]
+    return None
 
 
 def clip_line(value: object, limit: int = LINE_LIMIT) -> str:

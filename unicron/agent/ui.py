@@ -123,7 +123,7 @@ def fault_line(fault: dict[str, Any], node_id: str) -> str:
     node = fault.get("node_id") or node_id
     who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {node}"
     what = first_line(str(fault.get("summary") or fault.get("message") or ""))
-    if fault.get("error_type") and not fault.get("summary"):
+    if fault.get("error_type") and not fault.get("summary") and not what.startswith(f"{fault['error_type']}:"):
         what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
     code = fault.get("exitcode")
     if fault.get("kind") == "exit" and type(code) is int and code > 0 and not fault.get("error_type") \

@@ -71,7 +71,7 @@ def describe_fault(fault: dict[str, Any]) -> str:
     where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('node_id') or fault.get('host', '?')}"
     kind = fault.get("kind", "fault")
     detail = first_line(str(fault.get("message") or ""))
-    if fault.get("error_type"):
+    if fault.get("error_type") and not detail.startswith(f"{fault['error_type']}:"):  # a loader worker's names it
         detail = f"{fault['error_type']}: {detail}" if detail else str(fault["error_type"])
     return f"{kind} on {where}" + (f": {clip_line(detail)}" if detail else "")
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unicron.detect.faults import Fault, stderr_summary
+from unicron.textclip import wrapped_origin
 
 # Health faults this close (seconds) to a worker fault on the same node are evidence about it.
 HEALTH_EVIDENCE_WINDOW_S = 30.0
@@ -107,12 +108,16 @@ def gather(fault: Fault, health: Sequence[Fault]) -> Evidence:
 
 def short(text: str, limit: int = 200) -> str:
     # Lines end at "\n" only: a "\r" (a progress-style message) is part of the line, shown escaped.
-    line = text.strip().split("\n")[0].rstrip("\r") if text.strip() else ""
+    # A DataLoader worker's error carried out by torch shows the worker's own line (the sample).
+    line = wrapped_origin([s.strip() for s in text.split("\n") if s.strip()]) \
+        or (text.strip().split("\n")[0].rstrip("\r") if text.strip() else "")
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def error_summary(fault: Fault, ev: Evidence) -> str:
     if ev.exception_type:
         msg = short(ev.exception_message)
+        if msg.startswith(f"{ev.exception_type}:"):  # a loader worker's own line names its type
+            return msg
         return f"{ev.exception_type}: {msg}" if msg else ev.exception_type
     return short(fault.message) or short(stderr_summary(strip_prefixes(fault.stderr_tail)))

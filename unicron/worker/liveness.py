@@ -34,8 +34,10 @@ Work can also run in other Python threads while the main thread waits for it (an
 on a thread pool, a prefetching thread). Each such thread is judged the same way, on its own
 frames and its own CPU clock (``/proc/self/task/TID/schedstat``), with a higher bar
 (``MIN_CPU_THREAD``): a monitoring thread that wakes every few milliseconds makes new calls but
-barely computes, and must not keep a hung rank looking busy with work. unicron's own threads
-(named ``unicron-...``) never count.
+barely computes, and must not keep a hung rank looking busy with work. A pool task that is one
+long native op changes no frame for seconds: while the main thread is blocked on another thread
+(its innermost frame in ``threading``: a future, ``executor.map``, a join) and a thread of its
+own computes at that bar, that is work too. unicron's own threads (named ``unicron-...``) never count.
 
 A rank whose main thread waits inside a ``torch.utils.data`` loader (for its workers' next
 batch: a slow network or NFS read, a ``worker_init_fn`` opening a remote dataset; or a
@@ -246,9 +248,11 @@ class OtherThreads:
     def __init__(self, cpu: Callable[[int], float | None] = thread_cpu) -> None:
         self._cpu = cpu
         self._seen: dict[int, tuple[MotionJudge, deque[tuple[float, float]]]] = {}
+        self.computing = False  # at the last sample: one of them used MIN_CPU_THREAD, moving or not
 
     def reset(self) -> None:
         self._seen.clear()  # drops the frames the judges hold
+        self.computing = False
 
     def moving(self, now: float) -> bool:
         """One sample of every such thread; whether any of them is moving and computing."""
@@ -256,7 +260,7 @@ class OtherThreads:
         threads = {t.ident: t.native_id for t in user_threads() if t.ident is not None and t.native_id is not None}
         for ident in [i for i in self._seen if i not in threads]:
             del self._seen[ident]
-        moving = False
+        moving = self.computing = False
         for ident, native_id in threads.items():
             frame = frames.get(ident)
             if frame is None:
@@ -266,8 +270,19 @@ class OtherThreads:
             used = self._cpu(native_id)
             if used is not None:
                 cpu.append((now, used))
-            moving = moving or (changed and _rate(cpu) >= MIN_CPU_THREAD)
+            computes = _rate(cpu) >= MIN_CPU_THREAD
+            self.computing = self.computing or computes
+            moving = moving or (changed and computes)
         return moving
+
+
+def waits_for_threads(sample: FrameSample | None) -> bool:
+    """Whether the main thread is blocked on another thread: its innermost frame is in
+    ``threading`` (a future's result, ``executor.map``, ``join``, a queue or lock). With a
+    thread of its own computing meanwhile, that is an evaluation on a thread pool, whose long
+    native ops change no frame for seconds (acceptance 19A F3: it was called a hang)."""
+    frame = sample.frame if sample is not None else None
+    return frame is not None and _filename(frame).endswith("/threading.py")
 
 
 class FrameWatch:
@@ -367,7 +382,8 @@ class FrameWatch:
         batches = _batches
         arrived, self._batches_seen = batches != self._batches_seen, batches
         others = self._others.moving(now)
-        if not (moving and computing or looping or arrived or others or in_debugger(signature)):
+        pooled = self._others.computing and waits_for_threads(signature)
+        if not (moving and computing or looping or arrived or others or pooled or in_debugger(signature)):
             if self._emit_data is not None and now - self._last_data_sent >= SEND_EVERY_S \
                     and waits_for_data(signature):
                 self._last_data_sent = now
