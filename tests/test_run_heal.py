@@ -179,18 +179,21 @@ def test_a_frozen_rank_is_named_and_the_job_heals(workdir, reference_hash) -> No
     assert stopped["killed_ranks"] == [], stopped
 
 
-@pytest.mark.parametrize(("kind", "seconds", "flags"), [
-    ("eval", 6, ("--hang-busy-floor", "3")),  # Python moving: work, even past the busy threshold
-    ("io", 6, ("--hang-busy-floor", "3")),  # writing a file: work
-    ("native", 5, ()),  # CPU in one C call, Python still: the busy threshold (10 s) applies
-    ("calls", 14, ()),  # C calls one after another: work, though each sample finds the same call
-    ("helper", 6, ("--hang-busy-floor", "3")),  # a helper process computes, the worker waits: work
-    ("thread", 6, ("--hang-busy-floor", "3")),  # a thread pool evaluates, the main thread waits: work
+# Each pause is 6 s past a 3 s busy floor, at steps 5, 7, 9 and 11 of one run: Python moving
+# (eval), writing a file (io), a helper process computing while the worker waits (helper), a
+# thread pool evaluating while the main thread waits (thread): all work.
+WORK_PAUSES = ",".join(f"{kind}@1:{step}:6" for kind, step in (("eval", 5), ("io", 7), ("helper", 9), ("thread", 11)))
+
+
+@pytest.mark.parametrize(("pauses", "flags"), [
+    (WORK_PAUSES, ("--hang-busy-floor", "3")),
+    ("native@1:5:5", ()),  # CPU in one C call, Python still: the busy threshold (10 s) applies
+    ("calls@1:5:14", ()),  # C calls one after another: work, though each sample finds the same call
 ])
-def test_long_phase_between_steps_is_not_a_hang(workdir, reference_hash, kind, seconds, flags) -> None:
+def test_long_phase_between_steps_is_not_a_hang(workdir, reference_hash, pauses, flags) -> None:
     # Rank 1 spends seconds between two steps while rank 0 idles in a barrier: far beyond the
     # idle threshold (1.5 s), and it must not be called a hang.
-    code, out, err = _train(workdir, "paused.txt", *flags, script_args=("--pause", f"{kind}@1:5:{seconds}"))
+    code, out, err = _train(workdir, "paused.txt", *flags, script_args=("--pause", pauses))
     assert code == 0, err
     assert (workdir / "paused.txt").read_text() == reference_hash
     events = read_events(workdir / "logs")

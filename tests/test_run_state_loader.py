@@ -11,12 +11,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 # A mid-epoch resume as scripts write it: the batch index in State's extra, skipped batches.
 SCRIPT = """
-import hashlib, itertools, sys
+import hashlib, itertools, os, sys
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import unicron
 
 steps, kind = int(sys.argv[1]), sys.argv[2]
+again_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # rank 1 is killed there in the first restart too
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
@@ -41,6 +42,8 @@ while step < steps:
         for p in model.parameters():
             dist.all_reduce(p.grad)
         opt.step()
+        if step + 1 == again_at and rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
+            os.kill(os.getpid(), 9)
         step += 1
         state.extra["batch"] += 1
         state.commit(step)
@@ -55,11 +58,12 @@ dist.destroy_process_group()
 """
 
 
-def _run(workdir, kind: str, *flags: str) -> tuple[str, str]:
+def _run(workdir, kind: str, *flags: str, again_at: int = -1) -> tuple[str, str]:
     workdir.mkdir()
     (workdir / "train.py").write_text(SCRIPT)
     code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-                                  *flags, str(workdir / "train.py"), "50", kind], workdir, timeout=150)
+                                  *flags, str(workdir / "train.py"), "50", kind, str(again_at)], workdir,
+                                 timeout=150)
     assert code == 0, (out + err)[-3000:]
     shas = {line.split()[-1] for line in out.splitlines() if " sha " in line}
     assert len(shas) == 1, out[-2000:]
@@ -68,10 +72,13 @@ def _run(workdir, kind: str, *flags: str) -> tuple[str, str]:
 
 # 32 batches an epoch (16 with the DistributedSampler): step 36 is mid-epoch; step 32 ends the
 # DistributedSampler's second epoch, where a persistent loader's restored iterator is still one
-# more than the run without the fault made.
-@pytest.mark.parametrize(("kind", "kill_at"), [("shuffle", 37), ("persistent", 37), ("persistent", 33)])
-def test_a_restore_mid_epoch_is_bit_exact_with_a_data_loader(tmp_path, kind: str, kill_at: int) -> None:
+# more than the run without the fault made. The persistent case meets both in one run: killed
+# at 33 (restores 32), then again at 37 in the first restart (restores 36).
+@pytest.mark.parametrize(("kind", "kill_at", "again_at"), [("shuffle", 37, -1), ("persistent", 33, 37)])
+def test_a_restore_mid_epoch_is_bit_exact_with_a_data_loader(tmp_path, kind: str, kill_at: int, again_at: int) -> None:
     clean, _ = _run(tmp_path / "clean", kind)
-    healed, text = _run(tmp_path / "healed", kind, "--inject", f"kill@1:{kill_at}")
+    healed, text = _run(tmp_path / "healed", kind, "--inject", f"kill@1:{kill_at}", again_at=again_at)
     assert f"restoring step {kill_at - 1} from memory" in text, text[-3000:]
+    if again_at > 0:
+        assert f"restoring step {again_at - 1} from memory" in text, text[-3000:]
     assert healed == clean

@@ -22,7 +22,7 @@ parser.add_argument("--out", default="")
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--no-state", action="store_true")
 # A long phase between steps on one rank (an evaluation), while the others wait in a barrier:
-# --pause KIND@RANK:STEP:SECONDS, KIND eval (forward passes, as an evaluation loop), io (writing
+# --pause KIND@RANK:STEP:SECONDS[,...], KIND eval (forward passes, as an evaluation loop), io (writing
 # a file, little CPU), native (one long C call while the process computes, as a spin-wait), calls
 # (short C calls one after another, as an evaluation that is one big op per batch) or
 # helper (a helper process computes while the worker waits for it, as a data loader's workers)
@@ -80,7 +80,9 @@ def pause(kind: str, seconds: float) -> None:
 
         spinner = threading.Thread(target=spin, daemon=True)
         spinner.start()
-        done.wait(seconds)  # the main thread: one call, never back in Python meanwhile
+        # The main thread: one C call, never back in Python meanwhile (not a wait on the
+        # spinning thread: a main thread blocked on a thread that computes is a pool at work).
+        time.sleep(seconds)
         done.set()
         spinner.join()
         return
@@ -152,8 +154,8 @@ for step in range(start, args.steps):
         state.commit(step + 1)
     if args.sleep:
         time.sleep(args.sleep)
-    if args.pause:
-        kind, where = args.pause.split("@")
+    for spec in filter(None, args.pause.split(",")):
+        kind, where = spec.split("@")
         prank, pstep, seconds = where.split(":")
         if step + 1 == int(pstep):
             if prank == "*" or rank == int(prank):  # "*": every rank (a sharded checkpoint)
