@@ -317,3 +317,24 @@ def capture_stderr(plan: RankLogs) -> RankLogs:
         return plan
     return replace(plan, stderr_path=os.path.join(plan.directory, "stderr.log"), tee_stderr=True,
                    stderr_prefixed=False)
+
+
+NO_SPACE = ("[Errno 28]", "No space left on device", "[Errno 122]", "Disk quota exceeded")
+
+
+def full_copy_note(logs: RankLogs, message: str) -> str:
+    """What to add to a rank's "no space left" error when the file system of unicron's own copy
+    of its stderr is the full one: the script's `print(..., file=sys.stderr)` fails there, and
+    nothing else says that file is unicron's (acceptance 19B F7); "" otherwise."""
+    if logs.stderr_path is None or not any(s in message for s in NO_SPACE):
+        return ""
+    directory = os.path.dirname(logs.stderr_path)
+    try:
+        vfs = os.statvfs(directory)
+    except OSError:
+        return ""
+    if vfs.f_bavail > 0:
+        return ""
+    return (f" (the file system of unicron's copy of this rank's stderr, {directory}, is full: free it, "
+            "or point --log-dir (or TMPDIR) elsewhere)")
+

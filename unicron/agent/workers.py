@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from unicron.agent.logs import RunLogDir, capture_stderr
+from unicron.agent.logs import RunLogDir, capture_stderr, full_copy_note
 from unicron.agent.procs import start_worker
 from unicron.agent.proctree import is_exiting, process_state
 from unicron.agent.ranks import GroupSpec, RankState, median
@@ -143,7 +143,8 @@ class WorkerGroup:
             if r.rank not in self.reported_exc:
                 self.reported_exc.add(r.rank)
                 latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
-                return self._fault(r, "exception", now, at=at, message=r.exception["msg"],
+                return self._fault(r, "exception", now, at=at,
+                                   message=r.exception["msg"] + full_copy_note(r.logs, str(r.exception["msg"])),
                                    error_type=r.exception["type"], traceback=r.exception["tb"], latency_s=latency)
         elif t == "moved":
             self.activity.moved(r.rank, at_m)
