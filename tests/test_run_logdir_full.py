@@ -103,8 +103,9 @@ def test_a_rank_whose_stderr_copy_fills_its_file_system_is_told_whose_file_that_
     limit: docs/cli.md.)"""
     proc = _run_with_small_log_dir(workdir, PRINTS_TO_STDERR, fill_first=False)
     assert proc.returncode == 1, proc.stderr
-    # (after the rank's last line, cut short by the full disk: the raw echo shows it unterminated)
-    cause = next(line for line in proc.stderr.splitlines() if "unicron: error:" in line)
+    # On a line of its own, though the rank's last line, cut short by the full disk, was
+    # echoed unterminated (unicron's line used to be glued to it).
+    cause = next(line for line in proc.stderr.splitlines() if line.startswith("unicron: error:"))
     assert "No space left on device (the file system of unicron's copy of this rank's stderr" in cause, cause
     said = [line for line in proc.stderr.splitlines() if "exception on rank" in line]  # the whole of it
     assert said and all("is full: free it, or point --log-dir (or TMPDIR) elsewhere)" in line for line in said), said

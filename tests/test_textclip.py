@@ -63,3 +63,12 @@ def test_an_exception_from_a_data_loader_worker_shows_the_workers_own_line() -> 
         "exception on rank 1: ValueError: corrupt sample 0 (in DataLoader worker process 0)"
     assert first_line("\nplain\nmore") == "plain" and first_line(" \n ") == ""
     assert first_line("Caught X in Y.\nOriginal Traceback (most recent call last):\n  gone") == "Caught X in Y."
+
+
+def test_unicrons_own_line_starts_a_line_after_an_unterminated_echo() -> None:
+    from unicron.consoleline import line_start, note_echoed
+
+    note_echoed(b"epoch 1:  40%|####      |\r")  # a progress bar, mid-line
+    assert line_start() == "\n" and line_start() == ""  # once
+    note_echoed(b"a whole line\n")
+    assert line_start() == ""

@@ -57,10 +57,11 @@ def _register(argv: list[str]) -> None:
 
 
 def error_line(message: str) -> None:
+    from unicron.consoleline import line_start
     from unicron.textclip import printable
 
     try:
-        sys.stderr.write(f"unicron: error: {printable(message)}\n")
+        sys.stderr.write(f"{line_start()}unicron: error: {printable(message)}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass  # the console is gone (a closed terminal, a pipe whose reader left): the exit code says it

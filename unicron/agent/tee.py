@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import IO, Any, Protocol
 
 from unicron.agent.logs import LineCopy, RankLogs, copied_lines
+from unicron.consoleline import note_echoed
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
@@ -250,6 +251,8 @@ class ConsoleTee:
     def _emit(self, entry: _Follow, data: bytes) -> None:
         try:
             write_to_console(entry.sink, data)
+            if entry.raw:
+                note_echoed(data)
         except (OSError, ValueError):
             # A closed console (``unicron run | head``) must not stop the agent; the file keeps it all.
             pass

@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from unicron.consoleline import line_start
 from unicron.events import decision_line
 from unicron.textclip import clip_line, first_line, printable
 
@@ -59,11 +60,11 @@ class AgentUI:
                 self._line = None
         try:
             if self.console.is_terminal:
-                line = Text(self.name, style=style)  # a Text: a worker's "[/tmp/x]" is not markup
+                line = Text(line_start() + self.name, style=style)  # a Text: a worker's "[/tmp/x]" is not markup
                 line.append(f": {plain}")
                 self.console.print(line)
             else:
-                sys.stderr.write(f"{self.name}: {time.strftime('%H:%M:%S')} {plain}\n")
+                sys.stderr.write(f"{line_start()}{self.name}: {time.strftime('%H:%M:%S')} {plain}\n")
                 sys.stderr.flush()
         except (OSError, ValueError):
             # The console is gone (`| head` exited: EPIPE; the terminal closed: EIO). That costs
