@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from e2e import read_events, remove_cgroup, run_unicron
 
-from unicron.agent.usage import in_storage_wait, tree_usage
+from unicron.agent.usage import thread_states, tree_usage
 from unicron.detect.activity import Activity, BusyRule, Usage, level_between
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
@@ -72,12 +72,12 @@ def test_an_fsync_to_a_slow_disk_is_seen_as_a_storage_wait_a_sleep_is_not(tmp_pa
         seen = False
         deadline = time.monotonic() + 20
         while not seen and writer.poll() is None and time.monotonic() < deadline:
-            seen = in_storage_wait(writer.pid)
+            seen = thread_states(writer.pid).storage_wait
             usage = tree_usage(writer.pid)
             seen = seen and usage is not None and usage.storage_wait
             time.sleep(0.05)
         assert seen, "the fsync of 24 MB at 8 MB/s was never seen waiting on storage"
-        assert not in_storage_wait(sleeper.pid)
+        assert not thread_states(sleeper.pid).storage_wait
         usage = tree_usage(sleeper.pid)
         assert usage is not None and not usage.storage_wait
     finally:

@@ -15,12 +15,11 @@ import sys
 from typing import Any
 
 
-def reopen_closed_stdio() -> list[int]:
+def reopen_closed_stdio() -> None:
     """Put /dev/null where a standard descriptor is closed (`2>&-`, some daemonizers and cron
     wrappers): the launcher's own lines, the zygote (which duplicates fds 1 and 2) and the
     workers (which would inherit whatever the launcher opened next as their fd 0, 1 or 2) then
-    see a stream, as torchrun's workers do. Returns the descriptors it opened."""
-    opened = []
+    see a stream, as torchrun's workers do."""
     for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
         try:
             os.fstat(fd)
@@ -33,8 +32,6 @@ def reopen_closed_stdio() -> list[int]:
             os.close(null)
         os.set_inheritable(fd, True)
         setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115 - the process's own stream
-        opened.append(fd)
-    return opened
 
 
 def entrypoint() -> None:

@@ -47,6 +47,14 @@ def first_line(text: str) -> str:
     return wrapped_origin(lines) or lines[0]
 
 
+def with_type(error_type: str, detail: str) -> str:
+    """``detail`` led by its exception type, once: a DataLoader worker's own line (``first_line``)
+    names its type already."""
+    if not detail:
+        return error_type
+    return detail if detail.startswith(f"{error_type}:") else f"{error_type}: {detail}"
+
+
 def wrapped_origin(lines: list[str]) -> str | None:
     """The worker's own line of a message torch carried out of a DataLoader worker (its
     non-empty, stripped ``lines``), with where it came from; None for any other message."""

@@ -337,4 +337,3 @@ def full_copy_note(logs: RankLogs, message: str) -> str:
         return ""
     return (f" (the file system of unicron's copy of this rank's stderr, {directory}, is full: free it, "
             "or point --log-dir (or TMPDIR) elsewhere)")
-

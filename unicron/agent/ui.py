@@ -15,7 +15,7 @@ from rich.text import Text
 
 from unicron.consoleline import line_start
 from unicron.events import decision_line
-from unicron.textclip import clip_line, first_line, printable
+from unicron.textclip import clip_line, first_line, printable, with_type
 
 # C0 and C1 control characters but tab and newline, and DEL: a worker's exception message can
 # hold NULs or terminal escapes, which must not recolour or rewrite the user's terminal through
@@ -124,8 +124,8 @@ def fault_line(fault: dict[str, Any], node_id: str) -> str:
     node = fault.get("node_id") or node_id
     who = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {node}"
     what = first_line(str(fault.get("summary") or fault.get("message") or ""))
-    if fault.get("error_type") and not fault.get("summary") and not what.startswith(f"{fault['error_type']}:"):
-        what = f"{fault['error_type']}: {what}" if what else str(fault["error_type"])
+    if fault.get("error_type") and not fault.get("summary"):
+        what = with_type(str(fault["error_type"]), what)
     code = fault.get("exitcode")
     if fault.get("kind") == "exit" and type(code) is int and code > 0 and not fault.get("error_type") \
             and not what.startswith("exit code"):

@@ -95,12 +95,6 @@ def _writes_output(pid: int, task: str) -> bool:
     return target.startswith("pipe:") or target.startswith("/dev/pts/") or target.startswith("/dev/tty")
 
 
-def in_storage_wait(pid: int) -> bool:
-    """Whether a thread of ``pid`` is in uninterruptible sleep (state D): in Linux, a wait on
-    storage (writeback an ``fsync`` waits for, a page read from a slow or network disk)."""
-    return thread_states(pid).storage_wait
-
-
 def tree_usage(pid: int, sendq: SendQueueWatch | None = None) -> Usage | None:
     """CPU seconds and I/O bytes of ``pid`` and its descendants (and the descendants' part of
     the CPU), stamped with the time they were read (``time.monotonic``); None when ``pid`` is

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from unicron.coord.membership import NodeState
 from unicron.coord.records import Phase
-from unicron.textclip import clip_line, first_line
+from unicron.textclip import clip_line, first_line, with_type
 
 if TYPE_CHECKING:
     from unicron.coord.job import JobCore
@@ -71,8 +71,8 @@ def describe_fault(fault: dict[str, Any]) -> str:
     where = f"rank {fault['rank']}" if fault.get("rank") is not None else f"node {fault.get('node_id') or fault.get('host', '?')}"
     kind = fault.get("kind", "fault")
     detail = first_line(str(fault.get("message") or ""))
-    if fault.get("error_type") and not detail.startswith(f"{fault['error_type']}:"):  # a loader worker's names it
-        detail = f"{fault['error_type']}: {detail}" if detail else str(fault["error_type"])
+    if fault.get("error_type"):
+        detail = with_type(str(fault["error_type"]), detail)
     return f"{kind} on {where}" + (f": {clip_line(detail)}" if detail else "")
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unicron.detect.faults import Fault, stderr_summary
-from unicron.textclip import wrapped_origin
+from unicron.textclip import with_type, wrapped_origin
 
 # Health faults this close (seconds) to a worker fault on the same node are evidence about it.
 HEALTH_EVIDENCE_WINDOW_S = 30.0
@@ -116,8 +116,5 @@ def short(text: str, limit: int = 200) -> str:
 
 def error_summary(fault: Fault, ev: Evidence) -> str:
     if ev.exception_type:
-        msg = short(ev.exception_message)
-        if msg.startswith(f"{ev.exception_type}:"):  # a loader worker's own line names its type
-            return msg
-        return f"{ev.exception_type}: {msg}" if msg else ev.exception_type
+        return with_type(ev.exception_type, short(ev.exception_message))
     return short(fault.message) or short(stderr_summary(strip_prefixes(fault.stderr_tail)))
