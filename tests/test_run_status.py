@@ -65,6 +65,9 @@ def test_status_json_and_metrics_follow_a_healing_job(workdir, launch) -> None:
     assert 'unicron_restarts_total{job="' in text
     assert "unicron_downtime_seconds_total" in text
     assert [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    # Both attempts' stores came from the zygote's store host: the launcher never imported torch.
+    with open(f"/proc/{job.proc.pid}/maps") as maps:
+        assert "libtorch" not in maps.read()
     job.kill()
 
 

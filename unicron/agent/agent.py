@@ -93,7 +93,7 @@ class Agent(AgentOrders):
         self.earlier = EarlierAttempts()  # what the script showed so far: it steps, its start-up
         # A zygote with torch imported forks every worker: it imports while the job forms, and
         # attempts assigned meanwhile wait for it (``pending_assign``).
-        self.pool = warm_pool(s, self.agent_addr)
+        self.pool = warm_pool(s, self.agent_addr, host_stores=hosts_coordinator)
         self.helpers = Helpers(self.pool, self.janitor)
         self.pending_assign: dict[str, Any] | None = None
         self.joining = JoinState(endpoint, s.join_timeout_s, time.monotonic(), gone_after_s=self.link.lost_after_s)

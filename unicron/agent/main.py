@@ -24,6 +24,7 @@ from unicron.agent.signals import LauncherSignals, set_child_subreaper
 from unicron.agent.ui import AgentUI
 from unicron.coord.decide import DetectDecider
 from unicron.coord.server import CoordinatorServer
+from unicron.coord.stores import preload as preload_store
 from unicron.errors import UnicronError, UsageError, WorkerFailedError
 from unicron.events import EVENTS_FILE, EventLog
 from unicron.runs import RunInfo, register_run_or_warn, unregister_run, write_secret_file
@@ -72,7 +73,8 @@ def run_agent(s: AgentSettings) -> int:
                 secret_file = s.secret_file or write_secret_file(events_dir, s.secret, ui.warn)
                 # This node's own flags define the job, not those of whichever node joins first.
                 server.job_settings[s.run_id] = join_body(s, "", _display_host(s), os.getpid(), {})
-                server.start()
+                # With warm workers, the zygote's store host serves the stores (given below).
+                server.start(preload_store=not s.warm)
                 # Registered once it serves: `unicron status` finds no run it cannot ask yet.
                 register_run_or_warn(RunInfo(job=s.run_id, endpoint=f"{_display_host(s)}:{server.port}",
                                              pid=os.getpid(), secret_file=secret_file, log_dir=events_dir,
@@ -92,6 +94,11 @@ def run_agent(s: AgentSettings) -> int:
                           hosts_coordinator=server is not None)
             if server is not None:
                 server.pinned.add(agent.node_id)  # a reconfigure must not end the coordinator's own agent
+                channel = agent.pool.store_channel if agent.pool is not None else None
+                if channel is not None:
+                    server.stores.host = channel
+                elif s.warm:  # no zygote after all (a custom python): torch for the stores, ahead of time
+                    preload_store()
                 agent.end_own_job = lambda why, code: server.stop(
                     reason=f"the coordinator's node stopped: {why}", exit_code=code)
             code = agent.run()

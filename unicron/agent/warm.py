@@ -47,6 +47,7 @@ from unicron.agent.warmspec import (
     shadowed_preloads,
     spec_line,
 )
+from unicron.coord.stores import StoreHostChannel
 from unicron.launch.workerenv import default_omp_threads
 from unicron.worker.env import AGENT_ADDR
 
@@ -94,7 +95,8 @@ class WarmPool:
     (the agent is): without it ``disabled`` says so and every worker starts cold.
     """
 
-    def __init__(self, size: int, *, python: str, base_env: Mapping[str, str], inherit_env: bool = True) -> None:
+    def __init__(self, size: int, *, python: str, base_env: Mapping[str, str], inherit_env: bool = True,
+                 host_stores: bool = False) -> None:
         if size < 0:
             raise ValueError(f"warm pool size must be >= 0, got {size}")
         self.size = size
@@ -112,6 +114,11 @@ class WarmPool:
         self._reply_fd = -1
         self._replies = b""
         self._ready = False
+        # The first zygote forks a store host for this node's coordinator (``host_stores``):
+        # the coordinator takes ``store_channel``; ``store_pid`` is ours to reap.
+        self.host_stores = host_stores
+        self.store_channel: StoreHostChannel | None = None
+        self.store_pid: int | None = None
 
     def __enter__(self) -> WarmPool:
         return self
@@ -146,7 +153,8 @@ class WarmPool:
 
     def pids(self) -> list[int]:
         self._prune()
-        return [self._popen.pid] if self._popen is not None else []
+        self._reap_store_host(block=False)
+        return [pid for pid in (self._popen.pid if self._popen is not None else None, self.store_pid) if pid]
 
     def wait_ready(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> bool:
         """Wait until the zygote has finished importing; False if it died or the time ran out."""
@@ -162,6 +170,25 @@ class WarmPool:
         """Kill and reap the zygote (it holds no state worth a graceful exit); workers it forked live on."""
         self.closed = True
         self._kill_zygote()
+        if self.store_pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.store_pid, signal.SIGKILL)
+            self._reap_store_host(block=True)
+
+    def _reap_store_host(self, *, block: bool) -> None:
+        """Forget (and reap) a store host that exited; ``block``: wait for it, up to REAP_TIMEOUT_S."""
+        deadline = time.monotonic() + (REAP_TIMEOUT_S if block else 0.0)
+        while self.store_pid is not None:
+            try:
+                done, _ = os.waitpid(self.store_pid, os.WNOHANG)
+            except ChildProcessError:  # not ours after all (the subreaper setting was lost)
+                done = self.store_pid
+            if done:
+                self.store_pid = None
+            elif time.monotonic() >= deadline:
+                return
+            else:
+                time.sleep(0.005)
 
     # ---- forking a worker ------------------------------------------------------------
     def take(
@@ -225,12 +252,20 @@ class WarmPool:
         reply_r, reply_w = os.pipe()
         with contextlib.suppress(OSError):
             fcntl.fcntl(spec_w, fcntl.F_SETPIPE_SZ, SPEC_PIPE_BYTES)
+        zygote_fds = [reply_w, spec_r]
+        store_args: list[str] = []
+        if self.host_stores and self.store_channel is None:  # the first zygote only: the host outlives it
+            requests_r, requests_w = os.pipe()
+            replies_r, replies_w = os.pipe()
+            self.store_channel = StoreHostChannel(requests_w, replies_r)
+            zygote_fds += [requests_r, replies_w]
+            store_args = ["--store-fds", f"{requests_r},{replies_w}"]
         try:
             # Its stdin is ours, which its workers inherit, as cold workers do (pdb, input()).
             self._popen = subprocess.Popen(
                 [self.python, "-u", "-m", ZYGOTE_MODULE, "--reply-fd", str(reply_w), "--spec-fd", str(spec_r),
-                 " " * TITLE_ROOM],
-                env=self.zygote_env, pass_fds=(reply_w, spec_r), start_new_session=True,
+                 *store_args, " " * TITLE_ROOM],
+                env=self.zygote_env, pass_fds=zygote_fds, start_new_session=True,
             )
         except OSError as err:
             os.close(spec_w)
@@ -238,8 +273,8 @@ class WarmPool:
             self.disabled = f"cannot start {self.python}: {err.strerror}"
             return False
         finally:
-            os.close(spec_r)
-            os.close(reply_w)
+            for fd in zygote_fds:  # the zygote's ends: with them closed here, its exit is the host's end of input
+                os.close(fd)
         self._spec_fd, self._reply_fd = spec_w, reply_r
         os.set_blocking(reply_r, False)
         self._replies, self._ready, self.started_at = b"", False, time.monotonic()
@@ -301,6 +336,9 @@ class WarmPool:
             self._ready = True
             threads = reply.get("threads")
             self.threads = threads if isinstance(threads, int) else None
+            store_pid = reply.get("store_pid")
+            if isinstance(store_pid, int) and store_pid > 0 and self.store_pid is None:
+                self.store_pid = store_pid
 
     def _prune(self) -> None:
         """Forget a zygote that died; one that died before it was ready disables the pool."""
@@ -353,9 +391,10 @@ def _workdir(cwd: str | None) -> str | None:
     return path if os.path.isdir(path) else None
 
 
-def warm_pool(s: AgentSettings, agent_addr: str) -> WarmPool | None:
+def warm_pool(s: AgentSettings, agent_addr: str, *, host_stores: bool = False) -> WarmPool | None:
     """The agent's pool, its zygote starting; None with ``--no-warm`` or a command that is not
-    the boot command (workers then start cold)."""
+    the boot command (workers then start cold). ``host_stores``: this agent embeds the
+    coordinator, whose stores the zygote's store host serves."""
     if not s.warm or boot_argv(list(s.cmd), s.cmd[0]) is None:
         return None
     # The workers' OMP_NUM_THREADS (torchrun's rule): numpy's BLAS starts no threads in the
@@ -363,6 +402,7 @@ def warm_pool(s: AgentSettings, agent_addr: str) -> WarmPool | None:
     # /proc/PID/environ of a fork is its zygote's, so what a warm worker forks without exec
     # carries it too, and a SIGKILLed agent's janitor finds those with the rest.
     omp = default_omp_threads(os.environ, s.nproc)
-    pool = WarmPool(s.nproc, python=s.cmd[0], base_env={AGENT_ADDR: agent_addr, **({"OMP_NUM_THREADS": omp} if omp else {})})
+    pool = WarmPool(s.nproc, python=s.cmd[0], base_env={AGENT_ADDR: agent_addr, **({"OMP_NUM_THREADS": omp} if omp else {})},
+                    host_stores=host_stores)
     pool.refill()
     return pool

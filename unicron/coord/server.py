@@ -27,7 +27,7 @@ from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.peers import PeerWarnings
 from unicron.coord.records import JobSpec
 from unicron.coord.statusfit import fit_status, size
-from unicron.coord.stores import StoreOpener, preload
+from unicron.coord.stores import AttemptStores, StoreOpener, preload
 from unicron.detect.stall import StallWatch
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
@@ -45,7 +45,7 @@ class JobSlot:
     core: JobCore
     events: EventLog
     identities: dict[str, bytes] = field(default_factory=dict)
-    stores: dict[int, Any] = field(default_factory=dict)
+    stores: AttemptStores = field(default_factory=AttemptStores)
     finished_at: float | None = None
 
 
@@ -119,8 +119,11 @@ class CoordinatorServer:
         """Jobs not ended (read it once ``stop`` has returned: the serving thread owns them)."""
         return sorted(job_id for job_id, slot in self.slots.items() if slot.finished_at is None)
 
-    def start(self) -> None:
-        preload()
+    def start(self, *, preload_store: bool = True) -> None:
+        """Serve on a thread. ``preload_store`` False: a store host will be given
+        (``stores.host``), so nothing imports torch here."""
+        if preload_store:
+            preload()
         self.thread = threading.Thread(target=self.serve, name="unicron-coordinator", daemon=True)
         self.thread.start()
 
@@ -184,7 +187,8 @@ class CoordinatorServer:
                     self._run(job_id, slot, slot.core.fail(self._stop_reason, self.clock(), self._stop_code))
         finally:
             for slot in self.slots.values():
-                slot.stores.clear()
+                slot.stores.close_all()
+            self.stores.close()
             wake.close(0)
             self.sock.close(linger=2000)
 
@@ -365,7 +369,7 @@ class CoordinatorServer:
                     self._send_raw(slot.identities.get(node.node_id, node.node_id.encode()), job_id, "shutdown",
                                    {"exit_code": out.exit_code, "reason": out.reason})
                 slot.finished_at = self.clock()
-                slot.stores.clear()
+                slot.stores.close_all()
 
     def _send_raw(self, identity: bytes, job: str, kind: str, body: dict[str, Any]) -> None:
         try:
@@ -379,16 +383,16 @@ class CoordinatorServer:
         for job_id, attempt, store, error in self.stores.ready():
             slot = self.slots.get(job_id)
             if slot is None or slot.finished_at is not None:
+                if store is not None:
+                    store.close()
                 continue
             now = self.clock()
             if store is None:
                 self._run(job_id, slot, slot.core.fail(error, now))
                 continue
             try:
-                slot.stores[attempt] = store
-                for old in [a for a in slot.stores if a < attempt - 1]:
-                    del slot.stores[old]
-                self._run(job_id, slot, slot.core.start_attempt(self.advertise_addr, int(store.port), now))
+                slot.stores.keep(attempt, store)
+                self._run(job_id, slot, slot.core.start_attempt(self.advertise_addr, store.port, now))
             except Exception as err:  # as in _tick: this job ends with its cause; the thread serves on
                 log.exception("error starting attempt %s of job %s", attempt, job_id)
                 self._run(job_id, slot, slot.core.fail(f"coordinator error: {type(err).__name__}: {err}", now))

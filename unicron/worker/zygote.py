@@ -295,13 +295,55 @@ def fork_worker(reply_fd: int, spec_fd: int) -> int | None:
     return int(data) if data.isdigit() else -1
 
 
+def parse_args(argv: list[str]) -> tuple[int, int, tuple[int, int] | None] | None:
+    """(reply fd, spec fd, store host's (requests, replies) fds or None); None if malformed (pure)."""
+    if argv and not argv[-1].strip():
+        argv = argv[:-1]  # the spaces are title room
+    if len(argv) not in (4, 6) or argv[0] != "--reply-fd" or argv[2] != "--spec-fd":
+        return None
+    if not (argv[1] + argv[3]).isdigit():
+        return None
+    store_fds = None
+    if len(argv) == 6:
+        requests, _, replies = argv[5].partition(",")
+        if argv[4] != "--store-fds" or not (requests.isdigit() and replies.isdigit()):
+            return None
+        store_fds = (int(requests), int(replies))
+    return int(argv[1]), int(argv[3]), store_fds
+
+
+def _fork_store_host(reply_fd: int, spec_fd: int, store_fds: tuple[int, int], agent_pid: str) -> int | None:
+    """Fork the store host (``unicron.worker.storehost``) like a worker; its pid here (-1: the
+    fork failed), and in the store host itself, never returns."""
+    pid = fork_worker(reply_fd, spec_fd)
+    if pid is None:
+        boot.die_with_agent(agent_pid)  # re-parented by now: the agent is its parent
+        null = os.open(os.devnull, os.O_RDWR)  # it reads and prints nothing; stderr stays for a crash
+        for fd in (0, 1):
+            os.dup2(null, fd)
+        os.close(null)
+        show_command([sys.executable, "-m", "unicron.worker.storehost", "(the rendezvous stores of this node's coordinator)"])
+        from unicron.worker import storehost
+
+        code = 0
+        try:
+            code = storehost.serve(*store_fds)
+        finally:
+            os._exit(code)  # nothing of the zygote's exit handlers
+    for fd in store_fds:  # the host holds them now: its end of input is the coordinator's
+        os.close(fd)
+    return pid
+
+
 def main(argv: list[str]) -> int:
-    boot.die_with_agent(str(os.getppid()))  # the zygote must not outlive its agent
-    room_ok = len(argv) == 4 or (len(argv) == 5 and not argv[4].strip())  # the spaces are title room
-    if not room_ok or argv[0] != "--reply-fd" or argv[2] != "--spec-fd" or not (argv[1] + argv[3]).isdigit():
-        print("usage: python -m unicron.worker.zygote --reply-fd N --spec-fd M [SPACES]", file=sys.stderr)
+    agent_pid = str(os.getppid())
+    boot.die_with_agent(agent_pid)  # the zygote must not outlive its agent
+    args = parse_args(argv)
+    if args is None:
+        print("usage: python -m unicron.worker.zygote --reply-fd N --spec-fd M [--store-fds R,W] [SPACES]",
+              file=sys.stderr)
         return 2
-    reply_fd, spec_fd = int(argv[1]), int(argv[3])
+    reply_fd, spec_fd, store_fds = args
     capture = _Capture()
     try:
         _preload()
@@ -310,7 +352,10 @@ def main(argv: list[str]) -> int:
         print(f"unicron zygote: preloading failed: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_PRELOAD_FAILED
     capture.end()
-    if not _reply(reply_fd, {"ready": True, "threads": len(os.listdir("/proc/self/task"))}):
+    ready: dict[str, Any] = {"ready": True, "threads": len(os.listdir("/proc/self/task"))}
+    if store_fds is not None:  # forked while this process has one thread, before any worker
+        ready["store_pid"] = _fork_store_host(reply_fd, spec_fd, store_fds, agent_pid)
+    if not _reply(reply_fd, ready):
         return 0
     specs = LineReader(spec_fd)
     while (line := specs.next_line()) is not None:

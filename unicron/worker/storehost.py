@@ -1,0 +1,97 @@
+"""The store host: the workers' TCPStores, served by a fork of the zygote (shell, plus its pure protocol).
+
+The embedded coordinator opens a fresh TCPStore for every attempt (``unicron.coord.stores``).
+Opening one needs torch, and importing torch in the launcher costs about 2 s of CPU at every
+job's start and hundreds of MB for the launcher's life, though the node's zygote has torch
+imported already. So the zygote, once its imports are done and before it says ready (while it
+still has one thread), forks a store host: a process re-parented to the agent, in a session
+of its own (killing a zygote leaves it be), that dies with the agent (PDEATHSIG). The
+coordinator talks to it over two pipes (``StoreHostChannel`` in ``unicron.coord.stores``), one
+JSON line each way:
+
+    {"open": ID, "timeout_s": T}   ->  {"id": ID, "port": P}  or  {"id": ID, "error": "..."}
+    {"close": ID}                  ->  (nothing)
+
+End of input (the coordinator gone, the agent closing its pool) makes it exit 0. The pipes
+never leave the node (they are not the mesh), but a request is still checked before use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+MAX_TIMEOUT_S = 3600.0
+
+
+class RequestError(ValueError):
+    """A request line that is not one of the two forms above."""
+
+
+def parse_request(line: bytes) -> tuple[str, int, float]:
+    """("open", id, timeout_s) or ("close", id, 0.0); raises RequestError (pure)."""
+    try:
+        request = json.loads(line)
+    except ValueError as err:
+        raise RequestError(f"request is not JSON: {err}") from None
+    if not isinstance(request, dict):
+        raise RequestError("request is not an object")
+    for kind in ("open", "close"):
+        ident = request.get(kind)
+        if ident is None:
+            continue
+        if not isinstance(ident, int) or isinstance(ident, bool) or ident < 0:
+            raise RequestError(f"{kind}: the id must be a non-negative integer")
+        if kind == "close":
+            return kind, ident, 0.0
+        timeout = request.get("timeout_s", 30.0)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise RequestError(f"open: timeout_s must be a number in (0, {MAX_TIMEOUT_S:g}]")
+        return kind, ident, float(timeout)
+    raise RequestError("request is neither open nor close")
+
+
+def serve(requests_fd: int, replies_fd: int) -> int:
+    """Open and close stores as asked until end of input; returns the exit code (0)."""
+    from torch.distributed import TCPStore  # imported already: this is a fork of the zygote
+
+    stores: dict[int, Any] = {}
+    buffer = b""
+    while True:
+        try:
+            data = os.read(requests_fd, 1 << 16)
+        except InterruptedError:
+            continue
+        if not data:
+            return 0
+        buffer += data
+        while b"\n" in buffer:
+            line, _, buffer = buffer.partition(b"\n")
+            try:
+                kind, ident, timeout_s = parse_request(line)
+            except RequestError as err:
+                _reply(replies_fd, {"error": str(err)})
+                continue
+            if kind == "close":
+                stores.pop(ident, None)  # its destructor stops the server and frees the port
+                continue
+            try:
+                # Its own client connects at once: a bounded wait (torch's default is 300 s).
+                store = TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                                 wait_for_workers=False)
+            except Exception as err:  # noqa: BLE001 - the coordinator reports it as the attempt's failure
+                _reply(replies_fd, {"id": ident, "error": f"{type(err).__name__}: {err}"})
+                continue
+            stores[ident] = store
+            if not _reply(replies_fd, {"id": ident, "port": int(store.port)}):
+                return 0  # nobody reads: the coordinator is gone
+
+
+def _reply(fd: int, message: dict[str, Any]) -> bool:
+    try:
+        os.write(fd, json.dumps(message).encode() + b"\n")
+        return True
+    except OSError:
+        return False
