@@ -12,7 +12,15 @@ import time
 import psutil
 import pytest
 
-from unicron.agent.sendqueues import SendQueueWatch, drained_between, parse_tcp_table, send_queues
+from unicron.agent.sendqueues import (
+    SendQueueWatch,
+    asked_send_queues,
+    drained_between,
+    parse_tcp_table,
+    send_queues,
+    socket_inodes,
+    table_send_queues,
+)
 from unicron.agent.usage import tree_usage
 from unicron.detect.activity import Activity, ActivityTracker, BusyRule
 
@@ -209,6 +217,17 @@ def test_data_draining_from_a_ranks_send_queue_is_work_a_stuck_queue_is_not() ->
         reading.clear()  # the peer stops reading: its buffer fills, nothing drains
         assert verdict_within(Activity.IDLE, 10) == {0: Activity.IDLE}
         assert send_queues(proc.pid), "the queue is still full, and read"
+        # Asked of the rank's own socket (acceptance 20C F3: not the host's whole table, seconds
+        # to parse with tens of thousands of sockets), with the table's answer.
+        assert watch.route == "ask"
+        asked = asked_send_queues(proc.pid)
+        assert asked == table_send_queues(proc.pid, socket_inodes(proc.pid)) and list(asked.values())[0] > 0
+        # Where descriptors cannot be taken, the table (read once for every rank of a namespace),
+        # and never a table over the size limit: no evidence from it rather than a slow agent.
+        by_table = SendQueueWatch(route="table")
+        assert by_table.drained(proc.pid) == 0 and by_table._read(proc.pid) == asked
+        too_big = SendQueueWatch(route="table", table_max_bytes=100)
+        assert too_big.drained(proc.pid) == 0 and too_big.route == "none" and too_big._read(proc.pid) == {}
     finally:
         stop.set()
         proc.kill()

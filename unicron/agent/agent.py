@@ -215,7 +215,7 @@ class Agent(AgentOrders):
             return
         self.link.paused(gap_s)
         if self.group is not None:
-            self.group.hang.paused(gap_s, time.time())
+            self.group.hang.paused(gap_s, time.monotonic())  # the hang clocks are monotonic
         if stalled:  # news; a long stop is not
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 

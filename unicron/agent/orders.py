@@ -96,7 +96,7 @@ class AgentOrders:
             silence = self.link.heard(heard_at)
             self.joining.heard(heard_at)
             if silence > 0 and self.group is not None:
-                self.group.hang.paused(silence, time.time())  # see CoordinatorLink.unheard
+                self.group.hang.paused(silence, heard_at)  # see CoordinatorLink.unheard
             body = msg.body
             if msg.kind == "welcome":
                 self.epoch = body["epoch"]
