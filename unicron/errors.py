@@ -54,6 +54,10 @@ class EndpointUnreachableError(UnicronError):
     exit_code = 5
 
 
+class ResourceError(UnicronError):
+    """This node lacks what the job needs of it (open files): nothing was started."""
+
+
 class WorkerFailedError(UnicronError):
     """Workers failed and unicron gave up; the message leads with the root cause. ``exit_code``:
     the job's, where another process decided it (an agent exits with its coordinator's code)."""

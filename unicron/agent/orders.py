@@ -26,6 +26,7 @@ from unicron.agent.attempt import (
     unfired_injects,
     worker_env_factory,
 )
+from unicron.agent.fdlimit import check_room
 from unicron.agent.inbox import WorkerInbox
 from unicron.agent.joining import JoinState, Refusal
 from unicron.agent.link import CoordinatorLink
@@ -175,6 +176,7 @@ class AgentOrders:
 
     def _launch(self, body: dict[str, Any]) -> None:
         spec = group_spec(body, self.s)
+        check_room(spec.local_world_sizes[spec.node_rank])  # one clear line, not ZeroMQ's abort with ranks half started
         hang = hang_detector(self.s, self.earlier.startup_hint(spec))
         env_for = worker_env_factory(self.s, spec, agent_addr=self.agent_addr, stack_dir=self.stack_dir,
                                      shm_dir=self.shm_dir, watch_start_s=hang.startup_sampling_s())
