@@ -23,6 +23,8 @@ KINDS: dict[str, dict[str, object]] = {
     "import": {"kind": "exception", "error_type": "ModuleNotFoundError", "message": "No module named 'x'"},
     "clean": {"kind": "exit", "exitcode": 0},
     "hang": {"kind": "hang", "rank": None, "message": "no step completed for 4.0 s"},
+    "bug": {"kind": "exception", "error_type": "KeyError", "message": "'learning_rate'"},
+    "bug2": {"kind": "exception", "error_type": "KeyError", "message": "'warmup_steps'"},
 }
 
 
@@ -327,3 +329,25 @@ def test_the_same_start_up_error_on_another_rank_stops_like_on_the_same_rank(mon
     job = Job(max_restarts=6)
     job.fail("crash", 1.0, 0, rank=1)
     assert job.fail("crash", 2.0, 0, rank=0).action is Action.RESTART
+
+
+def test_the_same_exception_after_a_restart_of_unknown_progress_stops_the_job() -> None:
+    """Acceptance 20A F1: a script that loads for over 10 s before init_process_group (an HF
+    Trainer script) has unknown progress; a bug after the load was restarted until the budget
+    ran out, each attempt paying the load again. The same exception, word for word, twice: stop."""
+    job = Job(max_restarts=50)
+    assert job.fail("bug", 1.0, None, rank=0).action is Action.RESTART
+    d = job.fail("bug", 20.0, None, rank=1)  # which rank is seen first is chance
+    assert d.action is Action.STOP and d.stop is StopReason.CANNOT_RECONFIGURE
+    assert "the same error came back" in d.reason and "KeyError" in d.reason
+    # Another exception, or a death that is not an exception (a wrapper's exit): restarted.
+    other = Job(max_restarts=50)
+    other.fail("bug", 1.0, None, rank=0)
+    assert other.fail("bug2", 20.0, None, rank=0).action is Action.RESTART
+    crashes = Job(max_restarts=50)
+    crashes.fail("crash", 1.0, None, rank=0)
+    assert crashes.fail("crash", 20.0, None, rank=0).action is Action.RESTART
+    # Progress made in between: an ordinary restart.
+    progressed = Job(max_restarts=50)
+    progressed.fail("bug", 1.0, None, rank=0)
+    assert progressed.fail("bug", 20.0, 12, rank=0).action is Action.RESTART
