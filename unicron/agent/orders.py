@@ -228,9 +228,12 @@ class AgentOrders:
             faults, finished, stacks = stop_answer(group, body["want_stacks"])
             for fault in faults:
                 self._report(fault)
-            self._stop_group(reason=body["reason"])
         # The first report, not the verdict: the decision that follows names the root cause.
+        # Said as the stop starts: ranks that handle SIGTERM themselves (Lightning) take the
+        # whole grace period, and their own lines about it come after this one.
         self.ui.warn(f"stopping attempt {body['attempt']} (first report: {body['reason']})")
+        if group is not None and group.spec.attempt == body["attempt"]:
+            self._stop_group(reason=body["reason"])
         snapshots, sizes = scan_snapshots(self.shm_dir)
         self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],
                                "snapshots": snapshots, "stacks": stacks, "snapshot_bytes": sizes,
@@ -263,6 +266,9 @@ class AgentOrders:
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
                             abort=lambda: self.signals.escalated)
         if self.signals.signum is None:  # not worth a word when the user stopped the job
+            if killed and sig != signal.SIGKILL:
+                self.ui.warn(f"rank(s) {', '.join(map(str, sorted(killed)))} did not exit within the "
+                             f"{self.s.grace_s:g} s grace period after {signal.Signals(sig).name}: killed")
             # Ranks whose hooks never ran (a start failure) say nothing of their faults.
             steps = {r.rank: r.step for r in group.ranks.values() if r.hooked}
             faulted = {f.get("rank") for f in self.reporter.attempt_faults}
