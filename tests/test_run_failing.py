@@ -118,3 +118,34 @@ def test_a_rank_hidden_by_local_ranks_filter_keeps_its_stderr_for_the_classifier
     decision = next(e for e in read_events(workdir / "logs") if e["kind"] == "decision")
     assert decision["rule"] == "cuda-error" and "illegal memory access" in decision["reason"], decision
     assert list((workdir / "logs").rglob("0/stderr.log")), "rank 0's stderr.log"
+
+
+SIGTERM_KEEPER = r"""
+import os, signal, sys, time
+ready = sys.argv[1]
+if os.environ["RANK"] == "1":  # as Lightning: a handler that notes SIGTERM, and goes on
+    signal.signal(signal.SIGTERM, lambda *_: print("rank 1 got SIGTERM, goes on", file=sys.stderr, flush=True))
+    open(ready, "w").close()
+    while True:
+        time.sleep(0.05)
+deadline = time.monotonic() + 60
+while not os.path.exists(ready) and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+def test_a_stop_is_said_as_it_starts_and_ranks_killed_after_the_grace_period_are_named(workdir) -> None:
+    """Acceptance 20A F2: "stopping attempt 0" came a whole grace period late, after the lines of
+    ranks that handle SIGTERM themselves (every restart of a Lightning job), and nothing said
+    why the stop took that long."""
+    (workdir / "keeper.py").write_text(SIGTERM_KEEPER)
+    code, _out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "2",
+                                   str(workdir / "keeper.py"), str(workdir / "ready")], workdir, timeout=90)
+    assert code == 1, err  # the launcher's, as torchrun's
+    lines = err.splitlines()
+    stopping = next(i for i, line in enumerate(lines) if "stopping attempt 0" in line)
+    noted = next(i for i, line in enumerate(lines) if "rank 1 got SIGTERM" in line)
+    killed = next(i for i, line in enumerate(lines)
+                  if line.endswith("rank(s) 1 did not exit within the 2 s grace period after SIGTERM: killed"))
+    assert stopping < noted < killed, err
