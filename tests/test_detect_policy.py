@@ -25,6 +25,7 @@ KINDS: dict[str, dict[str, object]] = {
     "hang": {"kind": "hang", "rank": None, "message": "no step completed for 4.0 s"},
     "bug": {"kind": "exception", "error_type": "KeyError", "message": "'learning_rate'"},
     "bug2": {"kind": "exception", "error_type": "KeyError", "message": "'warmup_steps'"},
+    "argparse": {"kind": "exit", "exitcode": 2, "stderr_tail": "usage: t.py [-h]\nt.py: error: unrecognized arguments: --lr"},
 }
 
 
@@ -340,7 +341,10 @@ def test_the_same_exception_after_a_restart_of_unknown_progress_stops_the_job() 
     d = job.fail("bug", 20.0, None, rank=1)  # which rank is seen first is chance
     assert d.action is Action.STOP and d.stop is StopReason.CANNOT_RECONFIGURE
     assert "the same error came back" in d.reason and "KeyError" in d.reason
-    # Another exception, or a death that is not an exception (a wrapper's exit): restarted.
+    argparse = Job(max_restarts=50)  # a typo in the flags, after the load
+    argparse.fail("argparse", 1.0, None, rank=0)
+    assert argparse.fail("argparse", 20.0, None, rank=0).action is Action.STOP
+    # Another exception, or a death by a signal (an OOM kill, a wrapper's): restarted.
     other = Job(max_restarts=50)
     other.fail("bug", 1.0, None, rank=0)
     assert other.fail("bug2", 20.0, None, rank=0).action is Action.RESTART

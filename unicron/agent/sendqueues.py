@@ -67,22 +67,7 @@ def drained_between(before: Mapping[int, int], after: Mapping[int, int]) -> int:
 
 def socket_inodes(pid: int) -> set[int]:
     """Inodes of the sockets ``pid`` has open (empty when it is gone or not readable)."""
-    inodes: set[int] = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:[") and target.endswith("]"):
-            try:
-                inodes.add(int(target[8:-1]))
-            except ValueError:
-                continue
-    return inodes
+    return set(socket_fds(pid).values())
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -18,10 +18,11 @@ never leave the node (they are not the mesh), but a request is still checked bef
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import timedelta
 from typing import Any
+
+from unicron.worker.jsonlines import read_object, write_object
 
 MAX_TIMEOUT_S = 3600.0
 
@@ -32,12 +33,7 @@ class RequestError(ValueError):
 
 def parse_request(line: bytes) -> tuple[str, int, float]:
     """("open", id, timeout_s) or ("close", id, 0.0); raises RequestError (pure)."""
-    try:
-        request = json.loads(line)
-    except ValueError as err:
-        raise RequestError(f"request is not JSON: {err}") from None
-    if not isinstance(request, dict):
-        raise RequestError("request is not an object")
+    request = read_object(line, "request", RequestError)
     for kind in ("open", "close"):
         ident = request.get(kind)
         if ident is None:
@@ -72,7 +68,7 @@ def serve(requests_fd: int, replies_fd: int) -> int:
             try:
                 kind, ident, timeout_s = parse_request(line)
             except RequestError as err:
-                _reply(replies_fd, {"error": str(err)})
+                write_object(replies_fd, {"error": str(err)})
                 continue
             if kind == "close":
                 stores.pop(ident, None)  # its destructor stops the server and frees the port
@@ -82,16 +78,8 @@ def serve(requests_fd: int, replies_fd: int) -> int:
                 store = TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s),
                                  wait_for_workers=False)
             except Exception as err:  # noqa: BLE001 - the coordinator reports it as the attempt's failure
-                _reply(replies_fd, {"id": ident, "error": f"{type(err).__name__}: {err}"})
+                write_object(replies_fd, {"id": ident, "error": f"{type(err).__name__}: {err}"})
                 continue
             stores[ident] = store
-            if not _reply(replies_fd, {"id": ident, "port": int(store.port)}):
+            if not write_object(replies_fd, {"id": ident, "port": int(store.port)}):
                 return 0  # nobody reads: the coordinator is gone
-
-
-def _reply(fd: int, message: dict[str, Any]) -> bool:
-    try:
-        os.write(fd, json.dumps(message).encode() + b"\n")
-        return True
-    except OSError:
-        return False

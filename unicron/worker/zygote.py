@@ -59,7 +59,6 @@ from unicron.worker import nocwd  # noqa: F401, I001
 
 # isort: split
 import ctypes
-import json
 import os
 import sys
 import tempfile
@@ -68,6 +67,7 @@ from typing import IO, Any
 
 # Imported before torch, as in a cold worker: hooks remember the default excepthooks.
 from unicron.worker import boot, cudadriver
+from unicron.worker.jsonlines import read_object, write_object
 
 # torch._dynamo is what the first optimizer construction imports (about 1.5 s): preloading it
 # makes a warm worker's first step as fast as its later ones. unicron's worker API last: a
@@ -87,12 +87,7 @@ class SpecError(ValueError):
 
 def parse_spec(line: bytes) -> dict[str, Any]:
     """Decode and check one spec line (pure)."""
-    try:
-        spec = json.loads(line)
-    except ValueError as err:
-        raise SpecError(f"spec is not JSON: {err}") from None
-    if not isinstance(spec, dict):
-        raise SpecError("spec is not an object")
+    spec = read_object(line, "spec", SpecError)
     argv, env, cwd = spec.get("argv"), spec.get("env"), spec.get("cwd")
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         raise SpecError("spec argv must be a list of strings")
@@ -123,15 +118,6 @@ class LineReader:
             self.buffer += data
         line, _, self.buffer = self.buffer.partition(b"\n")
         return line
-
-
-def _reply(fd: int, message: dict[str, Any]) -> bool:
-    """One JSON line to the pool; False when nobody reads any more."""
-    try:
-        os.write(fd, json.dumps(message).encode() + b"\n")
-        return True
-    except OSError:
-        return False
 
 
 def _preload() -> None:
@@ -355,20 +341,20 @@ def main(argv: list[str]) -> int:
     ready: dict[str, Any] = {"ready": True, "threads": len(os.listdir("/proc/self/task"))}
     if store_fds is not None:  # forked while this process has one thread, before any worker
         ready["store_pid"] = _fork_store_host(reply_fd, spec_fd, store_fds, agent_pid)
-    if not _reply(reply_fd, ready):
+    if not write_object(reply_fd, ready):
         return 0
     specs = LineReader(spec_fd)
     while (line := specs.next_line()) is not None:
         try:
             spec = parse_spec(line)
         except SpecError as err:
-            if not _reply(reply_fd, {"error": str(err)}):
+            if not write_object(reply_fd, {"error": str(err)}):
                 return 0
             continue
         pid = fork_worker(reply_fd, spec_fd)
         if pid is None:
             return become_worker(spec, capture)
-        if not _reply(reply_fd, {"pid": pid} if pid > 0 else {"error": "fork failed"}):
+        if not write_object(reply_fd, {"pid": pid} if pid > 0 else {"error": "fork failed"}):
             return 0
     return 0  # end of input: the pool is closed, or the agent is gone
 
