@@ -678,3 +678,32 @@ def test_a_node_gone_before_the_first_attempt_is_said_with_what_the_job_waits_fo
     core.on_heartbeat("c", {"workers": [], "health": {}}, 9)
     lost = [o.fields for o in core.tick(10) if isinstance(o, Emit) and o.kind == "waiting_for_nodes"]
     assert len(lost) == 1 and lost[0]["have"] == 1 and lost[0]["gone"].startswith("node h-a lost: no heartbeat"), lost
+
+
+def test_a_lost_nodes_restarts_back_off_only_while_the_heartbeats_heard_no_new_step() -> None:
+    """Acceptance 20B F1: a node lost again and again (frozen, paused) backed off 1, 2, 4 ... 30 s
+    though every attempt trained hundreds of steps: a lost node's fault carries no progress,
+    and its peers, waiting in a collective, report no fault. The heartbeats' steps stand in."""
+    from unicron.coord.decide import decide_attempt, heard_progress
+    from unicron.coord.records import Attempt
+
+    spec = JobSpec("job", 2, 2, max_restarts=20)
+
+    def lost_after(decider: DetectDecider, number: int, steps: tuple[int, int] | None, restored: int) -> Decision:
+        attempt = Attempt(number, float(number), ["a", "b"], 2, restore_step=restored)
+        if steps is not None:
+            for rank, step in enumerate(steps):
+                attempt.progress.note(rank, step, float(number) + 0.5)
+        attempt.faults.append({"kind": "node_lost", "node_id": "b", "host": "hb", "message": "no heartbeat",
+                               "ts": float(number) + 0.9, "attempt": number})
+        return decide_attempt(decider, attempt, spec, {}, float(number) + 1, active_nodes=2, spent=number)
+
+    trained = DetectDecider()
+    backoffs = [lost_after(trained, n, (restore + 150, restore + 149), restore).backoff_s
+                for n, restore in enumerate((0, 150, 300, 450))]
+    assert backoffs == [0.0, 0.0, 0.0, 0.0]
+    unheard = DetectDecider()  # no step reported (--no-inject): unknown, as before
+    assert [lost_after(unheard, n, None, 0).backoff_s for n in range(4)] == [0.0, 1.0, 2.0, 4.0]
+    stuck = DetectDecider()  # heartbeats at the restored step only: no proof of none, still unknown
+    assert [lost_after(stuck, n, (40, 40), 40).action for n in range(3)] == ["restart"] * 3
+    assert heard_progress(Attempt(0, 0.0, ["a"], 1, restore_step=40)) is None

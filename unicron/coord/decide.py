@@ -39,7 +39,8 @@ class Decider(Protocol):
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = ...,
                finished: Sequence[tuple[int, int | None]] = ..., spent: int = ...,
-               rank_nodes: Mapping[int, str] = ..., pinned: frozenset[str] = ...) -> Decision: ...
+               rank_nodes: Mapping[int, str] = ..., pinned: frozenset[str] = ...,
+               heard_progress: int | None = ...) -> Decision: ...
 
 
 def decide_attempt(decider: Decider, attempt: Attempt, spec: JobSpec, stacks: dict[int, str], now: float, *,
@@ -53,7 +54,17 @@ def decide_attempt(decider: Decider, attempt: Attempt, spec: JobSpec, stacks: di
     return decider.decide(faults, stacks, now, max_restarts=spec.max_restarts, max_nodes=spec.max_nodes,
                           active_nodes=active_nodes, min_nodes=spec.min_nodes,
                           finished=finished_ranks(attempt.stopped.values()), spent=spent,
-                          rank_nodes=rank_nodes(attempt), pinned=pinned)
+                          rank_nodes=rank_nodes(attempt), pinned=pinned, heard_progress=heard_progress(attempt))
+
+
+def heard_progress(attempt: Attempt) -> int | None:
+    """Steps the attempt completed as its heartbeats told, when it completed any (else None):
+    what stands for its progress when no fault says (a lost node's does not, and its peers,
+    waiting in a collective, report none of their own). Never 0: heartbeats that heard no new
+    step are no proof of none (a lost node's last ones may be missing), and a stepless attempt
+    would stop the job where it was restarted before."""
+    newest = max((step for step, _ in attempt.steps.values()), default=0)
+    return newest - attempt.restore_step if newest > attempt.restore_step else None
 
 
 def failures(attempt: Attempt) -> list[dict[str, Any]]:
@@ -143,7 +154,8 @@ class DetectDecider:
     def decide(self, faults: list[dict[str, Any]], stacks: dict[int, str], now: float, *,
                max_restarts: int, active_nodes: int, min_nodes: int, max_nodes: int | None = None,
                finished: Sequence[tuple[int, int | None]] = (), spent: int = 0,
-               rank_nodes: Mapping[int, str] | None = None, pinned: frozenset[str] = frozenset()) -> Decision:
+               rank_nodes: Mapping[int, str] | None = None, pinned: frozenset[str] = frozenset(),
+               heard_progress: int | None = None) -> Decision:
         """``finished``: (rank, last step) of ranks that exited 0 before the others failed.
         ``max_nodes`` (None: unknown) tells a fixed-size job, which cannot go on without a node
         even when the lost one is back already. ``rank_nodes`` (rank -> node id) and ``pinned``
@@ -160,6 +172,8 @@ class DetectDecider:
         cause = root_cause(parsed)
         classification = classify(cause, [f for f in parsed if f.kind == "health"])
         progress = _highest(faults, "progress")
+        if progress is None:  # acceptance 20B F1: a lost node's restarts backed off 1, 2 ... 30 s forever
+            progress = heard_progress
         reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
         replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress)
         uneven = bool(finished) and is_victim(cause, classification) and _in_collective(cause)

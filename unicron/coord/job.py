@@ -282,7 +282,8 @@ class JobCore:
         for node in self.members.nodes.values():
             node.workers = []  # the previous attempt's ranks are gone; heartbeats bring the new ones
         self._choose_restore(nodes)
-        self.attempt = Attempt(number, now, [n.node_id for n in nodes], sum(n.nproc for n in nodes))
+        self.attempt = Attempt(number, now, [n.node_id for n in nodes], sum(n.nproc for n in nodes),
+                               restore_step=self.restore_step or 0)
         self.phase = Phase.RUNNING
         if self.down_since is not None:
             self.downtime_s += now - self.down_since

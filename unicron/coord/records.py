@@ -53,6 +53,7 @@ class Attempt:
     stop_reason: str = ""
     stop_sent_at: float | None = None
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure
+    restore_step: int = 0  # the step its ranks restored (0: a fresh start)
     silence_ended_at: float | None = None  # a silent node of this attempt was heard again then
     node_set: frozenset[str] = field(init=False, repr=False, compare=False)  # ``nodes``, to ask without a scan
 
