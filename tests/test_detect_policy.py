@@ -49,7 +49,7 @@ class Job:
         steps = 0 if progress == 0 else progress
         fault = Fault(kind, now, rank=rank, node=node, attempt=self.attempt, steps_completed=steps, **spec)  # type: ignore[arg-type]
         c = classify(fault)
-        replayed = replayed_only(self.history, restored_from, reached, c.rule, progress)
+        replayed = replayed_only(self.history, restored_from, reached, c.rule, progress, c.error)
         d = self.policy.decide(self.history, fault, c, now, max_restarts=self.max_restarts,
                                steps_completed_since_last_restart=progress, elastic=self.elastic, replayed=replayed)
         self.decisions.append(d)
@@ -355,3 +355,24 @@ def test_the_same_exception_after_a_restart_of_unknown_progress_stops_the_job() 
     progressed = Job(max_restarts=50)
     progressed.fail("bug", 1.0, None, rank=0)
     assert progressed.fail("bug", 20.0, 12, rank=0).action is Action.RESTART
+
+
+def test_fresh_starts_that_fail_alike_at_the_same_step_are_a_crash_loop() -> None:
+    """Acceptance 20B F2: DDP's first snapshot comes after its first steps, so a job that raises
+    at its second iteration in every attempt (an unused parameter) starts fresh each time,
+    with progress 1, and spent the whole restart budget."""
+    job = Job(max_restarts=100)
+    decisions = [job.fail("bug", float(n), 1, rank=0, reached=1, restored_from=0) for n in range(4)]
+    assert [d.action for d in decisions] == [Action.RESTART] * 3 + [Action.STOP]
+    assert decisions[-1].stop is StopReason.CRASH_LOOP and "failed the same way again" in decisions[-1].reason
+    # Failing further each time, or with another error, is no loop.
+    further = Job(max_restarts=100)
+    assert all(further.fail("bug", float(n), 5, rank=0, reached=5 * (n + 1), restored_from=0).action
+               is Action.RESTART for n in range(5))
+    other = Job(max_restarts=100)
+    assert all(other.fail("bug" if n % 2 else "bug2", float(n), 1, rank=0, reached=1, restored_from=0).action
+               is Action.RESTART for n in range(5))
+    # A fresh start after a restored one is not compared with it.
+    assert not replayed_only([FailureRecord(ts=0.0, attempt=0, rule="x", severity=Severity.SEV2,
+                                            action=Action.RESTART, cause="", error="E", reached=1,
+                                            restored_from=6)], 0, 1, "x", 1, "E")

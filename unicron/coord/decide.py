@@ -175,7 +175,8 @@ class DetectDecider:
         if progress is None:  # acceptance 20B F1: a lost node's restarts backed off 1, 2 ... 30 s forever
             progress = heard_progress
         reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
-        replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress)
+        replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress,
+                                 classification.error)
         uneven = bool(finished) and is_victim(cause, classification) and _in_collective(cause)
         if uneven:  # the rank that left is why: lead with it (and the rule the history keeps is its own)
             classification = replace(classification, severity=Severity.SEV2, action=Action.RESTART,

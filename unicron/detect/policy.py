@@ -125,17 +125,23 @@ class Decision:
 
 
 def replayed_only(history: Sequence[FailureRecord], restored_from: int | None, reached: int | None,
-                  rule: str, progress: int | None) -> bool:
+                  rule: str, progress: int | None, error: str = "") -> bool:
     """Whether a restored attempt replayed the attempt before it: it restored from no earlier a
     step than that one did (``restored_from``; None or 0: it started fresh), got no further
     (``reached``, the furthest step over the whole run) and failed by the same rule. Restores
     are bit-exact, so such an attempt meets the same failure again: a script that raises after
     its optimizer step and before ``commit()`` redoes one step per attempt forever, each attempt
-    with progress 1. Never for a fresh start (it redoes steps by design), an attempt of unknown
-    progress (no evidence), or another kind of failure (unrelated faults are not a loop)."""
-    if not restored_from or reached is None or progress is None:
+    with progress 1. A fresh start (it redoes steps by design) replays only a fresh start before
+    it that failed at the same step with the same ``error``, word for word: a DDP job whose
+    snapshot comes only after its first steps and that raises at its second iteration in every
+    attempt (an unused parameter) restarted until the budget was spent. Never an attempt of
+    unknown progress (no evidence), or another kind of failure (unrelated faults are not a loop)."""
+    if reached is None or progress is None:
         return False
     last = next((r for r in reversed(history) if r.action is not Action.NONE), None)
+    if not restored_from:
+        return (last is not None and not last.restored_from and bool(error) and last.error == error
+                and last.rule == rule and last.reached == reached)
     return (last is not None and last.rule == rule and last.reached is not None and reached <= last.reached
             and restored_from >= (last.restored_from or 0))
 
@@ -274,7 +280,7 @@ class RestartPolicy:
             if restarts >= self.crash_loop_limit:
                 what = ("without completing a step" if not replayed and not any(r.replayed for r in loop)
                         else "without completing a step that an earlier attempt had not already completed "
-                             "(restored attempts failed the same way again, no further)")
+                             "(attempts failed the same way again, no further)")
                 return stop(StopReason.CRASH_LOOP, f"crash loop: {restarts} restarts {what}; last cause: {cause}")
 
         action = classification.action
