@@ -469,7 +469,9 @@ def test_a_python_exec_without_unicron_runs_its_workers_as_torchrun_would(workdi
     python = workdir / "other-python"
     python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
-    (workdir / "plain.py").write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    # One string: unbuffered (PYTHONUNBUFFERED), print writes each argument apart, and the two
+    # ranks' words interleaved on the shared console ("rankrank 1 of 2\n 0 of 2").
+    (workdir / "plain.py").write_text("import os\nprint(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\")\n")
     env = clean_env(PYTHON_EXEC=str(python))
     env.pop("PYTHONPATH", None)
     premise = subprocess.run([str(python), "-c", "import unicron"], cwd=workdir, env=env, capture_output=True)
