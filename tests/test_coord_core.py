@@ -707,3 +707,28 @@ def test_a_lost_nodes_restarts_back_off_only_while_the_heartbeats_heard_no_new_s
     stuck = DetectDecider()  # heartbeats at the restored step only: no proof of none, still unknown
     assert [lost_after(stuck, n, (40, 40), 40).action for n in range(3)] == ["restart"] * 3
     assert heard_progress(Attempt(0, 0.0, ["a"], 1, restore_step=40)) is None
+
+
+def test_the_status_view_shows_the_newest_gone_nodes_only() -> None:
+    """Acceptance 20B F4: every replaced node (a launcher killed and started again) stayed in
+    `unicron status` as a "lost" row for the rest of the job: one more row per replacement."""
+    from unicron.status.render import render_nodes
+
+    core = JobCore(spec(1, 12), ScriptedDecider(RESTART), now=0)
+    for i in range(12):
+        core.on_join(f"n{i}", join(f"n{i}", mn=1, mx=12), 0.1 * i)
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0):
+        for live in ("n10", "n11"):
+            core.on_heartbeat(live, {"workers": [], "health": {}}, now)
+        core.tick(now)
+    view = core.snapshot(5.0)
+    states = [n["state"] for n in view["nodes"]]
+    assert states.count("healthy") == 2 and states.count("lost") == 8 and len(states) == 10, states
+    assert view["job"]["gone_nodes_not_shown"] == 2
+    shown = {n["node_id"] for n in view["nodes"]}
+    assert {"n0", "n1"}.isdisjoint(shown) and {"n2", "n9"} <= shown  # the newest heard of are kept
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render_nodes(view, 5.0))
+    assert "2 earlier nodes that left or were lost not shown" in console.export_text()

@@ -14,13 +14,23 @@ if TYPE_CHECKING:
     from unicron.coord.job import JobCore
 
 
+GONE_NODES_SHOWN = 8  # the newest nodes that left or were lost, in a status reply
+
+
 def job_view(core: JobCore) -> dict[str, Any]:
     attempt = core.attempt
     # Once the job is over its nodes stopped what ran (a standalone coordinator keeps showing
     # the job): no rank is still running, whatever its node last said.
     over = {Phase.DONE: "exited", Phase.FAILED: "stopped"}.get(core.phase)
     nodes = []
+    # Nodes that left or were lost stay members (a lost one that comes back must be told), but
+    # a job whose nodes are replaced for days would list every one: the newest few are shown.
+    gone = sorted((n for n in core.members.nodes.values() if n.state is not NodeState.ACTIVE),
+                  key=lambda n: n.last_heartbeat or 0.0, reverse=True)
+    dropped = {n.node_id for n in gone[GONE_NODES_SHOWN:]}
     for node in sorted(core.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):
+        if node.node_id in dropped:
+            continue
         workers = [dict(w, state=over) if over and isinstance(w, dict) and w.get("state") in ("running", "hung")
                    else w for w in node.workers]
         nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
@@ -32,6 +42,7 @@ def job_view(core: JobCore) -> dict[str, Any]:
                       [dict(w, state=node.state.value) for w in workers if isinstance(w, dict)]})
     return {
         "job": {"id": core.spec.job_id, "state": core.phase.value,
+                **({"gone_nodes_not_shown": len(dropped)} if dropped else {}),
                 "attempt": attempt.number if attempt else 0, "restarts": core.restarts_used,
                 "max_restarts": core.spec.max_restarts,
                 "world_size": attempt.world_size if attempt else 0,

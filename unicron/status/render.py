@@ -174,10 +174,13 @@ def _between_steps(activity: object) -> Text:
 
 def render_nodes(snapshot: Mapping[str, Any], now: float) -> Table:
     hidden = nodes_not_shown(snapshot)
+    gone = num(job_of(snapshot).get("gone_nodes_not_shown"))
+    notes = ([f"{hidden} more nodes not shown (kept under the message size limit; nodes in trouble come first)"]
+             if hidden else []) + ([f"{int(gone)} earlier nodes that left or were lost not shown"]
+                                   if gone and gone > 0 else [])
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False, title_justify="left",
                   title=Text("nodes", style="bold"), caption_justify="left",
-                  caption=Text(f"{hidden} more nodes not shown (kept under the message size limit; "
-                               "nodes in trouble come first)", style="yellow") if hidden else None)
+                  caption=Text("\n".join(notes), style="yellow") if notes else None)
     for name, justify in (("#", "right"), ("node", "left"), ("host", "left"), ("state", "left"),
                           ("heartbeat", "right"), ("activity", "left"), ("cpu", "right"), ("mem", "right"),
                           ("gpus", "left")):
