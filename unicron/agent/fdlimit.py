@@ -20,6 +20,7 @@ FDS_PER_RANK = 6  # about 4 measured
 # a full table in accept() as a rank connects and aborts the process (no Python handler runs).
 HELD_PER_RANK = 4  # measured: 40 open with 2 ranks, 64 with 8, 96 with 16
 SPARE_FDS = 12  # connections being accepted, log files reopened at a restart
+LAUNCHER_FDS = 28  # what the launcher opens for itself once it runs (about 32 measured, a few open at start)
 
 
 def needed_fds(nproc: int) -> int:
@@ -42,31 +43,44 @@ def soft_limit_for(nproc: int, soft: int, hard: int) -> tuple[int | None, str]:
 
 def ensure_fd_limit(nproc: int) -> str:
     """Raise this process's soft limit on open files when its ranks need it (its children
-    inherit it, as they would a `ulimit -n` in the launching shell); returns a warning, or ""."""
+    inherit it, as they would a `ulimit -n` in the launching shell); returns a warning, or "".
+    Raises ResourceError when even the launcher and its ranks cannot fit under it: ZeroMQ meets
+    a full table in its own threads, where no error reaches Python (a node joining its own
+    coordinator then waited for the join timeout, 600 s, with nothing said)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target, warning = soft_limit_for(nproc, soft, hard)
     if target is not None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    _raise_if(room_problem(nproc, _open_now(), soft, own=LAUNCHER_FDS))
     return warning
 
 
-def room_problem(nproc: int, open_now: int, soft: int) -> str:
-    """Why ``nproc`` ranks cannot be started with ``open_now`` descriptors open under the soft
-    limit ``soft`` ("" when they can) (pure)."""
-    need = HELD_PER_RANK * max(1, nproc) + SPARE_FDS
+def room_problem(nproc: int, open_now: int, soft: int, *, own: int = 0) -> str:
+    """Why ``nproc`` ranks (and ``own`` descriptors the launcher will open for itself) cannot be
+    started with ``open_now`` descriptors open under the soft limit ``soft`` ("" when they
+    can) (pure)."""
+    need = own + HELD_PER_RANK * max(1, nproc) + SPARE_FDS
     if soft == resource.RLIM_INFINITY or open_now + need <= soft:
         return ""
-    return (f"out of open files: {nproc} local ranks need about {need} descriptors beyond the {open_now} this "
+    whose = f"{nproc} local ranks" + (" and the launcher" if own else "")
+    return (f"out of open files: {whose} need about {need} descriptors beyond the {open_now} this "
             f"launcher holds, and the limit is {soft} (ulimit -n); raise it, or start fewer ranks per node")
+
+
+def _open_now() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0  # no /proc: nothing to go by
+
+
+def _raise_if(problem: str) -> None:
+    if problem:
+        raise ResourceError(problem)
 
 
 def check_room(nproc: int) -> None:
     """Raise ResourceError, before any rank of the attempt starts, when its ranks would exhaust
     the open files (the launcher would abort in ZeroMQ instead, with ranks half started)."""
-    try:
-        open_now = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return  # no /proc: nothing to go by
-    problem = room_problem(nproc, open_now, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    if problem:
-        raise ResourceError(problem)
+    _raise_if(room_problem(nproc, _open_now(), resource.getrlimit(resource.RLIMIT_NOFILE)[0]))

@@ -298,12 +298,12 @@ class RestartPolicy:
         # The same error before any step, twice, on another rank is the same failure too: when
         # every rank fails alike at start-up, which one is seen first is chance, and must not
         # decide whether the job stops.
-        # An error that comes back word for word after a restart (a Python exception, or an exit
-        # code with its error line: argparse's), in attempts whose progress is unknown (ranks
-        # that load for long before init_process_group: an HF Trainer script) is a bug in the
-        # script, as it is with no progress. A death by signal is not (an OOM kill, a wrapper's).
-        said_why = fault.kind == "exception" or (fault.kind == "exit" and (fault.exitcode or 0) > 0)
-        unknown_twice = (progress is None and last is not None and last.progress is None and said_why
+        # A Python exception (forwarded by the rank's hooks) that comes back word for word after
+        # a restart, in attempts whose progress is unknown (ranks that load for long before
+        # init_process_group: an HF Trainer script), is a bug in the script, as it is with no
+        # progress. An exit is not: it may come from an image without the hooks (a rank that
+        # execs itself, a wrapper's subprocess) that did work nobody saw.
+        unknown_twice = (progress is None and last is not None and last.progress is None and fault.kind == "exception"
                          and bool(last.error) and last.error == classification.error)
         same_error = (last is not None and bool(last.error) and last.error == classification.error
                       and last.rule == classification.rule and (_no_progress(last.progress) or unknown_twice))
