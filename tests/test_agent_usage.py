@@ -17,7 +17,6 @@ from unicron.agent.sendqueues import (
     asked_send_queues,
     drained_between,
     parse_tcp_table,
-    send_queues,
     socket_inodes,
     table_send_queues,
 )
@@ -216,7 +215,7 @@ def test_data_draining_from_a_ranks_send_queue_is_work_a_stuck_queue_is_not() ->
         assert verdict_within(Activity.WORKING, 10) == {0: Activity.WORKING}
         reading.clear()  # the peer stops reading: its buffer fills, nothing drains
         assert verdict_within(Activity.IDLE, 10) == {0: Activity.IDLE}
-        assert send_queues(proc.pid), "the queue is still full, and read"
+        assert asked_send_queues(proc.pid), "the queue is still full, and read"
         # Asked of the rank's own socket (acceptance 20C F3: not the host's whole table, seconds
         # to parse with tens of thousands of sockets), with the table's answer.
         assert watch.route == "ask"

@@ -157,9 +157,9 @@ def _tcp_unsent(fd: int) -> int | None:
         sock.detach()
 
 
-def table_send_queues(pid: int, inodes: set[int], max_bytes: int = TABLE_MAX_BYTES) -> dict[int, int] | None:
-    """Send queue of each of ``inodes`` from ``pid``'s namespace tables; None when a table is
-    over ``max_bytes`` (not read: too costly to parse a few times a second)."""
+def table_send_queues(pid: int, inodes: set[int] | None, max_bytes: int = TABLE_MAX_BYTES) -> dict[int, int] | None:
+    """Send queue of each of ``inodes`` (None: every socket) from ``pid``'s namespace tables;
+    None when a table is over ``max_bytes`` (not read: too costly to parse a few times a second)."""
     queues: dict[int, int] = {}
     for table in TCP_TABLES:
         try:
@@ -170,16 +170,8 @@ def table_send_queues(pid: int, inodes: set[int], max_bytes: int = TABLE_MAX_BYT
         if len(raw) > max_bytes:
             return None
         queues.update({inode: tx for inode, tx in parse_tcp_table(raw.decode("ascii", "replace")).items()
-                       if inode in inodes})
+                       if inodes is None or inode in inodes})
     return queues
-
-
-def send_queues(pid: int) -> dict[int, int]:
-    """Send queue of each TCP socket ``pid`` has open (asked of the sockets, else from the table)."""
-    try:
-        return asked_send_queues(pid)
-    except NotAllowed:
-        return table_send_queues(pid, socket_inodes(pid)) or {}
 
 
 class SendQueueWatch:
@@ -193,7 +185,7 @@ class SendQueueWatch:
         self.clock = clock
         self.route = route  # "ask" the sockets; "table" where not allowed; "none": the table is too big
         self.table_max_bytes = table_max_bytes
-        self._tables: dict[int, tuple[float, dict[int, int] | None]] = {}  # netns inode -> (read at, all queues)
+        self._tables: dict[int, tuple[float, dict[int, int]]] = {}  # netns inode -> (read at, all queues)
 
     def drained(self, pid: int) -> int:
         """Read ``pid``'s send queues now; bytes drained since it was first read."""
@@ -217,21 +209,12 @@ class SendQueueWatch:
             netns = os.stat(f"/proc/{pid}/ns/net").st_ino
         except OSError:
             return {}
-        read_at, table = self._tables.get(netns, (float("-inf"), None))
-        if self.clock() - read_at > TABLE_FRESH_S:
-            table = table_send_queues(pid, _ALL, self.table_max_bytes)
+        cached = self._tables.get(netns)
+        if cached is None or self.clock() - cached[0] > TABLE_FRESH_S:
+            table = table_send_queues(pid, None, self.table_max_bytes)
             if table is None:
                 self.route = "none"  # for this attempt: a host this busy stays busy
                 return {}
-            self._tables[netns] = (self.clock(), table)
-        return {inode: tx for inode, tx in (table or {}).items() if inode in inodes}
+            cached = self._tables[netns] = (self.clock(), table)
+        return {inode: tx for inode, tx in cached[1].items() if inode in inodes}
 
-
-class _Everything(set[int]):
-    """Every inode (``table_send_queues`` keeps all of a table's sockets)."""
-
-    def __contains__(self, item: object) -> bool:
-        return True
-
-
-_ALL = _Everything()
