@@ -118,7 +118,7 @@ class WarmPool:
         # the coordinator takes ``store_channel``; ``store_pid`` is ours to reap.
         self.host_stores = host_stores
         self.store_channel: StoreHostChannel | None = None
-        self.store_pid: int | None = None
+        self._store_host: AdoptedChild | None = None
 
     def __enter__(self) -> WarmPool:
         return self
@@ -151,9 +151,16 @@ class WarmPool:
         """Whether an attempt need not wait: the zygote is ready, or there will be none."""
         return bool(self.ready()) or self._popen is None
 
+    @property
+    def store_pid(self) -> int | None:
+        """The store host's pid while it lives (reaped, and forgotten, once it exited)."""
+        host = self._store_host
+        if host is not None and host.poll() is not None:
+            self._store_host = host = None
+        return host.pid if host is not None else None
+
     def pids(self) -> list[int]:
         self._prune()
-        self._reap_store_host(block=False)
         return [pid for pid in (self._popen.pid if self._popen is not None else None, self.store_pid) if pid]
 
     def wait_ready(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> bool:
@@ -170,25 +177,12 @@ class WarmPool:
         """Kill and reap the zygote (it holds no state worth a graceful exit); workers it forked live on."""
         self.closed = True
         self._kill_zygote()
-        if self.store_pid is not None:
+        host, self._store_host = self._store_host, None
+        if host is not None and host.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.store_pid, signal.SIGKILL)
-            self._reap_store_host(block=True)
-
-    def _reap_store_host(self, *, block: bool) -> None:
-        """Forget (and reap) a store host that exited; ``block``: wait for it, up to REAP_TIMEOUT_S."""
-        deadline = time.monotonic() + (REAP_TIMEOUT_S if block else 0.0)
-        while self.store_pid is not None:
-            try:
-                done, _ = os.waitpid(self.store_pid, os.WNOHANG)
-            except ChildProcessError:  # not ours after all (the subreaper setting was lost)
-                done = self.store_pid
-            if done:
-                self.store_pid = None
-            elif time.monotonic() >= deadline:
-                return
-            else:
-                time.sleep(0.005)
+                os.kill(host.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                host.wait(REAP_TIMEOUT_S)
 
     # ---- forking a worker ------------------------------------------------------------
     def take(
@@ -337,8 +331,8 @@ class WarmPool:
             threads = reply.get("threads")
             self.threads = threads if isinstance(threads, int) else None
             store_pid = reply.get("store_pid")
-            if isinstance(store_pid, int) and store_pid > 0 and self.store_pid is None:
-                self.store_pid = store_pid
+            if isinstance(store_pid, int) and store_pid > 0 and self._store_host is None:
+                self._store_host = AdoptedChild(store_pid)  # forked like a worker: ours to reap
 
     def _prune(self) -> None:
         """Forget a zygote that died; one that died before it was ready disables the pool."""

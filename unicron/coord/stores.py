@@ -20,8 +20,10 @@ import queue
 import select
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Protocol
+
+from unicron.worker.jsonlines import read_object
+from unicron.worker.storehost import open_tcp_store
 
 STORE_TRIES = 3  # attempts at opening an attempt's TCPStore
 STORE_OPEN_TIMEOUT_S = 30.0  # each one's bound
@@ -145,10 +147,9 @@ class StoreHostChannel:
                 self._buffer += data
         line, _, self._buffer = self._buffer.partition(b"\n")
         try:
-            reply = json.loads(line)
+            return read_object(line, "reply", ValueError)
         except ValueError:
-            reply = None
-        return reply if isinstance(reply, dict) else {}
+            return {}
 
     def _lose(self, why: str) -> None:
         if self.gone is None:
@@ -222,12 +223,7 @@ class StoreOpener:
                 return self.host.open(STORE_OPEN_TIMEOUT_S, HOST_WAIT_S)
             except StoreHostGone:
                 pass
-        from torch.distributed import TCPStore
-
-        # Its own client connects to it at once: a bounded wait (torch's default is 300 s,
-        # and the job would wait that long without a word), then a fresh port.
-        return LocalStore(TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=STORE_OPEN_TIMEOUT_S),
-                                   wait_for_workers=False))
+        return LocalStore(open_tcp_store(STORE_OPEN_TIMEOUT_S))  # imports torch here: the first time, seconds
 
 
 def preload() -> None:

@@ -25,3 +25,22 @@ def write_object(fd: int, message: dict[str, Any]) -> bool:
         return True
     except OSError:
         return False
+
+
+class LineReader:
+    """Lines from a pipe, read with ``os.read`` (no buffered object a forked worker could inherit)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+
+    def next_line(self) -> bytes | None:
+        """The next line without its newline; None at end of input (a last unterminated line counts)."""
+        while b"\n" not in self.buffer:
+            data = os.read(self.fd, 1 << 16)
+            if not data:
+                line, self.buffer = self.buffer, b""
+                return line or None
+            self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line

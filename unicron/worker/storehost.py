@@ -18,11 +18,10 @@ never leave the node (they are not the mesh), but a request is still checked bef
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
-from unicron.worker.jsonlines import read_object, write_object
+from unicron.worker.jsonlines import LineReader, read_object, write_object
 
 MAX_TIMEOUT_S = 3600.0
 
@@ -49,37 +48,33 @@ def parse_request(line: bytes) -> tuple[str, int, float]:
     raise RequestError("request is neither open nor close")
 
 
+def open_tcp_store(timeout_s: float) -> Any:
+    """A TCPStore server on a free port of every interface. Its own client connects at once: a
+    bounded wait (torch's default is 300 s, and a job would wait that long without a word)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def serve(requests_fd: int, replies_fd: int) -> int:
     """Open and close stores as asked until end of input; returns the exit code (0)."""
-    from torch.distributed import TCPStore  # imported already: this is a fork of the zygote
-
     stores: dict[int, Any] = {}
-    buffer = b""
-    while True:
+    requests = LineReader(requests_fd)
+    while (line := requests.next_line()) is not None:
         try:
-            data = os.read(requests_fd, 1 << 16)
-        except InterruptedError:
+            kind, ident, timeout_s = parse_request(line)
+        except RequestError as err:
+            write_object(replies_fd, {"error": str(err)})
             continue
-        if not data:
-            return 0
-        buffer += data
-        while b"\n" in buffer:
-            line, _, buffer = buffer.partition(b"\n")
-            try:
-                kind, ident, timeout_s = parse_request(line)
-            except RequestError as err:
-                write_object(replies_fd, {"error": str(err)})
-                continue
-            if kind == "close":
-                stores.pop(ident, None)  # its destructor stops the server and frees the port
-                continue
-            try:
-                # Its own client connects at once: a bounded wait (torch's default is 300 s).
-                store = TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s),
-                                 wait_for_workers=False)
-            except Exception as err:  # noqa: BLE001 - the coordinator reports it as the attempt's failure
-                write_object(replies_fd, {"id": ident, "error": f"{type(err).__name__}: {err}"})
-                continue
-            stores[ident] = store
-            if not write_object(replies_fd, {"id": ident, "port": int(store.port)}):
-                return 0  # nobody reads: the coordinator is gone
+        if kind == "close":
+            stores.pop(ident, None)  # its destructor stops the server and frees the port
+            continue
+        try:
+            store = open_tcp_store(timeout_s)  # torch is imported already: this is a fork of the zygote
+        except Exception as err:  # noqa: BLE001 - the coordinator reports it as the attempt's failure
+            write_object(replies_fd, {"id": ident, "error": f"{type(err).__name__}: {err}"})
+            continue
+        stores[ident] = store
+        if not write_object(replies_fd, {"id": ident, "port": int(store.port)}):
+            return 0  # nobody reads: the coordinator is gone
+    return 0

@@ -67,7 +67,7 @@ from typing import IO, Any
 
 # Imported before torch, as in a cold worker: hooks remember the default excepthooks.
 from unicron.worker import boot, cudadriver
-from unicron.worker.jsonlines import read_object, write_object
+from unicron.worker.jsonlines import LineReader, read_object, write_object
 
 # torch._dynamo is what the first optimizer construction imports (about 1.5 s): preloading it
 # makes a warm worker's first step as fast as its later ones. unicron's worker API last: a
@@ -99,25 +99,6 @@ def parse_spec(line: bytes) -> dict[str, Any]:
         if spec.get(stream) is not None and not isinstance(spec[stream], str):
             raise SpecError(f"spec {stream} must be a path or null")
     return spec
-
-
-class LineReader:
-    """Lines from a pipe, read with ``os.read`` (no buffered object a forked worker could inherit)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buffer = b""
-
-    def next_line(self) -> bytes | None:
-        """The next line without its newline; None at end of input (a last unterminated line counts)."""
-        while b"\n" not in self.buffer:
-            data = os.read(self.fd, 1 << 16)
-            if not data:
-                line, self.buffer = self.buffer, b""
-                return line or None
-            self.buffer += data
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line
 
 
 def _preload() -> None:
