@@ -73,3 +73,16 @@ def launch() -> Iterator[Any]:
             item.proc.stderr.close()
 
 
+
+
+@pytest.fixture
+def subreaper() -> Iterator[None]:
+    """This test process is a child subreaper for the test, as the agent always is (tests of
+    processes forked by a zygote, re-parented to us)."""
+    from unicron.agent.signals import set_child_subreaper
+
+    assert set_child_subreaper(True)
+    try:
+        yield
+    finally:
+        set_child_subreaper(False)

@@ -24,6 +24,7 @@ from unicron.worker.channel import bell_address
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 BOOT = [PYTHON, "-u", "-m", "unicron.worker.boot"]
+IMPORT_S = 90.0  # importing torch on two shared, busy cores
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -172,6 +173,16 @@ def run_boot(
 ) -> tuple[int, str, str]:
     with workers() as group:
         return finish(group.boot(script, *args, env=env, cwd=cwd, module=module), timeout_s)
+
+
+def broken_torch_env(tmp_path: Path) -> dict[str, str]:
+    """``base_env`` with a ``torch`` first on the path that fails to import (a zygote that cannot import)."""
+    broken = tmp_path / "shadow"
+    broken.mkdir()
+    (broken / "torch.py").write_text("raise RuntimeError('this torch is broken')\n")
+    env = base_env()
+    env["PYTHONPATH"] = f"{broken}{os.pathsep}{env['PYTHONPATH']}"
+    return env
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:

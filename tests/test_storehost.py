@@ -6,16 +6,14 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import pytest
 from e2e import wait_for
-from helpers_worker import base_env, wait_until
+from helpers_worker import IMPORT_S, base_env, broken_torch_env, wait_until
 
-from unicron.agent.signals import set_child_subreaper
 from unicron.agent.warm import WarmPool
 from unicron.coord.stores import (
     HostedStore,
@@ -29,15 +27,6 @@ from unicron.worker.storehost import RequestError, parse_request
 from unicron.worker.zygote import parse_args
 
 PY = sys.executable
-IMPORT_S = 90.0  # importing torch on two shared, busy cores
-
-
-@pytest.fixture
-def subreaper() -> Iterator[None]:
-    """This test process is a child subreaper, as the agent always is."""
-    assert set_child_subreaper(True)
-    yield
-    set_child_subreaper(False)
 
 
 def test_requests_are_checked() -> None:
@@ -122,11 +111,7 @@ def test_the_zygotes_store_host_serves_stores_outlives_its_zygote_and_goes_with_
 
 
 def test_a_zygote_that_cannot_import_leaves_the_stores_to_the_launcher(tmp_path: Path, subreaper: None) -> None:
-    broken = tmp_path / "shadow"
-    broken.mkdir()
-    (broken / "torch.py").write_text("raise RuntimeError('this torch is broken')\n")
-    env = base_env()
-    env["PYTHONPATH"] = f"{broken}{os.pathsep}{env['PYTHONPATH']}"
+    env = broken_torch_env(tmp_path)
     with WarmPool(1, python=PY, base_env=env, host_stores=True) as pool:
         pool.refill()
         opener = StoreOpener(pool.store_channel)

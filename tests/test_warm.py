@@ -14,11 +14,19 @@ from typing import Any
 
 import psutil
 import pytest
-from helpers_worker import BOOT, Rendezvous, agent_socket, base_env, wait_until, write_script
+from helpers_worker import (
+    BOOT,
+    IMPORT_S,
+    Rendezvous,
+    agent_socket,
+    base_env,
+    broken_torch_env,
+    wait_until,
+    write_script,
+)
 
 from unicron.agent.logs import RankLogs
 from unicron.agent.procs import WorkerProcess, start_worker
-from unicron.agent.signals import set_child_subreaper
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.terminate import terminate_all
 from unicron.agent.warm import WarmPool
@@ -32,7 +40,6 @@ from unicron.agent.warmspec import (
 from unicron.worker.zygote import SpecError, parse_spec
 
 PY = sys.executable
-IMPORT_S = 90.0  # importing torch on two shared, busy cores
 
 PROBE = """
     import faulthandler, json, os, signal, sys, tempfile
@@ -145,16 +152,6 @@ def test_spec_is_checked() -> None:
 
 
 # ---- real processes ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def subreaper() -> Iterator[None]:
-    """This test process is a child subreaper for the test, as the agent always is."""
-    assert set_child_subreaper(True)
-    try:
-        yield
-    finally:
-        set_child_subreaper(False)
 
 
 @pytest.mark.parametrize("mode", ["raise", "3"])
@@ -354,11 +351,7 @@ def test_zygote_killed_while_idle_is_noticed(tmp_path: Path, subreaper: None) ->
 
 
 def test_zygote_that_cannot_import_disables_the_pool(tmp_path: Path, subreaper: None) -> None:
-    broken = tmp_path / "shadow"
-    broken.mkdir()
-    (broken / "torch.py").write_text("raise RuntimeError('this torch is broken')\n")
-    env = base_env()
-    env["PYTHONPATH"] = f"{broken}{os.pathsep}{env['PYTHONPATH']}"
+    env = broken_torch_env(tmp_path)
     with WarmPool(1, python=PY, base_env=env) as pool:
         pool.refill()
         assert not pool.wait_ready(IMPORT_S)  # it died instead
