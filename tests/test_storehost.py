@@ -84,7 +84,8 @@ def test_the_zygotes_store_host_serves_stores_outlives_its_zygote_and_goes_with_
         assert host is not None and host in pool.pids()  # a helper of the agent, not a leftover of its workers
         proc = psutil.Process(host)
         assert proc.ppid() == os.getpid() and os.getsid(host) == host  # ours, in a session of its own
-        assert "unicron.worker.storehost" in " ".join(proc.cmdline())
+        # Its title is rewritten as it starts, concurrently with the zygote's "ready".
+        wait_for(lambda: "unicron.worker.storehost" in " ".join(proc.cmdline()), 30, "the store host's title")
         first = _opened(opener, 0)
         assert isinstance(first, HostedStore)
         _client_round_trip(first.port, "attempt 0")
