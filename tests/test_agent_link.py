@@ -121,6 +121,29 @@ def test_silence_is_excused_from_hang_clocks_only_for_a_coordinator_that_hosts_r
     assert not alone.unheard(10.0) and alone.heard(10.0) == 0.0  # a standalone coordinator runs no ranks
 
 
+def test_a_coordinator_that_hears_no_other_node_holds_hang_calls_and_the_time_is_excused_after() -> None:
+    """Its acks say ``deaf`` (its own link is likelier cut): this node's ranks wait on ranks it
+    cannot hear, so no hang is called, and that time comes off the hang clocks when it ends."""
+    c = link(10.0)
+
+    def acks(start: float, end: float, deaf: bool) -> float:  # one every 0.5 s, as heartbeats are answered
+        excused, t = 0.0, start
+        while t <= end:
+            assert c.heard(t) == 0.0  # the coordinator itself is heard all along
+            excused += c.told_deaf(t, deaf)
+            t += 0.5
+        return excused
+
+    assert acks(10.5, 10.5, False) == 0.0 and not c.unheard(10.5)
+    assert acks(11.0, 14.0, True) == 0.0 and c.unheard(14.0)
+    c.paused(1.0)  # this agent's own stall is excused by itself, not twice
+    assert acks(15.5, 16.5, True) == 0.0 and c.unheard(16.5)
+    assert acks(17.0, 17.0, False) == 5.0 and not c.unheard(17.0)  # 6 s deaf, 1 of them paused
+    acks(18.0, 18.0, True)
+    assert c.unheard(27.9) and not c.unheard(28.1)  # 15 s an attempt at most: 5 spent
+    assert c.told_deaf(40.0, False) == 10.0
+
+
 def test_the_endpoints_address() -> None:
     from unicron.agent.hostprobe import tcp_address
 

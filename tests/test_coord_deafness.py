@@ -1,11 +1,16 @@
-"""A coordinator that hears no node of any job (``unicron.coord.deafness``): pure, and in the
-coordinator's real loop, where the silence of everyone at once is its own and loses nobody,
-while one node silent among others heard is lost as before."""
+"""A coordinator that hears no node of any job (``unicron.coord.deafness``,
+``unicron.coord.hearing``): pure, and in the coordinator's real loop, where the silence of
+everyone at once whose hosts do not answer either is its own and loses nobody, while one node
+silent among others heard, or nodes whose hosts answer, are lost as before. A coordinator
+embedded in a node hears that node whatever the network does: its word does not count."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +21,10 @@ from e2e import wait_for
 
 from unicron.coord.deafness import DeafWatch, allowance_s
 from unicron.coord.decide import DetectDecider
+from unicron.coord.hearing import hosts_probe
 from unicron.coord.server import CoordinatorServer
 from unicron.events import EventLog
+from unicron.netprobe import Prober, hosts_answer
 from unicron.proto.client import request
 from unicron.proto.messages import Codec
 
@@ -80,23 +87,42 @@ def _heartbeat(sock: zmq.Socket, codec: Codec, node: str) -> None:
     sock.send(codec.encode("heartbeat", {"node_id": node, "epoch": 0, "attempt": -1, "workers": [], "health": {}}))
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Any:
+class Silence:
+    """The answer of hosts cut off: none (the probe's connects are the only thing faked)."""
+
+    def __init__(self) -> None:
+        self.asked: list[set[tuple[str, int]]] = []
+
+    def __call__(self, addresses: Any, timeout_s: float) -> bool:
+        self.asked.append(set(addresses))
+        return False
+
+
+def _serve(tmp_path: Path, *, probe: Prober | None, pinned: tuple[str, ...] = ()) -> Any:
     log = tmp_path / "events.jsonl"
     events = EventLog(log, job="j")
     server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
-                               decider_for=DetectDecider, jobs={"j"})
+                               decider_for=DetectDecider, jobs={"j"}, probe=probe)
+    server.pinned.update(pinned)
     server.start()
+    return server, events, log
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Any:
+    silence = Silence()
+    server, events, log = _serve(tmp_path, probe=hosts_probe(time.time, every_s=0.2, answer=silence))
     try:
         yield f"127.0.0.1:{server.port}", log
     finally:
         server.stop()
         events.close()
+    assert all(asked == {("127.0.0.1", server.port)} for asked in silence.asked)  # silent nodes, at its port
 
 
 def test_everyone_silent_at_once_loses_nobody_and_a_node_still_silent_after_is_lost(served: Any) -> None:
-    """Both nodes fall silent together (the coordinator's link cut, in life) for longer than the
-    heartbeat timeout: nobody is lost. Then n1 is heard again and n2 is not: n2 is lost, n1 not."""
+    """Both nodes fall silent together and their host answers no connect (the coordinator's link
+    cut, in life) for longer than the heartbeat timeout: nobody is lost. Then n1 is heard again and n2 is not: n2 is lost, n1 not."""
     ep, log = served
     for node in ("n1", "n2"):
         request(ep, "join", _join_body(node), job="j", key=KEY, timeout_s=5, expect="welcome")
@@ -127,9 +153,12 @@ def test_everyone_silent_at_once_loses_nobody_and_a_node_still_silent_after_is_l
     finally:
         sock.close(0)
     assert [e["node_id"] for e in lost] == ["n2"]
-    assert time.monotonic() - heard_at < 6  # its silence counted again from when n1 was heard
+    # Its silence counts again from when n1 was heard, after a grace as long as the silence was
+    # (its TCP retransmits back off that long).
+    silent_s = heard_at - joined
+    assert silent_s + 0.5 < time.monotonic() - heard_at < silent_s + 5
     again = [e for e in _events(log) if e["kind"] == "coordinator_hears_again"]
-    assert len(again) == 1 and again[0]["excused_s"] > 0
+    assert len(again) == 1 and again[0]["excused_s"] > 0 and again[0]["grace_s"] > silent_s - 0.5
 
 
 def test_a_lone_nodes_silence_is_its_own(served: Any) -> None:
@@ -138,3 +167,136 @@ def test_a_lone_nodes_silence_is_its_own(served: Any) -> None:
     lost = wait_for(lambda: [e for e in _events(log) if e["kind"] == "node_lost"], 15, "n1 to be lost")
     assert [e["node_id"] for e in lost] == ["n1"]
     assert not [e for e in _events(log) if e["kind"] == "coordinator_deaf"]
+
+
+def test_nodes_silent_together_whose_host_answers_are_lost_at_the_timeout(tmp_path: Path) -> None:
+    """Launchers killed together fall silent at once too, but their host answers a connect
+    (here 127.0.0.1, really probed): the silence is theirs, and they are lost as before."""
+    server, events, log = _serve(tmp_path, probe=None)
+    try:
+        ep = f"127.0.0.1:{server.port}"
+        for node in ("n1", "n2"):
+            request(ep, "join", _join_body(node), job="j", key=KEY, timeout_s=5, expect="welcome")
+        joined = time.monotonic()
+        lost = wait_for(lambda: len([e for e in _events(log) if e["kind"] == "node_lost"]) == 2 and
+                        [e for e in _events(log) if e["kind"] == "node_lost"], 15, "both nodes to be lost")
+        assert time.monotonic() - joined < 6
+        assert sorted(e["node_id"] for e in lost) == ["n1", "n2"]
+        assert not [e for e in _events(log) if e["kind"] == "coordinator_deaf"]
+    finally:
+        server.stop()
+        events.close()
+
+
+def _embedded(tmp_path: Path, others: tuple[str, ...]) -> Any:
+    """A coordinator embedded in node n0 (pinned), whose agent heartbeats all along over
+    loopback, with ``others`` joined and then silent, their hosts answering nothing."""
+    server, events, log = _serve(tmp_path, probe=hosts_probe(time.time, every_s=0.2, answer=Silence()),
+                                 pinned=("n0",))
+    ep = f"127.0.0.1:{server.port}"
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, b"n0")
+    sock.connect(f"tcp://{ep}")
+    codec = Codec(KEY, "n0", job="j")
+    sock.send(codec.encode("join", _join_body("n0")))
+    for node in others:
+        request(ep, "join", _join_body(node), job="j", key=KEY, timeout_s=5, expect="welcome")
+    return server, events, log, sock, codec
+
+
+def _acks_while_heartbeating(sock: zmq.Socket, codec: Codec, seconds: float) -> list[dict[str, Any]]:
+    acks, until = [], time.monotonic() + seconds
+    while time.monotonic() < until:
+        _heartbeat(sock, codec, "n0")
+        if sock.poll(200):
+            msg = codec.decode(sock.recv())
+            if msg.kind == "ack":
+                acks.append(msg.body)
+    return acks
+
+
+def test_an_embedded_coordinator_that_hears_only_its_own_node_loses_nobody(tmp_path: Path) -> None:
+    """The node it is embedded in is heard over loopback whatever the network does; n1 and n2,
+    its only nodes over the network, fall silent together: the silence is taken for its own
+    (acceptance 18C F6: every healthy node was declared lost), and its own agent is told."""
+    server, events, log, sock, codec = _embedded(tmp_path, ("n1", "n2"))
+    try:
+        acks = _acks_while_heartbeating(sock, codec, 6.0)  # twice the heartbeat timeout
+        assert not [e for e in _events(log) if e["kind"] == "node_lost"]
+        deaf = next(e for e in _events(log) if e["kind"] == "coordinator_deaf")
+        assert deaf["nodes"] == 2 and deaf["own_nodes"] == ["n0"]
+        assert not acks[0].get("deaf") and acks[-1].get("deaf") is True
+    finally:
+        sock.close(0)
+        server.stop()
+        events.close()
+
+
+def test_an_embedded_coordinators_one_other_node_is_lost_as_before(tmp_path: Path) -> None:
+    """With one node besides its own, that node's silence is as likely its own: lost."""
+    server, events, log, sock, codec = _embedded(tmp_path, ("n1",))
+    try:
+        def n1_lost() -> Any:
+            _acks_while_heartbeating(sock, codec, 0.3)
+            return [e for e in _events(log) if e["kind"] == "node_lost"]
+        assert [e["node_id"] for e in wait_for(n1_lost, 15, "n1 to be lost")] == ["n1"]
+        assert not [e for e in _events(log) if e["kind"] == "coordinator_deaf"]
+    finally:
+        sock.close(0)
+        server.stop()
+        events.close()
+
+
+def test_a_host_answers_with_a_handshake_or_a_refusal_and_not_when_it_drops_the_connect() -> None:
+    listening, refusing, dropping = socket.socket(), socket.socket(), socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        refusing.bind(("127.0.0.1", 0))  # bound, not listening: the kernel refuses
+        # A full accept queue: the kernel drops further connects without a word, as a link cut is silent.
+        dropping.bind(("127.0.0.1", 0))
+        dropping.listen(0)
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(dropping.getsockname())
+            fillers.append(filler)
+        wait_for(lambda: not hosts_answer({dropping.getsockname()}, 0.2), 10, "the accept queue to fill")
+        assert hosts_answer({listening.getsockname()}, 1.0)
+        assert hosts_answer({refusing.getsockname()}, 1.0)
+        started = time.monotonic()
+        assert not hosts_answer({dropping.getsockname(), ("no-such-host.invalid", 1)}, 0.3)
+        assert time.monotonic() - started < 5  # all at once, each within the timeout
+        assert hosts_answer({dropping.getsockname(), refusing.getsockname()}, 0.3)  # any one is enough
+    finally:
+        for sock in (listening, refusing, dropping, *fillers):
+            sock.close()
+
+
+def test_the_probe_asks_at_its_pace_only_while_it_has_addresses() -> None:
+    asked: list[float] = []
+    answered = threading.Event()
+
+    def answer(addresses: Any, timeout_s: float) -> bool:
+        asked.append(time.monotonic())
+        return answered.is_set()
+
+    probe = Prober(answer, clock=time.monotonic, every_s=0.2, timeout_s=1.0)
+    try:
+        probe.want(set())
+        assert not asked and probe.answered_at is None  # nothing to ask: no thread
+        for _ in range(20):  # the server says what it wants every turn: that sets no faster pace
+            probe.want({("10.0.0.2", 1)})
+        wait_for(lambda: len(asked) >= 3, 10, "three probes")
+        assert all(b - a >= 0.15 for a, b in itertools.pairwise(asked))
+        assert probe.answered_at is None
+        answered.set()
+        wait_for(lambda: probe.answered_at is not None, 10, "an answer")
+        probe.want(set())
+        settled = len(asked)
+        time.sleep(0.6)  # nothing to wait for: that no probe comes is the point
+        assert len(asked) <= settled + 1  # at most the one in flight
+    finally:
+        probe.close()

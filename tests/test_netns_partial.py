@@ -1,18 +1,24 @@
-"""Three hosts in network namespaces, each pair on a link of its own; the link between the two
-hosts that do not run the coordinator is cut (packets dropped silently). Both still reach the
-coordinator, so no node is lost: the job must see that one node cannot reach another, and go
-on without it (``--nnodes 2:3``) rather than restart until its budget is spent."""
+"""Three hosts in network namespaces, each pair on a link of its own.
+
+- The link between the two hosts that do not run the coordinator is cut (packets dropped
+  silently). Both still reach the coordinator, so no node is lost: the job must see that one
+  node cannot reach another, and go on without it (``--nnodes 2:3``) rather than restart until
+  its budget is spent.
+- The coordinator's own host is cut off from both others for a few seconds: its coordinator
+  hears only its own node, and must take that for its own link's fault, not declare the two
+  healthy nodes lost (``unicron.coord.hearing``)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e import clean_env, read_events, unicron_cmd
+from e2e import clean_env, read_events, unicron_cmd, wait_for
 from test_netns import _free_port_in, _ip, _reap
 from test_run_exclude import SCRIPT  # trains 5 steps; rank 0 writes the world size it ended with
 
@@ -59,7 +65,17 @@ def three_hosts() -> Iterator[dict[str, Any]]:
             _ip("-n", ns["b"], "route", "replace", f"{addr['c']}/32", "via", f"10.216.{o}.99", "dev", f"{tag}bcb")
             _ip("-n", ns["c"], "route", "replace", f"{addr['b']}/32", "via", f"10.216.{o}.98", "dev", f"{tag}bcc")
 
-        yield {"ns": ns, "addr": addr, "ifname": ifname, "cut": cut_b_from_c}
+        def cut_a(cut: bool) -> None:
+            """Cut a off from b and c both ways (neighbours that do not exist), or restore it."""
+            for host, other, net in (("b", "a", "214"), ("a", "b", "214"), ("c", "a", "215"), ("a", "c", "215")):
+                dev = f"{tag}{'ab' if net == '214' else 'ac'}{host}"
+                how = ["via", f"10.{net}.{o}.{97 if host == 'a' else 99}"] if cut else []
+                if cut or host == "c":  # c's route to a is a host route of its own; the others come back
+                    _ip("-n", ns[host], "route", "replace", f"{addr[other]}/32", *how, "dev", dev)
+                else:
+                    _ip("-n", ns[host], "route", "del", f"{addr[other]}/32")
+
+        yield {"ns": ns, "addr": addr, "ifname": ifname, "cut": cut_b_from_c, "cut_a": cut_a}
     finally:
         for name in ns.values():
             for pid in _ip("netns", "pids", name, check=False).stdout.split():
@@ -106,3 +122,44 @@ def test_a_node_cut_off_from_another_is_left_out_and_the_job_goes_on(three_hosts
     events = read_events(workdir / "logs_a")
     assert [e["action"] for e in events if e["kind"] == "decision"][-1] == "reconfigure"
     assert [e["world_size"] for e in events if e["kind"] == "attempt_start"][-1] == 2
+
+
+def test_the_coordinators_host_cut_off_for_seconds_costs_no_node_and_no_restart(three_hosts, workdir) -> None:
+    """The coordinator is embedded in host a's launcher, whose link is cut for longer than the
+    heartbeat timeout (a's NIC, its switch port). a still hears its own agent, and nothing from
+    b or c, whose hosts answer no connect: it takes the silence for its own, and the job trains
+    on once the link is back, as under torchrun, with no node lost and no restart."""
+    h = three_hosts
+    endpoint = f"{h['addr']['a']}:{_free_port_in(h['ns']['a'])}"
+    procs: dict[str, subprocess.Popen[str]] = {}
+    logs = workdir / "logs_a"
+    try:
+        for host in "abc":
+            cmd = ["ip", "netns", "exec", h["ns"][host], *unicron_cmd(
+                "run", "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "cut",
+                "--local-addr", h["addr"][host], "--max-restarts", "2", "--grace-period", "2",
+                "--log-dir", str(workdir / f"logs_{host}"), str(workdir / "train_state.py"), "--no-state",
+                "--steps", "250", "--sleep", "0.05", "--out", str(workdir / "out.txt"))]
+            env = clean_env(UNICRON_SECRET="netns-secret", GLOO_SOCKET_IFNAME=h["ifname"][host])
+            procs[host] = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: (workdir / "out.txt.startup").exists(), 120, "the first step")  # rank 0 writes it then
+        h["cut_a"](True)
+        try:
+            wait_for(lambda: [e for e in read_events(logs) if e["kind"] in ("coordinator_deaf", "node_lost")],
+                     30, "the coordinator to judge the silence")
+            time.sleep(3)  # the cut lasts: past the heartbeat timeout (3 s) in all
+        finally:
+            h["cut_a"](False)
+        results = {host: (proc.wait(150), *proc.communicate()) for host, proc in procs.items()}
+    finally:
+        _reap(*procs.values())
+    for host in "abc":
+        assert results[host][0] == 0, (host, results[host][2])
+    events = read_events(logs)
+    kinds = [e["kind"] for e in events]
+    assert "node_lost" not in kinds and kinds.count("attempt_start") == 1, results["a"][2]
+    deaf = next(e for e in events if e["kind"] == "coordinator_deaf")
+    assert deaf["nodes"] == 2 and len(deaf["own_nodes"]) == 1
+    assert [e for e in events if e["kind"] == "coordinator_hears_again"][0]["excused_s"] > 0
+    assert "taking the silence for this coordinator's own" in results["a"][2]

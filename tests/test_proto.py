@@ -145,11 +145,30 @@ def _unsigned(ts: str, body: str = "{}") -> bytes:
             f'"body":{body},"mac":"00"}}').encode()
 
 
-@pytest.mark.parametrize("raw", [_unsigned("NaN"), _unsigned("1e400"), _unsigned("1.0", body='{"a":Infinity}')])
+@pytest.mark.parametrize("raw", [_unsigned("NaN"), _unsigned("1e400"), _unsigned("1.0", body='{"a":Infinity}'),
+                                 _unsigned("1" + "0" * 400), _unsigned("1.0", body='{"step":' + "9" * 30 + "}")])
 def test_what_json_takes_but_no_peer_can_sign_is_malformed(raw: bytes) -> None:
+    """Integers past 64 bits too: float() of one overflows where its time or step is used."""
     _, receiver = _codecs()
     with pytest.raises(ProtocolError, match="malformed"):
         receiver.decode(raw)
+
+
+def test_a_signature_with_characters_past_ascii_is_a_bad_signature() -> None:
+    """``hmac.compare_digest`` raises TypeError on such a str; it printed a traceback for every
+    message anyone sent so (acceptance 21C F2)."""
+    _, receiver = _codecs()
+    with pytest.raises(ProtocolError, match="unauthenticated"):
+        receiver.decode(_unsigned("1.0").replace(b'"mac":"00"', '"mac":"\u00e9"'.encode()))
+
+
+def test_a_claimed_version_is_clipped_in_what_the_user_is_told() -> None:
+    """Anyone who reaches the port chooses it: 2 MB of it was printed whole (acceptance 21C F3)."""
+    _, receiver = _codecs()
+    raw = _unsigned("1.0").replace(f'"v":{PROTOCOL_VERSION}'.encode(), b'"v":"' + b"\u001b[2J" + b"V" * 100_000 + b'"')
+    with pytest.raises(ProtocolError, match="version") as caught:
+        receiver.decode(raw)
+    assert len(str(caught.value)) < 100 and r"\x1b" in str(caught.value)  # escaped, as repr does
 
 
 def test_a_body_nested_as_deep_as_json_reads_is_dropped_whatever_the_depth() -> None:

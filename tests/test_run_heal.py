@@ -95,8 +95,9 @@ def test_control_characters_of_a_workers_message_are_escaped_in_the_final_error_
 
 def test_garbage_a_worker_writes_on_its_channel_is_survived_and_the_job_heals(workdir) -> None:
     """A script can reach its agent's channel: an ``exc`` with a number for its traceback and a
-    dict for its message, and JSON nested deeper than Python parses. They used to end the
-    coordinator's thread (the fault's types) and the agent (RecursionError)."""
+    dict for its message, JSON nested deeper than Python parses, integers no float holds. They
+    used to end the coordinator's thread (the fault's types) and the agent (RecursionError,
+    OverflowError)."""
     (workdir / "garbage.py").write_text("""
 import json, os, sys, time
 import zmq
@@ -107,6 +108,9 @@ if dist.get_rank() == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     push = zmq.Context().socket(zmq.PUSH)
     push.connect(os.environ["UNICRON_AGENT_ADDR"])
     push.send(b"[" * 200000 + b"]" * 200000)
+    # Integers past what a float holds, where a time and a step are read (acceptance 21C F1)
+    push.send(b'{"t": "moved", "rank": 0, "ts": 1' + b"0" * 400 + b'}')
+    push.send(b'{"t": "step", "rank": 0, "step": 1' + b"0" * 400 + b', "ts": 1.0}')
     push.send(json.dumps({"t": "exc", "rank": 0, "type": 5, "msg": {"a": 1}, "tb": 7, "fatal": True,
                           "ts": time.time()}).encode())
     time.sleep(60)  # stopped by the restart the fault asks for

@@ -13,10 +13,10 @@ connect last succeeded. A refused connect is no answer: nothing listens there.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Callable
+
+from unicron.netprobe import Address, Prober, connects
 
 EVERY_S = 1.0
 TIMEOUT_S = 2.0
@@ -32,52 +32,28 @@ def tcp_address(endpoint: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def connects(address: tuple[str, int], timeout_s: float) -> bool:
-    try:
-        with socket.create_connection(address, timeout=timeout_s):
-            return True
-    except OSError:  # refused, unreachable, timed out, a name that does not resolve
-        return False
-
-
 class HostProbe:
+    """The coordinator's endpoint, probed (``unicron.netprobe``) while the agent asks; only an
+    accepted connection is an answer."""
+
     def __init__(self, endpoint: str, *, every_s: float = EVERY_S, timeout_s: float = TIMEOUT_S,
-                 connect: Callable[[tuple[str, int], float], bool] = connects) -> None:
+                 connect: Callable[[Address, float], bool] = connects) -> None:
         self.address = tcp_address(endpoint)
-        self.every_s, self.timeout_s, self._connect = every_s, timeout_s, connect
-        self.answered_at: float | None = None  # monotonic: the last connect that succeeded
-        self.probes = 0
-        self._wanted = threading.Event()
-        self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.prober = Prober(lambda addresses, t: any(connect(a, t) for a in addresses),
+                             clock=time.monotonic, every_s=every_s, timeout_s=timeout_s)
+
+    @property
+    def answered_at(self) -> float | None:
+        """Monotonic: when the last probe that got an answer started."""
+        return self.prober.answered_at
+
+    @property
+    def probes(self) -> int:
+        return self.prober.probes
 
     def want(self, on: bool) -> None:
-        """Probe (from now on, until told otherwise) or stop probing; the thread starts at the
-        first want and sleeps while not wanted."""
-        if not on:
-            self._wanted.clear()
-            return
-        if self.address is None or self._closed.is_set():
-            return
-        self._wanted.set()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="unicron-hostprobe", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        assert self.address is not None
-        while not self._closed.is_set():
-            self._wanted.wait()
-            if self._closed.is_set():
-                return
-            started = time.monotonic()
-            self.probes += 1
-            if self._connect(self.address, self.timeout_s):
-                self.answered_at = time.monotonic()
-            self._closed.wait(max(0.0, self.every_s - (time.monotonic() - started)))
+        """Probe (from now on, until told otherwise) or stop probing."""
+        self.prober.want({self.address} if on and self.address is not None else ())
 
     def close(self) -> None:
-        self._closed.set()
-        self._wanted.set()  # wake the thread to see it is closed
-        if self._thread is not None:  # a connect in flight ends within timeout_s; a daemon needs no more wait
-            self._thread.join(0.5)
+        self.prober.close()

@@ -8,6 +8,7 @@ channel now. What is not a JSON object with a string ``t`` is counted and droppe
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Protocol
 
@@ -15,6 +16,8 @@ import zmq
 
 from unicron.proto.messages import strict_loads
 from unicron.worker.channel import bell_address
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH = 1000  # messages read per drain: a flood cannot hold the loop
 MAX_MESSAGE_BYTES = 1 << 20
@@ -57,7 +60,12 @@ class WorkerInbox:
             if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or sink is None:
                 self.dropped += 1
                 continue
-            fault = sink.on_message(msg, time.time())
+            try:
+                fault = sink.on_message(msg, time.time())
+            except Exception:  # noqa: BLE001 - a script may write here too: its garbage must not end the launcher
+                log.debug("dropped a worker message that could not be applied: %.200r", msg, exc_info=True)
+                self.dropped += 1
+                continue
             if fault is not None:
                 faults.append(fault)
         return MAX_BATCH, faults

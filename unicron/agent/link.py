@@ -44,6 +44,7 @@ class CoordinatorLink:
         self.open = False  # a ZMTP session with the coordinator is up (the socket's monitor says)
         self.excused_s = 0.0  # silence excused from the ranks' hang clocks this attempt (see unheard)
         self.host_answered_at: float | None = None  # the coordinator's host last accepted a TCP connect
+        self.deaf_since: float | None = None  # the coordinator said it hears no other node (see told_deaf)
 
     def connection(self, up: bool) -> None:
         """The socket's monitor saw the session to the coordinator come up, or close."""
@@ -73,7 +74,7 @@ class CoordinatorLink:
         """A message came (an ``ack`` carries the job's ``level``). Returns the silence that
         just ended to excuse from the ranks' hang clocks (see ``unheard``)."""
         ended = 0.0
-        if self.unheard(now):
+        if self._silent_unheard(now):
             ended = min(now - self.heard_at - 2 * self.heartbeat_interval_s, self.limit_s(now) - self.excused_s)
             self.excused_s += ended
         self.heard_at = now
@@ -84,6 +85,23 @@ class CoordinatorLink:
     def new_attempt(self) -> None:
         self.excused_s = 0.0
 
+    def told_deaf(self, now: float, deaf: bool) -> float:
+        """An ack says whether the coordinator hears none of the nodes it could hear over the
+        network (``unicron.coord.hearing``: its own link is likelier cut). This node's ranks
+        then wait on ranks of nodes it cannot hear either, so, as while the coordinator itself
+        is unheard, no hang is called here, and the time is taken off the ranks' hang clocks
+        when it hears them again: returned then (within the same per-attempt limit)."""
+        if deaf:
+            if self.deaf_since is None:
+                self.deaf_since = now
+            return 0.0
+        if self.deaf_since is None:
+            return 0.0
+        ended = max(min(now - self.deaf_since, self.limit_s(now) - self.excused_s), 0.0)
+        self.excused_s += ended
+        self.deaf_since = None
+        return ended
+
     def unheard(self, now: float) -> bool:
         """The coordinator, embedded in a node that runs ranks, missed two answers: it, or its
         node, is stopped, cut off, or gone. Its node's ranks may be what this node's ranks wait
@@ -91,12 +109,19 @@ class CoordinatorLink:
         answers anyway), and the silence does not count against the ranks' hang clocks when it
         answers again. At most ``limit_s`` of silence is excused per attempt, so that a
         coordinator that answers only now and then cannot hide a hang for ever."""
+        if self.deaf_since is not None:  # see told_deaf
+            return now - self.deaf_since < self.limit_s(now) - self.excused_s
+        return self._silent_unheard(now)
+
+    def _silent_unheard(self, now: float) -> bool:
         return (self.hosts_ranks and self.excused_s < self.limit_s(now)
                 and now - self.heard_at > 2 * self.heartbeat_interval_s)
 
     def paused(self, gap_s: float) -> None:
         """This agent did not listen for ``gap_s``: nobody's silence in that time counts."""
         self.heard_at += gap_s
+        if self.deaf_since is not None:
+            self.deaf_since += gap_s
         if self.level_at is not None:
             self.level_at += gap_s
 

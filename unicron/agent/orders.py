@@ -107,6 +107,9 @@ class AgentOrders:
             elif msg.kind == "ack":
                 self.epoch = body["epoch"]
                 self.link.heard(heard_at, Activity.parse(body.get("activity")))
+                deaf_s = self.link.told_deaf(heard_at, bool(body.get("deaf")))
+                if deaf_s > 0 and self.group is not None:
+                    self.group.hang.paused(deaf_s, heard_at)  # see CoordinatorLink.told_deaf
                 if self.group is not None:
                     told = body.get("done") == self.group.spec.attempt
                     if told and not self.group.peers_done:  # a hang this node reported was a tail: not for a resume

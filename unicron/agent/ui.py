@@ -84,12 +84,14 @@ class AgentUI:
         elif kind == "node_lost":
             self.warn(f"node {event.get('node_id') or event.get('host')} lost: {event.get('reason') or 'no heartbeat'}")
         elif kind == "coordinator_deaf":
-            self.warn(f"heard no node of any job for {event.get('silent_s', 0):.1f} s: taking the silence for "
-                      f"this coordinator's own (its network?), not the nodes'; nobody is judged by it "
-                      f"for up to {event.get('cap_s', 0):g} s")
+            who = "none of the other nodes" if event.get("own_nodes") else "no node of any job"
+            self.warn(f"heard {who} for {event.get('silent_s', 0):.1f} s, and their hosts do not answer: "
+                      f"taking the silence for this coordinator's own (its network?), not the nodes'; "
+                      f"nobody is judged by it for up to {event.get('cap_s', 0):g} s")
         elif kind == "coordinator_hears_again":
             self.info(f"hears its nodes again; {event.get('excused_s', 0):.1f} s of silence not counted "
-                      f"against them")
+                      f"against them, and {event.get('grace_s', 0):.1f} s more for those still silent "
+                      f"(their connections retransmit)")
         elif kind == "job_resumed":  # a standalone coordinator's own console, after it restarted
             self.info(f"took back attempt {event.get('attempt')} ({event.get('nnodes')} node(s), "
                       f"{event.get('restarts_used')} restart(s) spent) from its agents")

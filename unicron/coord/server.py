@@ -8,6 +8,7 @@ a job. What it tells the user about peers it cannot serve is in ``unicron.coord.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -19,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from unicron.coord.deafness import DeafWatch
 from unicron.coord.decide import Decider
+from unicron.coord.hearing import Hearing
 from unicron.coord.job import JobCore
 from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
@@ -31,6 +32,7 @@ from unicron.coord.stores import AttemptStores, StoreOpener, preload
 from unicron.detect.stall import StallWatch
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
+from unicron.netprobe import Prober
 from unicron.proto.messages import MAX_MESSAGE_BYTES, Codec, Message, StaleMessage
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class CoordinatorServer:
         advertise_addr: str = "",
         clock: Callable[[], float] = time.time,
         warn: Callable[[str], None] | None = None,
+        probe: Prober | None = None,
     ) -> None:
         self.codec = Codec(key, f"coordinator-{os.getpid()}-{os.urandom(4).hex()}", job="",
                            accept_jobs=set(jobs) if jobs else set(), clock=clock)
@@ -112,7 +115,9 @@ class CoordinatorServer:
         self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
         self.stores = StoreOpener()
         self.thread: threading.Thread | None = None
-        self.deaf = DeafWatch(clock())
+        # Who is heard, from where; silence that is likelier this coordinator's own (``probe``:
+        # how silent nodes' hosts are asked whether they answer; tests give their own).
+        self.hearing = Hearing(clock, self.port, self.pinned, probe)
 
     # ---- lifecycle -----------------------------------------------------------------
     def unfinished_jobs(self) -> list[str]:
@@ -166,15 +171,15 @@ class CoordinatorServer:
                     # Drain what is queued, bounded so ticks (loss detection) keep their pace.
                     for _ in range(256):
                         try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
+                        self._on_frames([f.bytes for f in frames], _peer_address(frames[-1]))
                 self._start_ready_attempts()
                 now = self.clock()
                 # A stall can land while the messages are handled, just before the verdicts.
                 self._paused(stalls.lapse(now))
-                self._excuse_deafness(now)
+                self.hearing.turn(now, self.slots)
                 for job_id, slot in list(self.slots.items()):
                     self._tick(job_id, slot, now)
                 if self.exit_when_done and self.slots and all(
@@ -189,6 +194,7 @@ class CoordinatorServer:
             for slot in self.slots.values():
                 slot.stores.close_all()
             self.stores.close()
+            self.hearing.close()
             wake.close(0)
             self.sock.close(linger=2000)
 
@@ -204,31 +210,9 @@ class CoordinatorServer:
         """This process was not running for ``gap_s`` (SIGSTOP, a VM or swap stall, a clock
         step): it heard nobody meanwhile, which says nothing about the nodes."""
         if gap_s > 0:
-            self.deaf.paused(gap_s)
+            self.hearing.paused(gap_s)
             for slot in self.slots.values():
                 slot.core.paused(gap_s)
-
-    def _excuse_deafness(self, now: float) -> None:
-        """Heard no node of any job for a while: the silence is this coordinator's own
-        (``unicron.coord.deafness``); no job counts it against its nodes."""
-        going = [(job_id, slot) for job_id, slot in self.slots.items() if slot.finished_at is None]
-        nodes = sum(slot.core.members.count() for _, slot in going)
-        for job_id, slot in going:
-            told = self.deaf.spell_started(job_id)
-            spec = slot.core.spec
-            gap_s = self.deaf.excuse(job_id, now, interval_s=spec.heartbeat_interval_s,
-                                     timeout_s=spec.heartbeat_timeout_s, nodes=nodes)
-            if gap_s > 0:
-                slot.core.paused(gap_s)
-                if not told:
-                    slot.events.emit("coordinator_deaf", silent_s=round(self.deaf.deaf_s(now), 3),
-                                     nodes=nodes, cap_s=self.deaf.cap_s)
-
-    def _heard(self, now: float) -> None:
-        for job_id, excused_s in self.deaf.heard(now).items():
-            slot = self.slots.get(job_id)
-            if slot is not None and slot.finished_at is None:
-                slot.events.emit("coordinator_hears_again", excused_s=round(excused_s, 3))
 
     def _wait_s(self) -> float:
         """How long to sleep when no message comes: until some job's next deadline (each
@@ -252,7 +236,7 @@ class CoordinatorServer:
         return {"jobs": jobs}
 
     # ---- inbound -------------------------------------------------------------------
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes], peer: str | None = None) -> None:
         if len(frames) != 2:
             self.codec.dropped.add("malformed")
             return
@@ -267,11 +251,11 @@ class CoordinatorServer:
             self.peers.misconfigured(identity, str(err), self.jobs_allowed)
             return
         except Exception:  # noqa: BLE001 - one peer's bytes must never take the coordinator down
-            log.exception("dropped a message that could not be read")
+            log.debug("dropped a message that could not be read", exc_info=True)  # no console flood
             self.codec.dropped.add("malformed")
             return
-        if msg.kind != "status_req":  # a node's message: the network works (``unicron status`` may be local)
-            self._heard(self.clock())
+        if msg.kind != "status_req":  # a node's message (``unicron status`` may come from this host)
+            self.hearing.message(msg.body.get("node_id"), peer, self.clock(), self.slots)
         try:
             self._on_message(identity, msg)
         except Exception:  # a bug must not take the coordinator down with the job
@@ -352,6 +336,8 @@ class CoordinatorServer:
         while queue:
             out = queue.pop(0)
             if isinstance(out, Send):
+                if out.kind == "ack" and self.hearing.deaf_for(job_id):  # see unicron.coord.hearing
+                    out = Send(out.node_id, out.kind, dict(out.body, deaf=True))
                 # An agent's socket is named after its node id: one not heard from yet (a node
                 # of an attempt taken back after a restart) is reached by that name.
                 identity = slot.identities.get(out.node_id, out.node_id.encode())
@@ -397,3 +383,17 @@ class CoordinatorServer:
                 log.exception("error starting attempt %s of job %s", attempt, job_id)
                 self._run(job_id, slot, slot.core.fail(f"coordinator error: {type(err).__name__}: {err}", now))
 
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    """The address a message came from, as its TCP connection says (None: not known)."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    if not isinstance(address, str) or not address:
+        return None
+    try:  # a dual-stack socket names IPv4 peers as IPv6 ones (::ffff:10.0.0.2)
+        mapped = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    return str(mapped.ipv4_mapped) if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped else address

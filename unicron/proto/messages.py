@@ -26,7 +26,8 @@ from unicron.proto.schema import schema_errors
 # the node is past its last step (done), an ack which attempt is (done). Peers of another version
 # do not talk: their messages are dropped and counted. 5: assign carries the job's start and
 # restarts (given back in a resume); reject may carry the coordinator's clock (``clock``).
-PROTOCOL_VERSION = 5
+# 6: an ack says when the coordinator hears no node over the network (``deaf``).
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 
@@ -60,10 +61,18 @@ def _finite(text: str) -> float:
     return value
 
 
+def _bounded(text: str) -> int:
+    value = int(text)
+    if abs(value) >= 1 << 63:  # nothing of ours counts that far; float() of it may overflow (acceptance 21C F1)
+        raise ValueError(f"{text[:20]}... is out of range")
+    return value
+
+
 def strict_loads(raw: bytes | str) -> Any:
     """``json.loads`` refusing (ValueError) what no JSON writer of ours sends and the signing
-    encoder cannot write back: NaN, Infinity, numbers that overflow to infinity."""
-    return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    encoder cannot write back: NaN, Infinity, numbers that overflow to infinity, integers
+    beyond 64 bits."""
+    return json.loads(raw, parse_constant=_no_constant, parse_float=_finite, parse_int=_bounded)
 
 
 class StaleMessage(ProtocolError):
@@ -163,14 +172,17 @@ class Codec:
             raise ProtocolError("malformed: not JSON") from None
         if not isinstance(obj, dict) or set(obj) != _ENVELOPE_KEYS:
             raise ProtocolError("malformed: not an envelope")
-        if obj["v"] != PROTOCOL_VERSION:
-            raise ProtocolError(f"version: unsupported protocol version {obj['v']!r}")
+        if obj["v"] != PROTOCOL_VERSION:  # said to the user: a claimed version of any size is clipped
+            shown = repr(obj["v"])
+            shown = shown if len(shown) <= 24 else f"{shown[:20]}..."
+            raise ProtocolError(f"version: unsupported protocol version {shown}")
         mac = obj.pop("mac")
         try:
             expected = sign(self.key, obj)
         except (ValueError, TypeError, RecursionError):  # e.g. nested deeper than the encoder goes
             raise ProtocolError("malformed: not canonical JSON") from None
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+        # compare_digest raises on a non-ASCII str: that is a bad signature too (acceptance 21C F2)
+        if not isinstance(mac, str) or not mac.isascii() or not hmac.compare_digest(mac, expected):
             raise ProtocolError("unauthenticated: bad or missing signature")
         kind, job, sender, seq, ts, body = (obj[k] for k in ("kind", "job", "sender", "seq", "ts", "body"))
         if not isinstance(kind, str) or not isinstance(job, str) or not isinstance(sender, str):

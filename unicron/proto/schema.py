@@ -34,7 +34,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # coordinator -> agent
     "welcome": {"node_id": str, "epoch": int, "note?": str},  # note: what was changed in the join
     # done: the attempt (its number) in which some rank is past its last step: no hang can be called
-    "ack": {"epoch": int, "state": str, "activity?": str, "done?": int},
+    # deaf: the coordinator hears none of the nodes it could hear over the network (its own
+    # link is likelier cut than theirs, unicron.coord.hearing): no hang is called meanwhile
+    "ack": {"epoch": int, "state": str, "activity?": str, "done?": int, "deaf?": bool},
     "assign": {"epoch": int, "attempt": int, "restart_count": int, "node_rank": int, "nnodes": int,
                "rank_offset": int, "world_size": int, "local_world_sizes": list,
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
