@@ -285,6 +285,53 @@ def test_restored_attempts_that_fail_again_at_the_same_step_are_a_crash_loop(wor
     assert len(starts) == 4
 
 
+SELF_CHECKPOINTING = r"""
+import os, sys
+import torch
+import torch.distributed as dist
+
+# torchrun's elastic pattern: the script checkpoints itself and resumes from its file; every
+# process fails after 6 steps of its own life (a leak), each attempt 5 steps further on.
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ckpt, start = sys.argv[1], 0
+if os.path.exists(ckpt):
+    saved = torch.load(ckpt, weights_only=True)
+    model.load_state_dict(saved["model"])
+    start = saved["step"]
+if dist.get_rank() == 0:  # one rank: two ranks' lines may interleave on the shared console
+    print(f"rank 0 resumes at {start}", flush=True)
+for step in range(start, 25):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    if (step + 1) % 5 == 0 and dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "step": step + 1}, ckpt + ".tmp")
+        os.replace(ckpt + ".tmp", ckpt)
+    dist.barrier()
+    if step + 1 - start == 6:
+        raise MemoryError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes")
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_that_resumes_from_its_own_checkpoint_is_not_taken_for_a_crash_loop(workdir) -> None:
+    """Every attempt fails after the same number of its own steps, with the same error, but
+    starts where the one before checkpointed: the job moves on, and is restarted until done as
+    under torchrun (acceptance 21A F1: it was stopped as a crash loop at the 4th failure)."""
+    (workdir / "selfckpt.py").write_text(SELF_CHECKPOINTING)
+    code, out, err = run_unicron(["run", *COMMON[:3], "--max-restarts", "6", "--grace-period", "1",
+                                  "--log-dir", str(workdir / "logs"), str(workdir / "selfckpt.py"),
+                                  str(workdir / "ckpt.pt")], workdir, timeout=150)
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("rank 0 resumes")] == [
+        f"rank 0 resumes at {at}" for at in (0, 5, 10, 15, 20)]
+    assert "crash loop" not in err
+
+
 def test_same_rank_failing_again_without_progress_stops_a_fixed_size_job(workdir) -> None:
     code, err, attempts = _run_dying(workdir, "1")
     assert code != 0

@@ -34,6 +34,7 @@ class RankState:
     joining: bool = False  # called init_process_group (it may not have returned: then not ``ready``)
     ready_at: float | None = None  # when it got past start-up (torch.distributed initialised)
     steps_expected: bool = False  # built an optimizer: it will report steps
+    stateful: bool = False  # made a unicron.State: its steps start at the restored step, or 0
     exiting_code: int | None = None  # announced a non-zero SystemExit; not reaped yet
     exiting_at: float | None = None
     bye_at: float | None = None  # (monotonic) its script ended cleanly; the interpreter may still tear down
@@ -54,6 +55,8 @@ class RankState:
             self.ready_at = self.ready_at or at
         elif t == "optim":
             self.steps_expected = True
+        elif t == "state":
+            self.stateful = True
         elif t in ("closed", "opened"):
             self.closed = t == "closed"
         elif t == "bye":

@@ -124,6 +124,12 @@ def completed_steps() -> int:
     return _rt.counter.completed
 
 
+def note_state() -> None:
+    """A ``unicron.State`` was made: this rank restarts from its snapshots or from step 0, so
+    the agent may compare its steps across attempts (a script's own resume it cannot see)."""
+    channel.get().emit("state")
+
+
 def note_snapshot(step: int) -> None:
     """``unicron.State`` completed a snapshot of ``step``: the next step message tells the agent."""
     _rt.snapshot_step = step

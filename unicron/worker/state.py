@@ -186,6 +186,7 @@ class State:
         snapwriter.install_fence()
         if self._root is not None:
             loaders.install()  # a restored data loader draws what the interrupted one drew
+            hooks.note_state()
 
     @property
     def step(self) -> int:
