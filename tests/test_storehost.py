@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from e2e import wait_for
 from helpers_worker import IMPORT_S, base_env, broken_torch_env, wait_until
 
 from unicron.agent.warm import WarmPool
+from unicron.coord import stores
 from unicron.coord.stores import (
     HostedStore,
     LocalStore,
@@ -134,5 +136,31 @@ def test_a_channel_whose_host_never_answers_gives_up_at_its_deadline() -> None:
         assert os.read(requests_r, 1000) == b'{"open": 0, "timeout_s": 30.0}\n'
     finally:
         channel.close()
+        for fd in (requests_r, replies_r, replies_w):
+            os.close(fd)
+
+
+def test_a_host_that_answered_once_and_then_falls_silent_is_given_up_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its imports a store host answers in milliseconds: silent after that, it is stopped
+    or wedged, and the next attempt's store opens in the launcher after ``ANSWERED_WAIT_S``, not
+    after the 300 s a zygote still importing is given (acceptance 21A F2)."""
+    monkeypatch.setattr(stores, "ANSWERED_WAIT_S", 0.5)
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    channel = StoreHostChannel(requests_w, replies_r)
+    opener = StoreOpener(channel)
+    try:
+        os.write(replies_w, b'{"id": 0, "error": "address in use"}\n')  # an answer: it is up
+        with pytest.raises(stores.StoreOpenError):
+            channel.open(30.0, 5.0)
+        assert channel.answered
+        started = time.monotonic()
+        opener.open("job", 1)
+        store = _opened(opener, 1)
+        assert isinstance(store, LocalStore) and time.monotonic() - started < 60
+        assert channel.gone == "the store host did not answer"
+        store.close()
+    finally:
+        opener.close()
         for fd in (requests_r, replies_r, replies_w):
             os.close(fd)

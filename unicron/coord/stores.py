@@ -30,6 +30,10 @@ STORE_OPEN_TIMEOUT_S = 30.0  # each one's bound
 # A store host is forked once the zygote's imports are done: as long as an attempt waits for a
 # zygote still importing (``unicron.agent.warm.READY_WAIT_S``); then stores open here.
 HOST_WAIT_S = 300.0
+# Once it has answered, it has imported what it needs and opens a store in milliseconds: a host
+# silent this long is stopped or wedged (SIGSTOP, a frozen cgroup), and the attempt waited 300 s
+# in silence for it (acceptance 21A F2).
+ANSWERED_WAIT_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,7 @@ class StoreHostChannel:
         self._buffer = b""
         self._next_id = 0
         self.gone: str | None = None  # why it cannot be used any more
+        self.answered = False  # it answered an open: it is past its imports
 
     def open(self, timeout_s: float, wait_s: float) -> HostedStore:
         """A fresh store whose own client waits ``timeout_s`` at most; the host's answer is
@@ -99,6 +104,7 @@ class StoreHostChannel:
             deadline = time.monotonic() + wait_s
             while True:
                 reply = self._next_reply(deadline)
+                self.answered = True
                 if reply.get("id") == ident:
                     port = reply.get("port")
                     if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
@@ -220,7 +226,7 @@ class StoreOpener:
     def _open_once(self) -> Store:
         if self.host is not None:
             try:
-                return self.host.open(STORE_OPEN_TIMEOUT_S, HOST_WAIT_S)
+                return self.host.open(STORE_OPEN_TIMEOUT_S, ANSWERED_WAIT_S if self.host.answered else HOST_WAIT_S)
             except StoreHostGone:
                 pass
         return LocalStore(open_tcp_store(STORE_OPEN_TIMEOUT_S))  # imports torch here: the first time, seconds
