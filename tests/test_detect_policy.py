@@ -41,7 +41,7 @@ class Job:
         self.decisions: list[Decision] = []
 
     def fail(self, what: str, now: float, progress: int | None, rank: int | None = 1, node: str = "n1", *,
-             reached: int | None = None, restored_from: int | None = None) -> Decision:
+             reached: int | None = None, restored_from: int | None = None, trained: bool = False) -> Decision:
         spec = dict(KINDS[what])
         kind = str(spec.pop("kind"))
         if "rank" in spec:
@@ -51,11 +51,12 @@ class Job:
         c = classify(fault)
         replayed = replayed_only(self.history, restored_from, reached, c.rule, progress, c.error)
         d = self.policy.decide(self.history, fault, c, now, max_restarts=self.max_restarts,
-                               steps_completed_since_last_restart=progress, elastic=self.elastic, replayed=replayed)
+                               steps_completed_since_last_restart=progress, elastic=self.elastic, replayed=replayed,
+                               trained=trained)
         self.decisions.append(d)
         if d.action is not Action.NONE:
             self.history.append(d.record(fault, c, progress, now, reached=reached, restored_from=restored_from,
-                                         replayed=replayed))
+                                         replayed=replayed, trained=trained))
         if d.action in (Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE):
             self.attempt += 1
         return d
@@ -357,6 +358,21 @@ def test_the_same_exception_after_a_restart_of_unknown_progress_stops_the_job() 
     progressed = Job(max_restarts=50)
     progressed.fail("bug", 1.0, None, rank=0)
     assert progressed.fail("bug", 20.0, 12, rank=0).action is Action.RESTART
+
+
+def test_the_same_exception_in_attempts_that_trained_without_step_reports_is_restarted() -> None:
+    """Acceptance 21A F3: a loop without torch.optim ran hundreds of iterations past
+    init_process_group in each attempt (progress unknown, but it trained) and met the same
+    transient error twice: restarted up to the budget, as under torchrun, not stopped."""
+    job = Job(max_restarts=50)
+    assert job.fail("bug", 1.0, None, rank=0, trained=True).action is Action.RESTART
+    assert job.fail("bug", 20.0, None, rank=0, trained=True).action is Action.RESTART
+    assert job.fail("bug", 40.0, None, rank=0, trained=True).action is Action.RESTART
+    # One that loaded before init_process_group, then the same error after one that trained: not alike.
+    mixed = Job(max_restarts=50)
+    mixed.fail("bug", 1.0, None, rank=0, trained=True)
+    assert mixed.fail("bug", 20.0, None, rank=0).action is Action.RESTART
+    assert mixed.fail("bug", 40.0, None, rank=0).action is Action.STOP
 
 
 def test_fresh_starts_that_fail_alike_at_the_same_step_are_a_crash_loop() -> None:

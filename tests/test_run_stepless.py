@@ -110,6 +110,19 @@ if rank == 1 and trained and restart < 2:
     assert [e["rule"] for e in events if e["kind"] == "decision"] == ["sigkill", "sigkill"]
 
 
+def test_the_same_transient_error_twice_mid_run_uses_the_restart_budget_like_torchrun(workdir) -> None:
+    # Acceptance 21A F3: the same exception word for word after an attempt of unknown progress
+    # stopped the job after one restart. These attempts trained for seconds past
+    # init_process_group: a transient error met twice is restarted, as under torchrun.
+    code, out, err, events = _run(workdir, """
+if rank == 1 and trained and restart < 2:
+    raise OSError(116, "Stale file handle")
+""", "--max-restarts", "3")
+    assert code == 0, err
+    assert _attempts(events) == 3
+    assert "rank 0 done restart=2" in out
+
+
 def test_rank_calling_sys_exit_is_the_root_cause_not_its_peer(workdir) -> None:
     # Rank 1 leaves with sys.exit(3) while rank 0 waits in the next all-reduce: rank 0's gloo
     # error ("Connection closed by peer") may reach the agent before rank 1 can be reaped.

@@ -14,6 +14,7 @@ import errno
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Collection
 
 Address = tuple[str, int]
@@ -31,7 +32,8 @@ def connects(address: Address, timeout_s: float) -> bool:
 
 def hosts_answer(addresses: Collection[Address], timeout_s: float) -> bool:
     """Whether any host of ``addresses`` answers a TCP connect (a handshake or a refusal) within
-    ``timeout_s``, all tried at once. Unreachable, timed out or unresolvable is no answer."""
+    ``timeout_s`` in all, tried at once. Unreachable, timed out or unresolvable is no answer."""
+    deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()
     socks: list[socket.socket] = []
     try:
@@ -49,7 +51,8 @@ def hosts_answer(addresses: Collection[Address], timeout_s: float) -> bool:
             if code in (errno.EINPROGRESS, errno.EWOULDBLOCK):
                 sel.register(sock, selectors.EVENT_WRITE)
         while sel.get_map():
-            ready = sel.select(timeout_s)
+            remaining = deadline - time.monotonic()
+            ready = sel.select(remaining) if remaining > 0 else []
             if not ready:
                 return False
             for key, _ in ready:
@@ -66,13 +69,14 @@ def hosts_answer(addresses: Collection[Address], timeout_s: float) -> bool:
 
 class Prober:
     """Asks ``answer(addresses, timeout_s)`` every ``every_s`` while it has addresses, and
-    records when an answer last came (``clock``'s time as that probe started: the network
-    worked then)."""
+    records when the last probe that got an answer started (``clock``'s time: the network
+    worked after it), and the last that got none."""
 
     def __init__(self, answer: Callable[[Collection[Address], float], bool], *, clock: Callable[[], float],
                  every_s: float, timeout_s: float) -> None:
         self._answer, self.clock, self.every_s, self.timeout_s = answer, clock, every_s, timeout_s
         self.answered_at: float | None = None
+        self.unanswered_at: float | None = None  # when the last probe that got no answer started
         self.probes = 0
         self._addresses: frozenset[Address] = frozenset()
         self._lock = threading.Lock()
@@ -105,6 +109,8 @@ class Prober:
             self.probes += 1
             if self._answer(addresses, self.timeout_s):
                 self.answered_at = started
+            else:
+                self.unanswered_at = started
             self._wake.wait(max(0.0, self.every_s - (self.clock() - started)))
 
     def close(self) -> None:

@@ -74,7 +74,7 @@ class CoordinatorLink:
         """A message came (an ``ack`` carries the job's ``level``). Returns the silence that
         just ended to excuse from the ranks' hang clocks (see ``unheard``)."""
         ended = 0.0
-        if self._silent_unheard(now):
+        if self._silent_unheard(now) and self.deaf_since is None:  # while deaf, told_deaf excuses it
             ended = min(now - self.heard_at - 2 * self.heartbeat_interval_s, self.limit_s(now) - self.excused_s)
             self.excused_s += ended
         self.heard_at = now
@@ -84,6 +84,7 @@ class CoordinatorLink:
 
     def new_attempt(self) -> None:
         self.excused_s = 0.0
+        self.deaf_since = None  # the next ack says whether it still is: none of it is this attempt's
 
     def told_deaf(self, now: float, deaf: bool) -> float:
         """An ack says whether the coordinator hears none of the nodes it could hear over the

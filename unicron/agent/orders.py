@@ -253,7 +253,8 @@ class AgentOrders:
         # takes connections in turn) still counts in the progress the fault reports.
         for fault in faults:
             if group is not None:
-                fault.update(progress=group.progress(time.time()), **group.reach())
+                now = time.time()
+                fault.update(progress=group.progress(now), trained=group.trained(now), **group.reach())
             self._report(fault)
         return read
 

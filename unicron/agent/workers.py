@@ -325,7 +325,8 @@ class WorkerGroup:
                 r.state = "hung"
         return {"kind": "hang", "rank": None, "host": self.host, "ts": now, "attempt": self.spec.attempt,
                 "message": verdict.message, "progress": self.progress(now), "latency_s": round(verdict.stalled_s, 3),
-                "steps_completed": min((r.step for r in self.ranks.values()), default=0), **self.reach()}
+                "steps_completed": min((r.step for r in self.ranks.values()), default=0),
+                "trained": self.trained(now), **self.reach()}
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
@@ -345,6 +346,12 @@ class WorkerGroup:
         if max(counts) == 0 and any(self.ran_past_startup(r, now) for r in self.ranks.values()):
             return None
         return max(counts)
+
+    def trained(self, now: float) -> bool:
+        """Some rank ran long past ``init_process_group`` (``ran_past_startup``): with no step
+        reports, its progress is unknown, but it trained; not a rank that loaded for long before
+        it (``unicron.detect.policy``: the same exception again stops only the latter)."""
+        return any(r.ready_at is not None and self.ran_past_startup(r, now) for r in self.ranks.values())
 
     def reach(self) -> dict[str, int]:
         """The furthest step (over the run) a rank of this attempt completed, and the step the
@@ -407,7 +414,7 @@ class WorkerGroup:
                                  "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
                                  "steps_completed": self.steps_completed(r, when), "progress": self.progress(when),
                                  "into_attempt_s": round(now - self.started_at, 3),  # seconds since the attempt started
-                                 **self.reach()}
+                                 "trained": self.trained(when), **self.reach()}
         if failure is not None:
             fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],
                          traceback=failure.traceback,

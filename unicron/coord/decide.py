@@ -175,6 +175,7 @@ class DetectDecider:
         if progress is None:  # acceptance 20B F1: a lost node's restarts backed off 1, 2 ... 30 s forever
             progress = heard_progress
         reached, restored_from = _highest(faults, "reached"), _highest(faults, "restored_from")
+        trained = any(f.get("trained") is True for f in faults)
         replayed = replayed_only(self.history, restored_from, reached, classification.rule, progress,
                                  classification.error)
         uneven = bool(finished) and is_victim(cause, classification) and _in_collective(cause)
@@ -211,9 +212,9 @@ class DetectDecider:
                                           replayed=replayed,
                                           fixed_why=_fixed_why(active_nodes, min_nodes, max_nodes, lost, culprit_node,
                                                                on_node, pinned_node),
-                                          spent=spent)
+                                          spent=spent, trained=trained)
         self.history.append(decision.record(cause, classification, progress, now, reached=reached,
-                                            restored_from=restored_from, replayed=replayed))
+                                            restored_from=restored_from, replayed=replayed, trained=trained))
         reason = decision.reason
         if report_text:
             reason += f" [{report_text}]"

@@ -26,6 +26,7 @@ hear no coordinator, call none either) and takes that time off its ranks' hang c
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ from unicron.netprobe import Address, Prober, hosts_answer
 
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 1.0
+PROBE_AT_ONCE = 8  # silent nodes' hosts asked per probe, chosen at random
 
 
 def hosts_probe(clock: Callable[[], float], *, every_s: float = PROBE_EVERY_S,
@@ -49,23 +51,29 @@ class Slot(Protocol):  # what this module reads of the server's JobSlot
 
 
 class Hearing:
-    """The coordinator's hearing across its jobs: who was heard, from where, and the excuse
-    for a silence that is likelier its own."""
+    """The coordinator's hearing across its jobs: who was heard, when and from where, and the
+    excuse for a silence that is likelier its own."""
 
     def __init__(self, clock: Callable[[], float], port: int, pinned: Collection[str],
                  probe: Prober | None = None) -> None:
         self.clock, self.port, self.pinned = clock, port, pinned  # pinned: shared, filled later
         self.deaf = DeafWatch(clock())
         self.probe = probe if probe is not None else hosts_probe(clock)
-        self.addresses: dict[str, str] = {}  # node id -> the address its last message came from
-        self._probe_seen: float | None = None
+        # Of nodes that are members of a job (pruned past a bound): where and when their last
+        # message came from, as this coordinator's socket and clock saw it.
+        self.addresses: dict[str, str] = {}
+        self.last_word: dict[str, float] = {}
 
-    def message(self, node_id: object, peer: str | None, now: float, slots: Mapping[str, Slot]) -> None:
-        """A node's message came (from ``peer``, its address as the socket saw it)."""
+    def message(self, node_id: object, peer: str | None, now: float, slots: Mapping[str, Slot], job: str) -> None:
+        """A message came from ``node_id`` for ``job`` (from ``peer``, its address)."""
         if not isinstance(node_id, str):
             return
-        if peer:
-            self.addresses[node_id] = peer
+        slot = slots.get(job)
+        if slot is not None and slot.core.members.is_active(node_id):
+            if peer:
+                self.addresses[node_id] = peer
+            self.last_word[node_id] = now
+            slot.core.loss_deferred.pop(node_id, None)  # heard: judged by its heartbeats again
         if node_id not in self.pinned:
             self._heard(now, slots)
 
@@ -74,15 +82,16 @@ class Hearing:
 
     def deaf_for(self, job_id: str) -> bool:
         """Whether ``job_id`` excuses silence now (its acks say so)."""
-        return self.deaf.spell_started(job_id)
+        return self.deaf.deaf_for(job_id)
 
     def turn(self, now: float, slots: Mapping[str, Slot]) -> None:
-        """Once per loop turn: take a probe's answer, excuse what silence is the coordinator's
+        """Once per loop turn: take the probe's news, excuse what silence is the coordinator's
         own, and say what to probe."""
-        answered = self.probe.answered_at
-        if answered is not None and answered != self._probe_seen:
-            self._probe_seen = answered
+        answered, unanswered = self.probe.answered_at, self.probe.unanswered_at
+        if answered is not None and answered > self.deaf.heard_at:  # started after the last word
             self._heard(answered, slots)
+        if unanswered is not None:
+            self.deaf.unanswered(unanswered)
         going = [(job_id, slot) for job_id, slot in slots.items() if slot.finished_at is None]
         # Counted, not listed, on every turn: a job of thousands of nodes turns often.
         nodes = sum(slot.core.members.count() - sum(1 for n in self.pinned if slot.core.members.is_active(n))
@@ -98,27 +107,52 @@ class Hearing:
                     own = sorted(n for n in self.pinned if slot.core.members.is_active(n))
                     slot.events.emit("coordinator_deaf", silent_s=round(self.deaf.deaf_s(now), 3),
                                      nodes=nodes, cap_s=self.deaf.cap_s, own_nodes=own)
-        # Probe once the silence is longer than any job's heartbeats leave between two words.
-        after = min((2 * slot.core.spec.heartbeat_interval_s for _, slot in going), default=None)
-        wanted: set[Address] = set()
+        # Probe once the silence is longer than every job's heartbeats leave between two words.
+        after = max((2 * slot.core.spec.heartbeat_interval_s for _, slot in going if slot.core.members.count()),
+                    default=None)
+        wanted: list[Address] = []
         if after is not None and nodes >= 2 and self.deaf.deaf_s(now) > after:
-            wanted = {(self.addresses[n.node_id], self.port) for _, slot in going
-                      for n in slot.core.members.active_any_order()
-                      if n.node_id not in self.pinned and n.node_id in self.addresses}
-        self.probe.want(wanted)
+            wanted = sorted({(self.addresses[n.node_id], self.port) for _, slot in going
+                             for n in slot.core.members.active_any_order()
+                             if n.node_id not in self.pinned and n.node_id in self.addresses})
+            self._prune(going)
+        # A few at once: one answer is enough, and each connect takes a descriptor of the
+        # launcher's, whose limit is sized for its own ranks.
+        self.probe.want(random.sample(wanted, PROBE_AT_ONCE) if len(wanted) > PROBE_AT_ONCE else wanted)
 
     def _heard(self, now: float, slots: Mapping[str, Slot]) -> None:
-        # The nodes still silent when the first is heard again come back as their own TCP
-        # connections retransmit, each on a timer that backs off to about as long as the
-        # silence lasted (a 6 s cut can leave one node's heartbeats waiting 6 s more): each
-        # job gives them that much again, so that a link that is back loses nobody.
-        grace_s = min(self.deaf.deaf_s(now), self.deaf.cap_s)
+        silence_s = self.deaf.deaf_s(now)
         for job_id, excused_s in self.deaf.heard(now).items():
             slot = slots.get(job_id)
             if slot is not None and slot.finished_at is None:
-                slot.core.paused(grace_s)
+                grace_s = self._defer_silent(slot, now, silence_s)
                 slot.events.emit("coordinator_hears_again", excused_s=round(excused_s, 3),
                                  grace_s=round(grace_s, 3))
+
+    def _defer_silent(self, slot: Slot, now: float, silence_s: float) -> float:
+        """The nodes still silent when the first is heard again come back as their own TCP
+        connections retransmit, each on a timer that has backed off to about as long as the
+        silence lasted (a 6 s cut left one node's heartbeats 6 s behind the other's): their
+        loss waits that much longer, unless heard, and never past the cap from their last word."""
+        spec = slot.core.spec
+        grace_s = min(silence_s, self.deaf.cap_s)
+        for node in slot.core.members.active_any_order():
+            last = self.last_word.get(node.node_id)
+            if node.node_id in self.pinned or last is None or now - last <= 2 * spec.heartbeat_interval_s:
+                continue
+            until = min(now + grace_s, last + self.deaf.cap_s + spec.heartbeat_timeout_s)
+            if until > now:
+                slot.core.loss_deferred[node.node_id] = until
+        return grace_s
+
+    def _prune(self, going: list[tuple[str, Slot]]) -> None:
+        """Forget nodes no job has as a member, once there are many more than members."""
+        if len(self.last_word) <= 2 * sum(slot.core.members.count() for _, slot in going) + 64:
+            return
+        members = {n.node_id for _, slot in going for n in slot.core.members.active_any_order()}
+        for table in (self.addresses, self.last_word):
+            for node_id in [n for n in table if n not in members]:
+                del table[node_id]
 
     def close(self) -> None:
         self.probe.close()

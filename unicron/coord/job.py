@@ -59,6 +59,9 @@ class JobCore:
         self._refused: dict[str, str] = {}  # node -> why its last join was refused (logged once)
         self.awaiting_resume: set[str] = set()  # nodes of an attempt taken back, not heard resuming yet
         self.pinned: set[str] = set()  # nodes never left out: the one whose agent hosts this coordinator
+        # node -> not declared lost before then, silent or not (unicron.coord.hearing: a link that
+        # is back, whose connections retransmit); dropped when the node is heard
+        self.loss_deferred: dict[str, float] = {}
         self.excluded: dict[str, str] = {}  # node -> why a reconfigure left it out (its joins are refused)
 
     # ---- messages from agents ------------------------------------------------------
@@ -224,6 +227,9 @@ class JobCore:
         if silent - self._told_silent:  # say so at once: the others' idle thresholds are short
             out += self._ack_all(self.job_activity(now))
         self._told_silent = silent
+        if self.loss_deferred:
+            self.loss_deferred = {n: until for n, until in self.loss_deferred.items() if until > now}
+            stopping |= frozenset(self.loss_deferred)
         for node in self.members.expire(now, stopping):
             out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
                                           "silent_s": round(now - node.last_heartbeat, 3)}))

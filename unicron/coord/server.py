@@ -254,13 +254,14 @@ class CoordinatorServer:
             log.debug("dropped a message that could not be read", exc_info=True)  # no console flood
             self.codec.dropped.add("malformed")
             return
-        if msg.kind != "status_req":  # a node's message (``unicron status`` may come from this host)
-            self.hearing.message(msg.body.get("node_id"), peer, self.clock(), self.slots)
         try:
             self._on_message(identity, msg)
         except Exception:  # a bug must not take the coordinator down with the job
             log.exception("error handling %s from %s", msg.kind, msg.sender)
             self.codec.dropped.add("handler-error")
+        if msg.kind != "status_req":  # a node's message (``unicron status`` may come from this host)
+            # After it is handled: a node that just joined is a member, whose address is kept.
+            self.hearing.message(msg.body.get("node_id"), peer, self.clock(), self.slots, msg.job)
 
     def _clock_off(self, identity: bytes, err: StaleMessage) -> None:
         """An authentic message whose time is too far off: the sender is told this clock (and

@@ -63,6 +63,7 @@ class FailureRecord:
     reached: int | None = None  # the furthest step (over the whole run) the attempt completed
     restored_from: int | None = None  # the step the attempt restored (None or 0: a fresh start)
     replayed: bool = False  # a restored attempt that failed before passing an earlier one's furthest step
+    trained: bool = False  # of unknown progress, a rank ran long past init_process_group: it trained
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +71,7 @@ class FailureRecord:
             "action": self.action.value, "cause": self.cause, "rank": self.rank, "node": self.node,
             "progress": self.progress, "escalated": self.escalated, "error": self.error,
             "reached": self.reached, "restored_from": self.restored_from, "replayed": self.replayed,
+            "trained": self.trained,
         }
 
     @classmethod
@@ -83,7 +85,7 @@ class FailureRecord:
                 escalated=bool(data.get("escalated", False)), error=str(data.get("error", "")),
                 reached=None if data.get("reached") is None else int(data["reached"]),
                 restored_from=None if data.get("restored_from") is None else int(data["restored_from"]),
-                replayed=bool(data.get("replayed", False)),
+                replayed=bool(data.get("replayed", False)), trained=data.get("trained") is True,
             )
         except KeyError as exc:
             raise ValueError(f"failure record field {exc.args[0]!r} is missing") from None
@@ -114,13 +116,14 @@ class Decision:
         return WorkerFailedError(self.reason)
 
     def record(self, fault: Fault, classification: Classification, progress: int | None, now: float, *,
-               reached: int | None = None, restored_from: int | None = None, replayed: bool = False) -> FailureRecord:
+               reached: int | None = None, restored_from: int | None = None, replayed: bool = False,
+               trained: bool = False) -> FailureRecord:
         """The history entry for this decision (append it before the next ``decide``)."""
         return FailureRecord(
             ts=now, attempt=fault.attempt, rule=classification.rule, severity=classification.severity,
             action=self.action, cause=classification.reason, rank=place_rank(fault), node=fault.node,
             progress=progress, escalated=self.escalated, error=classification.error,
-            reached=reached, restored_from=restored_from, replayed=replayed,
+            reached=reached, restored_from=restored_from, replayed=replayed, trained=trained,
         )
 
 
@@ -213,6 +216,7 @@ class RestartPolicy:
         replayed: bool = False,
         fixed_why: str = "the job is not elastic (min nodes = current nodes)",
         spent: int = 0,
+        trained: bool = False,
     ) -> Decision:
         """Decide once per incident, for its root cause (``classify.root_cause``).
 
@@ -299,11 +303,14 @@ class RestartPolicy:
         # every rank fails alike at start-up, which one is seen first is chance, and must not
         # decide whether the job stops.
         # A Python exception (forwarded by the rank's hooks) that comes back word for word after
-        # a restart, in attempts whose progress is unknown (ranks that load for long before
-        # init_process_group: an HF Trainer script), is a bug in the script, as it is with no
-        # progress. An exit is not: it may come from an image without the hooks (a rank that
-        # execs itself, a wrapper's subprocess) that did work nobody saw.
+        # a restart, in attempts whose progress is unknown because the ranks loaded for long
+        # before init_process_group (an HF Trainer script), is a bug in the script, as it is with
+        # no progress. Not where a rank ran long past init_process_group (``trained``: a loop
+        # without torch.optim trained hundreds of iterations and met the same transient error
+        # twice, acceptance 21A F3), nor an exit: it may come from an image without the hooks (a
+        # rank that execs itself, a wrapper's subprocess) that did work nobody saw.
         unknown_twice = (progress is None and last is not None and last.progress is None and fault.kind == "exception"
+                         and not trained and not last.trained
                          and bool(last.error) and last.error == classification.error)
         same_error = (last is not None and bool(last.error) and last.error == classification.error
                       and last.rule == classification.rule and (_no_progress(last.progress) or unknown_twice))
