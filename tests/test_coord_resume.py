@@ -31,12 +31,12 @@ def first_assigns() -> dict[str, dict[str, Any]]:
 
 def resumed_join(node: str, assign: dict[str, Any], state: str = "running", attempt: int = 3,
                  restarts: int = 2, faults: list[dict[str, Any]] | None = None,
-                 snapshots: dict[str, list[int]] | None = None) -> dict[str, Any]:
+                 snapshots: dict[str, list[int]] | None = None, started: bool = True) -> dict[str, Any]:
     """The join of ``node`` resuming ``assign`` (made the agent's way), as if it were attempt
     ``attempt`` with ``restarts`` restarts spent."""
     assign = dict(assign, attempt=attempt, restarts_used=restarts)
     body = dict(join(node), **resume_fields(assign, epoch=7, state=state, faults=faults or [],
-                                            snapshots=snapshots or {}, snapshot_bytes={}))
+                                            snapshots=snapshots or {}, snapshot_bytes={}, started=started))
     assert schema_errors("join", body) is None
     return body
 
@@ -118,6 +118,35 @@ def test_a_fault_carried_only_by_the_resume_stops_the_attempt() -> None:
     outs = core.on_join("b", resumed_join("b", assigns["b"], faults=[FAULT]), 101)
     assert [o.fields["rank"] for o in outs if isinstance(o, Emit) and o.kind == "fault"] == [2]
     assert set(sends(outs, "stop")) == {"a", "b"} and "rank 2" in core.attempt.stop_reason
+
+
+def test_a_node_that_resumes_after_the_stop_went_out_is_told_to_stop() -> None:
+    """Acceptance 21C F5: b's resume carried a fault, and the stop went to a, whose socket had
+    not reconnected to the new coordinator yet. a resumes running: it gets the stop now, rather
+    than being declared lost at the stop timeout."""
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=100)
+    core.on_join("b", resumed_join("b", assigns["b"], faults=[FAULT]), 100)
+    assert core.phase is Phase.STOPPING
+    outs = core.on_join("a", resumed_join("a", assigns["a"]), 101)
+    assert sends(outs, "stop")["a"]["attempt"] == 3 and "rank 2" in sends(outs, "stop")["a"]["reason"]
+    assert schema_errors("stop", sends(outs, "stop")["a"]) is None
+
+
+def test_ranks_still_starting_when_the_coordinator_restarted_re_form_at_once_on_no_budget() -> None:
+    """Acceptance 21C F4: the attempt's store died with the old coordinator; ranks not past
+    init_process_group would wait for it until torch's store timeout, stepping nothing. The
+    new coordinator re-forms the job (a fresh store), spending no restart."""
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(), now=100)
+    core.on_join("a", resumed_join("a", assigns["a"]), 100)
+    assert core.phase is Phase.RUNNING  # a's ranks are past it: nothing to do for them
+    outs = core.on_join("b", resumed_join("b", assigns["b"], started=False), 100.5)
+    assert set(sends(outs, "stop")) == {"a", "b"} and "store is gone" in core.attempt.stop_reason
+    core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 101)
+    core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 101)
+    new = next_assigns(core, 101.1)
+    assert {a["attempt"] for a in new.values()} == {4} and {a["restarts_used"] for a in new.values()} == {2}
 
 
 def test_every_node_finished_while_the_coordinator_was_away_ends_the_job() -> None:

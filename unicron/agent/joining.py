@@ -60,16 +60,18 @@ class Resume:
 
 
 def resume_fields(assign: dict[str, Any] | None, *, epoch: int, state: str, faults: list[dict[str, Any]],
-                  snapshots: dict[str, list[int]], snapshot_bytes: dict[str, int]) -> dict[str, Any]:
+                  snapshots: dict[str, list[int]], snapshot_bytes: dict[str, int],
+                  started: bool = True) -> dict[str, Any]:
     """The ``join`` fields that resume the attempt ``assign`` gave this node, with its workers
-    ``state`` (running, finished, stopped) and the ``faults`` it reported; none before any
-    assign (the node joins as at the start)."""
+    ``state`` (running, finished, stopped), whether all are past ``init_process_group``
+    (``started``), and the ``faults`` it reported; none before any assign (the node joins as
+    at the start)."""
     if assign is None:
         return {}
     return {"resume": {"attempt": assign["attempt"], "nodes": assign["nodes"],
                        "local_world_sizes": assign["local_world_sizes"], "restarts_used": assign["restarts_used"],
                        "epoch": epoch, "state": state, "faults": faults[-MAX_FAULTS:],
-                       "snapshots": snapshots, "snapshot_bytes": snapshot_bytes,
+                       "snapshots": snapshots, "snapshot_bytes": snapshot_bytes, "started": started,
                        **{k: assign[k] for k in ("started_at", "restarts") if k in assign}}}
 
 

@@ -55,13 +55,15 @@ class Rejoiner:
         """What a coordinator that lost the job needs to take it back: the attempt of the last
         ``assign`` (``pending``: its workers not started yet) and how far its workers got."""
         state = "stopped"  # a restart's stop came, its next assign did not
+        started = False  # every rank past init_process_group (their store is not needed again)
         if pending:
             state = "running"  # its workers start as soon as the zygote is ready
         elif group is not None and assign is not None and group.spec.attempt == assign["attempt"]:
             state = "finished" if group.finished_reported else "running"
+            started = group.all_ready()
         snapshots, sizes = scan_snapshots(self.shm_dir) if state == "stopped" else ({}, {})
         return resume_fields(assign, epoch=epoch, state=state, faults=faults, snapshots=snapshots,
-                             snapshot_bytes=sizes)
+                             snapshot_bytes=sizes, started=started or state != "running")
 
     def lost(self, finished: bool) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node

@@ -347,6 +347,12 @@ class WorkerGroup:
             return None
         return max(counts)
 
+    def all_ready(self) -> bool:
+        """No rank is known to be still before or in ``init_process_group`` (so to need the
+        attempt's store): each got past it, ended, or reports nothing (no hooks: unknown, taken
+        as past it, as before this was asked)."""
+        return all(r.ready_at is not None or r.exitcode is not None or not r.hooked for r in self.ranks.values())
+
     def trained(self, now: float) -> bool:
         """Some rank ran long past ``init_process_group`` (``ran_past_startup``): with no step
         reports, its progress is unknown, but it trained; not a rank that loaded for long before

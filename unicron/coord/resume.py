@@ -52,6 +52,9 @@ class ResumedAttempt:
     snapshot_bytes: dict[str, Any]
     started_at: float | None = None  # when the job was created (wall clock), as its assign said
     restarts: tuple[dict[str, Any], ...] = ()  # the job's restarts before this attempt, newest last
+    # With ``running``: every rank of the node is past init_process_group. One that is not may
+    # still need the attempt's store, which died with the coordinator that opened it.
+    started: bool = True
 
     @property
     def node_ids(self) -> list[str]:
@@ -101,14 +104,17 @@ def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
     history = raw.get("restarts", [])
     if not isinstance(history, list) or not all(_is_restart(r) for r in history):
         return "restarts is not a list of restarts"
+    started: Any = raw.get("started", True)
+    if not isinstance(started, bool):
+        return "started is not true or false"
     extra = set(raw) - {"attempt", "nodes", "local_world_sizes", "restarts_used", "epoch", "state", "faults",
-                        "snapshots", "snapshot_bytes", "started_at", "restarts"}
+                        "snapshots", "snapshot_bytes", "started_at", "restarts", "started"}
     if extra:
         return f"unexpected field(s) {sorted(extra)}"
     return ResumedAttempt(attempt, tuple((n[0], n[1], int(s)) for n, s in zip(nodes, sizes, strict=True)), restarts, epoch,
                           state, tuple(faults[-MAX_FAULTS:]), snapshots, nbytes,
                           None if started_at is None else float(started_at),
-                          tuple({k: r[k] for k in RESTART_FIELDS} for r in history[-MAX_HISTORY:]))
+                          tuple({k: r[k] for k in RESTART_FIELDS} for r in history[-MAX_HISTORY:]), started)
 
 
 def _is_restart(record: Any) -> bool:
@@ -161,10 +167,22 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
         out += core.on_stopped(node_id, {**resumed.stopped_body(), "attempt": attempt.number}, now)
     elif resumed.state == "stopped" and running:
         attempt.stopped[node_id] = resumed.stopped_body()
+    elif resumed.state == "running" and core.phase is Phase.STOPPING and node_id not in attempt.stopped:
+        # The stop went out while this node had not reconnected: it may never have had it
+        # (acceptance 21C F5: it was declared lost at the stop timeout, healthy).
+        out.append(Send(node_id, "stop", {"attempt": attempt.number, "want_stacks": False,
+                                          "reason": attempt.stop_reason or "the attempt is stopping"}))
     if core.phase is Phase.RUNNING and (new or resumed.state == "stopped"):
         out += stop_attempt(core, describe_fault(new[0]) if new else (
             f"node {node.host} had stopped its workers of attempt {attempt.number} when the coordinator restarted"),
             now, want_stacks=False)
+    elif core.phase is Phase.RUNNING and resumed.state == "running" and not resumed.started:
+        # Its ranks rendezvous in a store that died with the old coordinator: they would wait
+        # for it until torch's store timeout (30 min), stepping nothing (acceptance 21C F4).
+        # A re-form with a fresh store, no fault: no restart of the budget is spent.
+        out += stop_attempt(core, f"the coordinator restarted while ranks on node {node.host} were still starting "
+                                  f"(before init_process_group was done): the attempt's store is gone with it",
+                            now, want_stacks=False)
     return out
 
 
