@@ -197,6 +197,26 @@ def test_no_run_on_this_machine(runs_dir: Path) -> None:
     assert code == 5 and msg.startswith("no unicron run found on this machine")
 
 
+def test_a_malformed_registry_entry_is_skipped_not_an_internal_error(runs_dir: Path) -> None:
+    """Acceptance 21C F6: a hand-edited entry (or another version's) with a field of the wrong
+    type hid every run behind an internal error, exit 70."""
+    runs_dir.mkdir(mode=0o700)
+    base = {"job": "b", "endpoint": "127.0.0.1:1", "pid": os.getpid(), "secret_file": "", "log_dir": "",
+            "started_at": 1.0}
+    for i, bad in enumerate([{"pid": str(os.getpid())}, {"pid": 10**20}, {"secret_file": None}, {"job": [1]},
+                             {"started_at": "x"}]):
+        (runs_dir / f"bad{i}.{os.getpid()}.json").write_text(json.dumps(dict(base, **bad)))
+    code, msg = invoke(["status"])
+    assert code == 5 and msg.startswith("no unicron run found on this machine"), msg
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e300", "-1", "0"])
+def test_a_wait_that_is_not_a_number_of_seconds_is_misuse(runs_dir: Path, value: str) -> None:
+    code, msg = invoke(["status", "-e", "127.0.0.1:1", "--job", JOB, "--timeout", value],
+                       env={"UNICRON_SECRET": "x"})
+    assert code == 2 and "--interval and --timeout must be positive seconds" in msg, msg
+
+
 def test_endpoint_needs_job_and_secret(runs_dir: Path) -> None:
     assert invoke(["status", "-e", "127.0.0.1:1"])[0] == 2
     code, msg = invoke(["status", "-e", "127.0.0.1:1", "--job", JOB])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 import tempfile
@@ -128,11 +129,20 @@ def list_runs() -> list[RunInfo]:
             info = RunInfo(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue
+        if not _well_formed(info):  # a hand edit, another version's: one such entry hid every run (21C F6)
+            continue
         if not psutil.pid_exists(info.pid):
             path.unlink(missing_ok=True)
             continue
         found.append(info)
     return sorted(found, key=lambda r: r.started_at, reverse=True)
+
+
+def _well_formed(info: RunInfo) -> bool:
+    texts = (info.job, info.endpoint, info.secret_file, info.log_dir)
+    return (all(isinstance(t, str) for t in texts) and type(info.pid) is int and 0 < info.pid < 1 << 31
+            and isinstance(info.started_at, (int, float)) and not isinstance(info.started_at, bool)
+            and math.isfinite(info.started_at))
 
 
 SECRET_MAX_BYTES = 64 << 10  # as ``unicron run`` reads one: /dev/zero is refused, not read until memory runs out

@@ -17,6 +17,8 @@ from unicron.status.events_view import TIME_HELP, event_tables, find_events_file
 from unicron.status.render import render_runs, render_status
 from unicron.status.watch import RunsPoller, SnapshotPoller, run_watch
 
+MAX_WAIT_S = 86400.0  # a day: past it a wait is a typo (and 1e300 overflows the poller)
+
 
 def print_runs(console: Console, table: Any) -> None:
     """The runs table; into a pipe, as wide as its rows (no terminal width to respect there,
@@ -53,8 +55,8 @@ def status(
     timeout: Annotated[float, typer.Option("--timeout", metavar="S", help="Seconds to wait for each answer.")] = 3.0,
 ) -> int:
     """Show what a unicron job is doing: nodes, ranks, restarts, plan and latest events."""
-    if interval <= 0 or timeout <= 0:
-        raise UsageError("--interval and --timeout must be positive")
+    if not (0 < interval <= MAX_WAIT_S and 0 < timeout <= MAX_WAIT_S):  # NaN fails both (acceptance 21C F6)
+        raise UsageError(f"--interval and --timeout must be positive seconds, at most {MAX_WAIT_S:g}")
     if as_json and watch:
         raise UsageError("--json and --watch cannot be combined (use --watch, or poll --json yourself)")
     targets = resolve_targets(endpoint, job, secret_file)
