@@ -4,6 +4,7 @@ serves on (it used to end the serving thread, and every job then waited without 
 from __future__ import annotations
 
 import pytest
+from e2e import wait_for
 
 from unicron.coord.decide import DetectDecider
 from unicron.coord.job import JobCore
@@ -40,6 +41,42 @@ def test_an_error_starting_an_attempt_fails_that_job_and_the_loop_serves_on(tmp_
         # Still serving: another job is welcomed.
         request(ep, "join", _join("n2"), job="b", key=KEY, timeout_s=10, expect="welcome")
         assert server.thread is not None and server.thread.is_alive()
+    finally:
+        server.stop()
+        events.close()
+
+
+def test_a_standalone_coordinator_starts_a_failed_jobs_id_again_but_not_a_finished_ones(tmp_path) -> None:
+    """Acceptance 21B F2: a preempted Slurm job is requeued with its SLURM_JOB_ID (the job id):
+    its fresh launchers were refused (`job ... is over`) for the coordinator's life. A job that
+    failed or was interrupted is started again, as torchrun's rendezvous stays open then; one
+    that finished is over, as torchrun's is closed."""
+    events = EventLog(tmp_path / "events.jsonl", job="a")
+    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
+                               decider_for=DetectDecider, jobs=None)
+    server.start()
+    try:
+        ep = f"127.0.0.1:{server.port}"
+
+        def attempt_of(node: str) -> int:  # joined, it is assigned the job's attempt (one node is enough)
+            request(ep, "join", _join(node), job="a", key=KEY, timeout_s=10, expect="welcome")
+            heartbeat = {"node_id": node, "epoch": 0, "attempt": -1, "workers": [], "health": {}}
+            return int(request(ep, "heartbeat", heartbeat, job="a", key=KEY, timeout_s=20, expect="assign")
+                       .body["attempt"])
+
+        attempt_of("n1")
+        request(ep, "fault", {"node_id": "n1", "attempt": 0, "fault": {"kind": "exit", "ts": 1.0, "rank": 0,
+                                                                          "attempt": 0, "exitcode": 1}},
+                job="a", key=KEY, timeout_s=10, expect="stop")  # no restart allowed: the job fails
+        wait_for(lambda: server.slots["a"].finished_at is not None, 20, "the job to fail")
+        assert server.slots["a"].core.exit_code != 0
+        # Its launchers again (no resume: fresh ones): a new job of that id, which can finish.
+        attempt = attempt_of("n2")
+        request(ep, "finished", {"node_id": "n2", "attempt": attempt}, job="a", key=KEY, timeout_s=10,
+                expect="shutdown")
+        assert server.slots["a"].core.exit_code == 0
+        refused = request(ep, "join", _join("n3"), job="a", key=KEY, timeout_s=10, expect="reject")
+        assert "is over" in refused.body["reason"]
     finally:
         server.stop()
         events.close()

@@ -26,9 +26,12 @@ hear no coordinator, call none either) and takes that time off its ranks' hang c
 
 from __future__ import annotations
 
+import ipaddress
 import random
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
+
+import zmq
 
 from unicron.coord.deafness import DeafWatch
 from unicron.netprobe import Address, Prober, hosts_answer
@@ -42,6 +45,21 @@ def hosts_probe(clock: Callable[[], float], *, every_s: float = PROBE_EVERY_S,
                 answer: Callable[[Collection[Address], float], bool] = hosts_answer) -> Prober:
     """What asks silent nodes' hosts whether they answer (``answer``: tests give their own)."""
     return Prober(answer, clock=clock, every_s=every_s, timeout_s=PROBE_TIMEOUT_S)
+
+
+def peer_address(frame: zmq.Frame) -> str | None:
+    """The address a message came from, as its TCP connection says (None: not known)."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    if not isinstance(address, str) or not address:
+        return None
+    try:  # a dual-stack socket names IPv4 peers as IPv6 ones (::ffff:10.0.0.2)
+        mapped = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    return str(mapped.ipv4_mapped) if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped else address
 
 
 class Slot(Protocol):  # what this module reads of the server's JobSlot

@@ -8,7 +8,6 @@ a job. What it tells the user about peers it cannot serve is in ``unicron.coord.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import os
@@ -21,7 +20,7 @@ from typing import Any
 import zmq
 
 from unicron.coord.decide import Decider
-from unicron.coord.hearing import Hearing
+from unicron.coord.hearing import Hearing, peer_address
 from unicron.coord.job import JobCore
 from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
@@ -174,7 +173,7 @@ class CoordinatorServer:
                             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_frames([f.bytes for f in frames], _peer_address(frames[-1]))
+                        self._on_frames([f.bytes for f in frames], peer_address(frames[-1]))
                 self._start_ready_attempts()
                 now = self.clock()
                 # A stall can land while the messages are handled, just before the verdicts.
@@ -291,7 +290,7 @@ class CoordinatorServer:
         if not isinstance(node_id, str):
             self.codec.dropped.add("schema")
             return
-        if slot is None:
+        if slot is None or (msg.kind == "join" and self._reopens(slot, msg.body)):
             if msg.kind != "join":
                 # A member of a job this coordinator lost (it restarted): it joins again with
                 # what it runs, and the job goes on (unicron.coord.resume).
@@ -309,6 +308,15 @@ class CoordinatorServer:
             self.codec.dropped.add("unexpected-kind")
             return
         self._run(msg.job, slot, handler(node_id, msg.body, now))
+
+    def _reopens(self, slot: JobSlot, body: dict[str, Any]) -> bool:
+        """A fresh launcher joins a job that failed or was interrupted (not one that finished):
+        a new job of that id starts (a requeued Slurm job keeps its SLURM_JOB_ID, the id; the
+        refusal used to last for this coordinator's life, acceptance 21B F2). torchrun's
+        rendezvous, too, stays open after a failure and closes after a success. Only a
+        standalone coordinator's: an embedded one ends with its job."""
+        return (self.jobs_allowed is None and slot.finished_at is not None and slot.core.exit_code != 0
+                and "resume" not in body and "attempt" not in body)
 
     def _create_job(self, msg: Message, now: float) -> JobSlot:
         # An embedded coordinator's job is defined by its own node's flags, known before anyone
@@ -384,17 +392,3 @@ class CoordinatorServer:
                 log.exception("error starting attempt %s of job %s", attempt, job_id)
                 self._run(job_id, slot, slot.core.fail(f"coordinator error: {type(err).__name__}: {err}", now))
 
-
-def _peer_address(frame: zmq.Frame) -> str | None:
-    """The address a message came from, as its TCP connection says (None: not known)."""
-    try:
-        address = frame.get("Peer-Address")
-    except zmq.ZMQError:
-        return None
-    if not isinstance(address, str) or not address:
-        return None
-    try:  # a dual-stack socket names IPv4 peers as IPv6 ones (::ffff:10.0.0.2)
-        mapped = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    return str(mapped.ipv4_mapped) if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped else address
