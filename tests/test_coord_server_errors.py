@@ -9,6 +9,7 @@ from e2e import wait_for
 from unicron.coord.decide import DetectDecider
 from unicron.coord.job import JobCore
 from unicron.coord.server import CoordinatorServer
+from unicron.errors import EndpointUnreachableError
 from unicron.events import EventLog
 from unicron.proto.client import request
 
@@ -77,6 +78,28 @@ def test_a_standalone_coordinator_starts_a_failed_jobs_id_again_but_not_a_finish
         assert server.slots["a"].core.exit_code == 0
         refused = request(ep, "join", _join("n3"), job="a", key=KEY, timeout_s=10, expect="reject")
         assert "is over" in refused.body["reason"]
+    finally:
+        server.stop()
+        events.close()
+
+
+def test_a_join_of_another_job_on_an_embedded_coordinators_endpoint_is_told_why_at_once(tmp_path) -> None:
+    """Acceptance 21B F1: a second job's nodes on the same endpoint waited out the join timeout
+    (600 s), told to check their secret. Signed with the job's secret, they are told at once."""
+    events = EventLog(tmp_path / "events.jsonl", job="a")
+    warnings: list[str] = []
+    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
+                               decider_for=DetectDecider, jobs={"a"}, warn=warnings.append)
+    server.start()
+    try:
+        ep = f"127.0.0.1:{server.port}"
+        told = request(ep, "join", _join("n9"), job="b", key=KEY, timeout_s=10, expect="reject")
+        assert "is job 'a''s" in told.body["reason"] and "another --rdzv-endpoint" in told.body["reason"]
+        assert "wait" not in told.body  # not a place to wait for: the agent ends with it
+        # Another secret gets no answer (it cannot be trusted with one).
+        with pytest.raises(EndpointUnreachableError):
+            request(ep, "join", _join("n8"), job="b", key=b"x" * 32, timeout_s=1, expect="reject")
+        request(ep, "join", _join("n1"), job="a", key=KEY, timeout_s=10, expect="welcome")
     finally:
         server.stop()
         events.close()

@@ -16,6 +16,16 @@ MAX_PEERS_WARNED = 8  # misconfigured peers named on the console; the rest are o
 CLOCKS_KEPT = 1024  # peers remembered as told the clock (replays from many sockets: the oldest go)
 
 
+def other_job(served: set[str], job: str) -> str:
+    """Why an embedded coordinator refuses a join of another job signed with its secret: the
+    nodes of a second job on the same endpoint waited out their join timeout, told to check
+    their secret (acceptance 21B F1; torchrun's c10d store serves both)."""
+    jobs = ", ".join(repr(j) for j in sorted(served))
+    return (f"the coordinator at this endpoint is job {jobs}'s (embedded in its launcher), not job {job!r}'s: "
+            f"one job per endpoint; give this job another --rdzv-endpoint (or the same --rdzv-id if it is that "
+            f"job), or serve several jobs with `unicron coordinator`")
+
+
 def peer_name(identity: bytes) -> str:
     # Agents name their socket after their node id; a socket that did not gets a binary one.
     text = identity.decode("ascii", errors="replace")

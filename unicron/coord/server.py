@@ -24,7 +24,7 @@ from unicron.coord.hearing import Hearing, peer_address
 from unicron.coord.job import JobCore
 from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
-from unicron.coord.peers import PeerWarnings
+from unicron.coord.peers import PeerWarnings, other_job
 from unicron.coord.records import JobSpec
 from unicron.coord.statusfit import fit_status, size
 from unicron.coord.stores import AttemptStores, StoreOpener, preload
@@ -32,7 +32,7 @@ from unicron.detect.stall import StallWatch
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
 from unicron.netprobe import Prober
-from unicron.proto.messages import MAX_MESSAGE_BYTES, Codec, Message, StaleMessage
+from unicron.proto.messages import MAX_MESSAGE_BYTES, Codec, Message, StaleMessage, WrongJob
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +248,9 @@ class CoordinatorServer:
         except ProtocolError as err:
             log.debug("dropped message: %s", err)
             self.peers.misconfigured(identity, str(err), self.jobs_allowed)
+            if isinstance(err, WrongJob) and err.kind == "join" and self.jobs_allowed:
+                # Signed with our secret: a job of ours on the same endpoint, told so at once.
+                self._send_raw(identity, err.job, "reject", {"reason": other_job(self.jobs_allowed, err.job)})
             return
         except Exception:  # noqa: BLE001 - one peer's bytes must never take the coordinator down
             log.debug("dropped a message that could not be read", exc_info=True)  # no console flood

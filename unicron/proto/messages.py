@@ -75,6 +75,14 @@ def strict_loads(raw: bytes | str) -> Any:
     return json.loads(raw, parse_constant=_no_constant, parse_float=_finite, parse_int=_bounded)
 
 
+class WrongJob(ProtocolError):
+    """An authentic message for a job this receiver does not serve (``kind``: what it was)."""
+
+    def __init__(self, job: str, kind: str) -> None:
+        super().__init__(f"wrong job: {job!r}")
+        self.job, self.kind = job, kind
+
+
 class StaleMessage(ProtocolError):
     """An authentic message whose time is outside the replay window: a replay, or a sender
     whose clock is off this one's by ``skew_s`` (its time minus ours)."""
@@ -190,7 +198,7 @@ class Codec:
         if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(ts, (int, float)):
             raise ProtocolError("malformed: bad seq or ts")
         if self.accept_jobs and job not in self.accept_jobs:
-            raise ProtocolError(f"wrong job: {job!r}")
+            raise WrongJob(job, kind)
         skew_s = ts - self.clock()
         if abs(skew_s) > self.window_s:
             clock = body.get("clock") if kind == "reject" and isinstance(body, dict) else None
