@@ -7,7 +7,9 @@ closed connection: its connection stays open, so the other node waits, and nothi
 
 from __future__ import annotations
 
+import os
 import signal
+from typing import Any
 
 import psutil
 import pytest
@@ -187,3 +189,58 @@ def test_nodes_whose_ranks_work_between_steps_outlast_a_long_coordinator_outage(
         assert code == 0 and "took the job back" in err, out + err
     second.proc.send_signal(signal.SIGTERM)
     assert second.wait(20)[0] == 0
+
+
+TAIL = """
+import os, sys, time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+with open(os.path.join(sys.argv[1], f"ran.{dist.get_rank()}.{os.getpid()}"), "w"):
+    pass  # one file per run of the script: a rerun of the job would leave more
+rank = dist.get_rank()
+dist.destroy_process_group()
+if rank == 0:
+    time.sleep(600)  # a long tail (an upload): the job's end is not confirmed before the coordinator goes
+"""
+
+
+def test_a_node_whose_workers_finished_is_not_rerun_when_a_new_coordinator_fences_it(workdir, launch) -> None:
+    """Acceptance 21B F3: the coordinator went and another took its place (with a new job of that
+    id, formed by a replaced node) before the job's end was confirmed. The node whose workers had
+    all exited 0 was fenced and joined again: the whole job ran once more. It did its part: it
+    exits 0, saying the end was not confirmed, as when the coordinator goes silent."""
+    (workdir / "tail.py").write_text(TAIL)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    first = _coordinator(launch, workdir, port, "coord1", env)
+
+    def node(name: str) -> Any:
+        return launch(["run", "--nnodes", "2", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
+                       "--rdzv-id", "tailjob", "--max-restarts", "2", "--grace-period", "1", "--log-dir",
+                       str(workdir / name), str(workdir / "tail.py"), str(workdir)], workdir, env)
+
+    a, b = node("a"), node("b")
+    finished = wait_for(lambda: [n for n, item in (("a", a), ("b", b))
+                                 if [e for e in read_events(workdir / n) if e["kind"] == "workers_finished"]],
+                        90, "one node's workers to finish")
+    done, tail = (a, b) if finished == ["a"] else (b, a)
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait(20)
+    os.kill(done.proc.pid, signal.SIGSTOP)  # it is heard only once the new coordinator has a job of that id
+    try:
+        for proc in psutil.Process(tail.proc.pid).children(recursive=True):
+            proc.send_signal(signal.SIGKILL)
+        tail.proc.send_signal(signal.SIGKILL)  # the tail's node is replaced (a pod restart)
+        tail.wait(20)
+        _coordinator(launch, workdir, port, "coord2", env)
+        node("c")
+        wait_for(lambda: [e for e in read_events(workdir / "coord2") if e["kind"] == "join"], 60,
+                 "the replacement to form a new job of that id")
+    finally:
+        os.kill(done.proc.pid, signal.SIGCONT)
+    code, _, err = done.wait(60)
+    assert code == 0, err
+    assert "the job's end was not confirmed (fenced by the coordinator" in err, err
+    assert len(list(workdir.glob("ran.*"))) == 2  # each rank ran its script once: nothing ran again

@@ -134,10 +134,15 @@ class AgentOrders:
                     self.events.emit("clock_offset", offset_s=round(self.codec.offset_s, 3))
             elif msg.kind == "reject":
                 refusal = self.joining.on_reject(body)
+                finished = self.group is not None and self.group.finished_reported
+                if refusal is Refusal.FENCED and finished:
+                    # Its part is done: joining again would run the whole job once more, from its
+                    # first step (a coordinator's node replaced as the job ended: acceptance 21B F3).
+                    return self.rejoiner.end_unconfirmed(f"fenced by the coordinator: {body['reason']}")
                 if refusal is Refusal.FENCED:
                     self._fenced(body["reason"])
                 elif refusal is Refusal.UNKNOWN:
-                    self.rejoiner.resume(body["reason"], self.last_attempt, self._resume_fields)
+                    self.rejoiner.resume(body["reason"], self.last_attempt, self._resume_fields, finished=finished)
                 elif refusal is Refusal.WAIT and (notice := self.joining.waiting_notice(body["reason"])):
                     self.ui.warn(notice)
 

@@ -41,12 +41,14 @@ class Rejoiner:
         self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(), self.link.lost_after_s)
         self.events.emit("fenced", reason=reason, attempt=attempt)
 
-    def resume(self, reason: str, attempt: int | None, fields: Callable[[], dict[str, Any]]) -> None:
+    def resume(self, reason: str, attempt: int | None, fields: Callable[[], dict[str, Any]], *,
+               finished: bool = False) -> None:
         """The coordinator answers but does not know the job: it restarted, and lost it. The
-        workers train on; join again with ``fields()``: the attempt they run, and what they did
-        meanwhile, so that the coordinator takes the job back."""
+        workers train on (or ``finished``); join again with ``fields()``: the attempt they run,
+        and what they did meanwhile, so that the coordinator takes the job back."""
+        going = "this node's workers all exited 0" if finished else "the workers train on"
         self.ui.warn(f"the coordinator at {self.endpoint} does not know this job ({reason}: it restarted?); "
-                     "joining it again with the running attempt, the workers train on")
+                     f"joining it again with the running attempt, {going}")
         self.joining.fenced(Resume(fields), time.monotonic(), self.link.lost_after_s)
         self.events.emit("resuming", reason=reason, attempt=attempt)
 
@@ -64,6 +66,14 @@ class Rejoiner:
         snapshots, sizes = scan_snapshots(self.shm_dir) if state == "stopped" else ({}, {})
         return resume_fields(assign, epoch=epoch, state=state, faults=faults, snapshots=snapshots,
                              snapshot_bytes=sizes, started=started or state != "running")
+
+    def end_unconfirmed(self, why: str) -> int:
+        """This node's workers all exited 0, and the coordinator now on the endpoint does not
+        count it (a new one, after the job's end went unconfirmed): the node did its part, as
+        when the coordinator goes silent (``lost``)."""
+        self.ui.warn(f"the job's end was not confirmed ({why}); this node's workers all exited 0")
+        self.events.emit("coordinator_lost", finished=True, reason=why)
+        return 0
 
     def lost(self, finished: bool) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node
