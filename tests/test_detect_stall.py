@@ -49,11 +49,11 @@ def test_a_coordinator_stalled_while_handling_a_message_does_not_call_the_silenc
     stall_next = threading.Event()
     handle = server._on_frames
 
-    def stalling(frames: list[bytes]) -> None:
+    def stalling(frames: list[bytes], peer: str | None = None) -> None:
         if stall_next.is_set():
             stall_next.clear()
             time.sleep(3.5)  # the fault itself: the coordinator's thread does not run
-        handle(frames)
+        handle(frames, peer)
 
     server._on_frames = stalling  # type: ignore[method-assign]
     server.start()
