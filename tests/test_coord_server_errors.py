@@ -3,6 +3,10 @@ serves on (it used to end the serving thread, and every job then waited without 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import pytest
 from e2e import wait_for
 
@@ -17,6 +21,20 @@ KEY = b"k" * 32
 pytestmark = pytest.mark.timeout(60)
 
 
+@contextmanager
+def _served(tmp_path, jobs: set[str] | None, **kwargs: Any) -> Iterator[tuple[CoordinatorServer, str]]:
+    """A real coordinator in this process, serving ``jobs`` (None: any), and its endpoint."""
+    events = EventLog(tmp_path / "events.jsonl", job="a")
+    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
+                               decider_for=DetectDecider, jobs=jobs, **kwargs)
+    server.start()
+    try:
+        yield server, f"127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+        events.close()
+
+
 def _join(node: str) -> dict:
     return {"node_id": node, "host": "127.0.0.1", "nproc": 1, "node_rank": None, "pid": 1, "min_nodes": 1,
             "max_nodes": 1, "max_restarts": 0, "last_call_s": 0, "heartbeat_timeout_s": 30,
@@ -28,12 +46,7 @@ def test_an_error_starting_an_attempt_fails_that_job_and_the_loop_serves_on(tmp_
         raise RuntimeError("boom")
 
     monkeypatch.setattr(JobCore, "start_attempt", broken)
-    events = EventLog(tmp_path / "events.jsonl", job="a")
-    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
-                               decider_for=DetectDecider, jobs={"a", "b"})
-    server.start()
-    try:
-        ep = f"127.0.0.1:{server.port}"
+    with _served(tmp_path, {"a", "b"}) as (server, ep):
         request(ep, "join", _join("n1"), job="a", key=KEY, timeout_s=10, expect="welcome")
         # The store opens in its own thread; starting the attempt then fails: the job says why.
         told = request(ep, "heartbeat", {"node_id": "n1", "epoch": 0, "attempt": -1, "workers": [], "health": {}},
@@ -42,9 +55,6 @@ def test_an_error_starting_an_attempt_fails_that_job_and_the_loop_serves_on(tmp_
         # Still serving: another job is welcomed.
         request(ep, "join", _join("n2"), job="b", key=KEY, timeout_s=10, expect="welcome")
         assert server.thread is not None and server.thread.is_alive()
-    finally:
-        server.stop()
-        events.close()
 
 
 def test_a_standalone_coordinator_starts_a_failed_jobs_id_again_but_not_a_finished_ones(tmp_path) -> None:
@@ -52,13 +62,7 @@ def test_a_standalone_coordinator_starts_a_failed_jobs_id_again_but_not_a_finish
     its fresh launchers were refused (`job ... is over`) for the coordinator's life. A job that
     failed or was interrupted is started again, as torchrun's rendezvous stays open then; one
     that finished is over, as torchrun's is closed."""
-    events = EventLog(tmp_path / "events.jsonl", job="a")
-    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
-                               decider_for=DetectDecider, jobs=None)
-    server.start()
-    try:
-        ep = f"127.0.0.1:{server.port}"
-
+    with _served(tmp_path, None) as (server, ep):
         def attempt_of(node: str) -> int:  # joined, it is assigned the job's attempt (one node is enough)
             request(ep, "join", _join(node), job="a", key=KEY, timeout_s=10, expect="welcome")
             heartbeat = {"node_id": node, "epoch": 0, "attempt": -1, "workers": [], "health": {}}
@@ -78,21 +82,12 @@ def test_a_standalone_coordinator_starts_a_failed_jobs_id_again_but_not_a_finish
         assert server.slots["a"].core.exit_code == 0
         refused = request(ep, "join", _join("n3"), job="a", key=KEY, timeout_s=10, expect="reject")
         assert "is over" in refused.body["reason"]
-    finally:
-        server.stop()
-        events.close()
 
 
 def test_a_join_of_another_job_on_an_embedded_coordinators_endpoint_is_told_why_at_once(tmp_path) -> None:
     """Acceptance 21B F1: a second job's nodes on the same endpoint waited out the join timeout
     (600 s), told to check their secret. Signed with the job's secret, they are told at once."""
-    events = EventLog(tmp_path / "events.jsonl", job="a")
-    warnings: list[str] = []
-    server = CoordinatorServer(KEY, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
-                               decider_for=DetectDecider, jobs={"a"}, warn=warnings.append)
-    server.start()
-    try:
-        ep = f"127.0.0.1:{server.port}"
+    with _served(tmp_path, {"a"}) as (_, ep):
         told = request(ep, "join", _join("n9"), job="b", key=KEY, timeout_s=10, expect="reject")
         assert "is job 'a''s" in told.body["reason"] and "another --rdzv-endpoint" in told.body["reason"]
         assert "wait" not in told.body  # not a place to wait for: the agent ends with it
@@ -100,6 +95,3 @@ def test_a_join_of_another_job_on_an_embedded_coordinators_endpoint_is_told_why_
         with pytest.raises(EndpointUnreachableError):
             request(ep, "join", _join("n8"), job="b", key=b"x" * 32, timeout_s=1, expect="reject")
         request(ep, "join", _join("n1"), job="a", key=KEY, timeout_s=10, expect="welcome")
-    finally:
-        server.stop()
-        events.close()
