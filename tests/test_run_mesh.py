@@ -211,8 +211,12 @@ def test_agent_with_wrong_secret_or_job_id_is_refused_clearly(workdir, launch, w
     b = launch(args_b, workdir, clean_env(UNICRON_SECRET="not-the-secret" if wrong == "secret" else SECRET))
     code_b, _, err_b = b.wait(60)
     code_a, _, err_a = a.wait(60)
-    assert code_b != 0 and "no coordinator answered" in err_b and "UNICRON_SECRET" in err_b
-    assert "no answer yet from the coordinator" in err_b, err_b  # said before the join timeout ran out
+    if wrong == "secret":  # no answer: it cannot be trusted with one
+        assert code_b != 0 and "no coordinator answered" in err_b and "UNICRON_SECRET" in err_b
+        assert "no answer yet from the coordinator" in err_b, err_b  # said before the join timeout ran out
+    else:  # the right secret: told at once that the endpoint is another job's (acceptance 21B F1)
+        assert code_b == 4 and "is job 'meshjob''s (embedded in its launcher), not job 'otherjob''s" in err_b, err_b
+        assert "UNICRON_SECRET" not in err_b, err_b
     assert code_a != 0 and "rendezvous timed out" in err_a
     # The coordinator's node says why at once, not only when its join timeout runs out.
     said = "signed with another secret" if wrong == "secret" else "for job 'otherjob'"

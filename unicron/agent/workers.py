@@ -351,7 +351,8 @@ class WorkerGroup:
         """No rank is known to be still before or in ``init_process_group`` (so to need the
         attempt's store): each got past it, ended, or reports nothing (no hooks: unknown, taken
         as past it, as before this was asked)."""
-        return all(r.ready_at is not None or r.exitcode is not None or not r.hooked for r in self.ranks.values())
+        return all(r.ready_at is not None or r.last_step_at is not None or r.exitcode is not None or not r.hooked
+                   for r in self.ranks.values())  # a first step may come before "ready" is sent
 
     def trained(self, now: float) -> bool:
         """Some rank ran long past ``init_process_group`` (``ran_past_startup``): with no step
