@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import zmq
 from e2e import wait_for
 
 from unicron.coord.decide import DetectDecider
@@ -16,6 +17,7 @@ from unicron.coord.server import CoordinatorServer
 from unicron.errors import EndpointUnreachableError
 from unicron.events import EventLog
 from unicron.proto.client import request
+from unicron.proto.messages import Codec
 
 KEY = b"k" * 32
 pytestmark = pytest.mark.timeout(60)
@@ -95,3 +97,37 @@ def test_a_join_of_another_job_on_an_embedded_coordinators_endpoint_is_told_why_
         with pytest.raises(EndpointUnreachableError):
             request(ep, "join", _join("n8"), job="b", key=b"x" * 32, timeout_s=1, expect="reject")
         request(ep, "join", _join("n1"), job="a", key=KEY, timeout_s=10, expect="welcome")
+
+
+def test_a_peer_named_after_a_node_gets_nothing_meant_for_it(tmp_path) -> None:
+    """Acceptance 21C F7: agents named their socket after their node id, which consoles and
+    `unicron status` show. A peer without the secret that connected first under that name, as a
+    restarted coordinator came up, got the messages meant for a node not heard from yet (and
+    ZeroMQ shut the real one out). Now nothing goes to a name no node spoke from."""
+    from test_coord_resume import first_assigns, resumed_join
+
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.setsockopt(zmq.IDENTITY, b"b")  # node b's plain id
+    with _served(tmp_path, None) as (_, ep):
+        rogue.connect(f"tcp://{ep}")
+        assigns = first_assigns()
+        fault = {"kind": "exit", "rank": 2, "ts": 50.0, "message": "rank 2 exited with code 1", "exitcode": 1,
+                 "attempt": 3}
+        # Node a resumes the attempt with a fault: the attempt stops, and b, a node of it not
+        # heard from yet, is to be told when it speaks.
+        a = zmq.Context.instance().socket(zmq.DEALER)
+        a.setsockopt(zmq.LINGER, 0)
+        a.setsockopt(zmq.IDENTITY, b"a~0123456789abcdef")
+        a.connect(f"tcp://{ep}")
+        codec = Codec(KEY, "a", job="job")
+        try:
+            a.send(codec.encode("join", resumed_join("a", assigns["a"], faults=[fault])))
+            kinds = []
+            while "stop" not in kinds:
+                assert a.poll(10_000), kinds
+                kinds.append(codec.decode(a.recv()).kind)
+            assert not rogue.poll(500)  # sent in the same turn as a's stop: nothing came
+        finally:
+            a.close(0)
+            rogue.close(0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -43,6 +44,7 @@ from unicron.agent.shm import make_shm_dir, make_work_dir
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import warm_pool
 from unicron.agent.workers import WorkerGroup
+from unicron.coord.peers import IDENTITY_MARK
 from unicron.detect.activity import Activity
 from unicron.detect.stall import StallWatch
 from unicron.errors import (
@@ -106,7 +108,11 @@ class Agent(AgentOrders):
     def run(self) -> int:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IPV6, 1)  # an IPv6 literal endpoint needs it; IPv4 ones are unaffected
-        dealer.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        # Named after the node (the coordinator's console names peers so) with a part nobody can
+        # guess: a peer without the secret that took the plain node id first, as a restarted
+        # coordinator came up, shut the real node out (ZeroMQ keeps the first of two sockets of
+        # one name) and got the messages meant for it (acceptance 21C F7).
+        dealer.setsockopt(zmq.IDENTITY, f"{self.node_id}{IDENTITY_MARK}{secrets.token_hex(8)}".encode())
         dealer.setsockopt(zmq.LINGER, 1000)
         conn, probe = ConnectionWatch(dealer), HostProbe(self.endpoint)
         dealer.connect(self.endpoint)

@@ -26,9 +26,12 @@ def other_job(served: set[str], job: str) -> str:
             f"job), or serve several jobs with `unicron coordinator`")
 
 
+IDENTITY_MARK = "~"  # an agent's socket is named NODE_ID~RANDOM (unicron.agent.agent)
+
+
 def peer_name(identity: bytes) -> str:
     # Agents name their socket after their node id; a socket that did not gets a binary one.
-    text = identity.decode("ascii", errors="replace")
+    text = identity.decode("ascii", errors="replace").split(IDENTITY_MARK, 1)[0]
     return text[:80] if text.isprintable() else f"a peer without a node id ({identity.hex()[:16]})"
 
 

@@ -350,10 +350,12 @@ class CoordinatorServer:
             if isinstance(out, Send):
                 if out.kind == "ack" and self.hearing.deaf_for(job_id):  # see unicron.coord.hearing
                     out = Send(out.node_id, out.kind, dict(out.body, deaf=True))
-                # An agent's socket is named after its node id: one not heard from yet (a node
-                # of an attempt taken back after a restart) is reached by that name.
-                identity = slot.identities.get(out.node_id, out.node_id.encode())
-                self._send_raw(identity, job_id, out.kind, out.body)
+                # Only to the socket a node was heard from: its name has a part nobody can guess
+                # (unicron.agent.agent). A node of an attempt taken back after a restart that
+                # has not spoken yet hears what it needs when it resumes (unicron.coord.resume).
+                identity = slot.identities.get(out.node_id)
+                if identity is not None:
+                    self._send_raw(identity, job_id, out.kind, out.body)
             elif isinstance(out, Emit):
                 slot.events.emit(out.kind, **out.fields)
             elif isinstance(out, OpenStore):
@@ -362,10 +364,10 @@ class CoordinatorServer:
                 # Lost nodes too: one that only stalled finds the word in its socket when it runs
                 # again, rather than waiting out the coordinator's silence.
                 for node in slot.core.members.nodes.values():
-                    if node.state is NodeState.LEFT:
+                    identity = slot.identities.get(node.node_id)
+                    if node.state is NodeState.LEFT or identity is None:
                         continue
-                    self._send_raw(slot.identities.get(node.node_id, node.node_id.encode()), job_id, "shutdown",
-                                   {"exit_code": out.exit_code, "reason": out.reason})
+                    self._send_raw(identity, job_id, "shutdown", {"exit_code": out.exit_code, "reason": out.reason})
                 slot.finished_at = self.clock()
                 slot.stores.close_all()
 
