@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from e2e import wait_for
 from unicron.coord.deafness import DeafWatch, allowance_s
 from unicron.coord.decide import DetectDecider
 from unicron.coord.hearing import hosts_probe
+from unicron.coord.outbox import Emit
 from unicron.coord.server import CoordinatorServer
 from unicron.events import EventLog
 from unicron.netprobe import Prober, hosts_answer
@@ -337,3 +339,83 @@ def test_the_probe_asks_at_its_pace_only_while_it_has_addresses() -> None:
         assert len(asked) <= settled + 1  # at most the one in flight
     finally:
         probe.close()
+
+
+# ---- a link that flaps, driven by hand (the shell's rule on a real job core, a fake clock) ----
+
+
+class _Probe:
+    """What the probe found, set by the test: a host answered at ``answered_at``, or not."""
+
+    def __init__(self) -> None:
+        self.answered_at: float | None = None
+        self.unanswered_at: float | None = None
+
+    def want(self, addresses: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.seen.append((kind, fields))
+
+
+@dataclass
+class _Slot:
+    core: Any
+    events: _Events
+    finished_at: float | None = None
+
+
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "standalone"])
+def test_a_link_that_flaps_for_30_s_loses_no_healthy_node(embedded: bool) -> None:
+    """Acceptance 22A F1/F2: the coordinator's link cut 2 s, up 1 s, for 30 s. In each up window
+    a probe's connect gets through, but the nodes' own connections have backed off (they are
+    heard only 5 s after the flapping ends). A deferred loss ended inside the next spell and
+    cascaded (F1); a deferral sized by the last spell (3 s) ended before the nodes' backed-off
+    retransmits (F2). No node is lost; one really dead is lost within the cap."""
+    from test_coord_core import RESTART, ScriptedDecider, join, spec, started
+
+    from unicron.coord.hearing import Hearing
+    from unicron.coord.job import JobCore
+
+    core = JobCore(spec(4, 4), ScriptedDecider(RESTART), now=0)
+    for node in ("n0", "n1", "n2", "dead"):
+        core.on_join(node, join(node, mn=4, mx=4), 0)
+    started(core, 0)
+    probe = _Probe()
+    hearing = Hearing(lambda: 0.0, 1234, {"n0"} if embedded else set(), probe)  # type: ignore[arg-type]
+    slots = {"job": _Slot(core, _Events())}
+    lost: list[tuple[float, str]] = []
+
+    def turn(t: float, heard: tuple[str, ...]) -> None:
+        for node in heard:
+            core.on_heartbeat(node, {"workers": [], "health": {}}, t)
+            hearing.message(node, f"10.0.0.{node[-1]}", t, slots, "job")
+        hearing.turn(t, slots)
+        lost.extend((t, o.fields["node_id"]) for o in core.tick(t) if isinstance(o, Emit) and o.kind == "node_lost")
+
+    t = 0.0
+    while t < 10:  # all heard; "dead" dies at 10
+        turn(t, ("n0", "n1", "n2", "dead"))
+        t = round(t + 0.25, 2)
+    own = ("n0",) if embedded else ()
+    while t < 40:
+        up = (t - 10) % 3 >= 2
+        if up and probe.answered_at is None or up and probe.answered_at < t - 1:
+            probe.answered_at = t  # a fresh connect in the up window: refused, so the network works
+        elif not up:
+            probe.unanswered_at = t
+        turn(t, own)
+        t = round(t + 0.25, 2)
+    while t < 80 and not lost:  # the link is back; the nodes' connections retransmit at 45
+        turn(t, ("n0", "n1", "n2") if t >= 45 else own)
+        t = round(t + 0.25, 2)
+    assert [node for _, node in lost] == ["dead"], lost
+    assert lost[0][0] <= 10 + 60 + 3 + 0.5  # the cap from its last word, and the timeout

@@ -89,9 +89,10 @@ class AgentUI:
                       f"taking the silence for this coordinator's own (its network?), not the nodes'; "
                       f"nobody is judged by it for up to {event.get('cap_s', 0):g} s")
         elif kind == "coordinator_hears_again":
-            self.info(f"hears its nodes again; {event.get('excused_s', 0):.1f} s of silence not counted "
-                      f"against them, and {event.get('grace_s', 0):.1f} s more for those still silent "
-                      f"(their connections retransmit)")
+            how = "a silent node's host answers again" if event.get("by") == "probe" else "hears its nodes again"
+            more = (f", and up to {event['grace_s']:.1f} s more for those still silent (their connections "
+                    f"retransmit)") if event.get("grace_s") else ""
+            self.info(f"{how}; {event.get('excused_s', 0):.1f} s of silence not counted against them{more}")
         elif kind == "job_resumed":  # a standalone coordinator's own console, after it restarted
             self.info(f"took back attempt {event.get('attempt')} ({event.get('nnodes')} node(s), "
                       f"{event.get('restarts_used')} restart(s) spent) from its agents")

@@ -60,6 +60,11 @@ class DeafWatch:
         if started >= self.heard_at and (self.unanswered_at is None or started > self.unanswered_at):
             self.unanswered_at = started
 
+    def cut_seen(self) -> bool:
+        """Whether a probe started after the last word got no answer: the link was cut during
+        this silence (asked before ``heard`` ends it)."""
+        return self.unanswered_at is not None and self.unanswered_at >= self.heard_at
+
     def paused(self, gap_s: float) -> None:
         """The coordinator's process did not run for ``gap_s``: that silence is excused already
         (``unicron.detect.stall``), not to be excused twice."""
@@ -71,8 +76,7 @@ class DeafWatch:
         without a probe started after the last word that got no answer; nothing past the cap,
         nor once fewer than two such nodes are left (the spell is then over for the job)."""
         after = allowance_s(interval_s, timeout_s)
-        evidence = self.unanswered_at is not None and self.unanswered_at >= self.heard_at
-        if after is None or nodes < 2 or not evidence or job in self._over:
+        if after is None or nodes < 2 or not self.cut_seen() or job in self._over:
             if job in self._excused:
                 self._over.add(job)
             return 0.0

@@ -93,7 +93,7 @@ class Hearing:
             self.last_word[node_id] = now
             slot.core.loss_deferred.pop(node_id, None)  # heard: judged by its heartbeats again
         if node_id not in self.pinned:
-            self._heard(now, slots)
+            self._heard(now, slots, "node")
 
     def paused(self, gap_s: float) -> None:
         self.deaf.paused(gap_s)
@@ -107,7 +107,7 @@ class Hearing:
         own, and say what to probe."""
         answered, unanswered = self.probe.answered_at, self.probe.unanswered_at
         if answered is not None and answered > self.deaf.heard_at:  # started after the last word
-            self._heard(answered, slots)
+            self._heard(answered, slots, "probe")
         if unanswered is not None:
             self.deaf.unanswered(unanswered)
         going = [(job_id, slot) for job_id, slot in slots.items() if slot.finished_at is None]
@@ -125,6 +125,8 @@ class Hearing:
                     own = sorted(n for n in self.pinned if slot.core.members.is_active(n))
                     slot.events.emit("coordinator_deaf", silent_s=round(self.deaf.deaf_s(now), 3),
                                      nodes=nodes, cap_s=self.deaf.cap_s, own_nodes=own)
+            if slot.core.loss_deferred and self.deaf.deaf_for(job_id):
+                self._hold_deferred(slot, now)
         # Probe once the silence is longer than every job's heartbeats leave between two words.
         after = max((2 * slot.core.spec.heartbeat_interval_s for _, slot in going if slot.core.members.count()),
                     default=None)
@@ -138,30 +140,54 @@ class Hearing:
         # launcher's, whose limit is sized for its own ranks.
         self.probe.want(random.sample(wanted, PROBE_AT_ONCE) if len(wanted) > PROBE_AT_ONCE else wanted)
 
-    def _heard(self, now: float, slots: Mapping[str, Slot]) -> None:
-        silence_s = self.deaf.deaf_s(now)
-        for job_id, excused_s in self.deaf.heard(now).items():
-            slot = slots.get(job_id)
-            if slot is not None and slot.finished_at is None:
-                grace_s = self._defer_silent(slot, now, silence_s)
-                slot.events.emit("coordinator_hears_again", excused_s=round(excused_s, 3),
-                                 grace_s=round(grace_s, 3))
+    def _heard(self, now: float, slots: Mapping[str, Slot], by: str) -> None:
+        """A word, or a host's answer, after a silence. If the link was cut in it (a probe got
+        no answer), the nodes still silent get their deferral even where the silence was too
+        short for a spell: a cut of 2 s ends before the allowance, but leaves their connections
+        backed off (acceptance 22A F1)."""
+        silence_s, cut = self.deaf.deaf_s(now), self.deaf.cut_seen()
+        excused = self.deaf.heard(now)
+        if not excused and not cut:
+            return
+        for job_id, slot in slots.items():
+            if slot.finished_at is not None:
+                continue
+            grace_s = self._defer_silent(slot, now, silence_s)
+            if job_id in excused or grace_s:
+                slot.events.emit("coordinator_hears_again", excused_s=round(excused.get(job_id, 0.0), 3),
+                                 grace_s=round(grace_s, 3), by=by)
 
     def _defer_silent(self, slot: Slot, now: float, silence_s: float) -> float:
-        """The nodes still silent when the first is heard again come back as their own TCP
-        connections retransmit, each on a timer that has backed off to about as long as the
-        silence lasted (a 6 s cut left one node's heartbeats 6 s behind the other's): their
-        loss waits that much longer, unless heard, and never past the cap from their last word."""
+        """The nodes still silent when the first is heard again (or a host answers) come back
+        as their own TCP connections retransmit, each on a timer that has backed off about as
+        long as that node has been silent (a 6 s cut left one node's heartbeats 6 s behind the
+        other's; a link that flapped for 30 s, 24 s: acceptance 22A F2): their loss waits that
+        much longer, unless heard, and never past the cap from their last word. Returns the
+        longest wait given (0: none was)."""
         spec = slot.core.spec
-        grace_s = min(silence_s, self.deaf.cap_s)
+        longest = 0.0
         for node in slot.core.members.active_any_order():
             last = self.last_word.get(node.node_id)
             if node.node_id in self.pinned or last is None or now - last <= 2 * spec.heartbeat_interval_s:
                 continue
+            grace_s = min(max(silence_s, now - last), self.deaf.cap_s)
             until = min(now + grace_s, last + self.deaf.cap_s + spec.heartbeat_timeout_s)
             if until > now:
-                slot.core.loss_deferred[node.node_id] = until
-        return grace_s
+                slot.core.loss_deferred[node.node_id] = max(until, slot.core.loss_deferred.get(node.node_id, until))
+                longest = max(longest, until - now)
+        return longest
+
+    def _hold_deferred(self, slot: Slot, now: float) -> None:
+        """A new spell began while some nodes' loss waited: their silence is the coordinator's
+        again, so their loss waits at least a heartbeat timeout past now, up to the cap from
+        their last word (a link that flapped 2 s down, 1 s up lost a healthy node in the middle
+        of a spell, and the others with it: acceptance 22A F1)."""
+        spec = slot.core.spec
+        for node_id, until in list(slot.core.loss_deferred.items()):
+            last = self.last_word.get(node_id)
+            if last is not None:
+                held = max(until, now + spec.heartbeat_timeout_s)
+                slot.core.loss_deferred[node_id] = min(held, last + self.deaf.cap_s + spec.heartbeat_timeout_s)
 
     def _prune(self, going: list[tuple[str, Slot]]) -> None:
         """Forget nodes no job has as a member, once there are many more than members."""
