@@ -258,8 +258,7 @@ class AgentOrders:
         # takes connections in turn) still counts in the progress the fault reports.
         for fault in faults:
             if group is not None:
-                now = time.time()
-                fault.update(progress=group.progress(now), trained=group.trained(now), **group.reach())
+                fault.update(group.how_far(time.time()))
             self._report(fault)
         return read
 

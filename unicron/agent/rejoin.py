@@ -71,8 +71,11 @@ class Rejoiner:
         """This node's workers all exited 0, and the coordinator now on the endpoint does not
         count it (a new one, after the job's end went unconfirmed): the node did its part, as
         when the coordinator goes silent (``lost``)."""
-        self.ui.warn(f"the job's end was not confirmed ({why}); this node's workers all exited 0")
-        self.events.emit("coordinator_lost", finished=True, reason=why)
+        return self._did_its_part(f"the job's end was not confirmed ({why})", reason=why)
+
+    def _did_its_part(self, what: str, **fields: Any) -> int:
+        self.ui.warn(f"{what}; this node's workers all exited 0")
+        self.events.emit("coordinator_lost", finished=True, **fields)
         return 0
 
     def lost(self, finished: bool) -> int:
@@ -80,10 +83,8 @@ class Rejoiner:
         did its part: exit 0, as torchrun's agent does when its exit barrier fails."""
         now = time.monotonic()
         if finished:
-            self.ui.warn(f"the coordinator at {self.endpoint} did not confirm the job's end (no answer for "
-                         f"{self.link.limit_s(now, done=True):g} s); this node's workers all exited 0")
-            self.events.emit("coordinator_lost", finished=True)
-            return 0
+            return self._did_its_part(f"the coordinator at {self.endpoint} did not confirm the job's end (no "
+                                      f"answer for {self.link.limit_s(now, done=True):g} s)")
         if not self.link.open:
             how = "its connection closed (its process died?)"
         elif self.link.lives_unheard(now):

@@ -324,9 +324,8 @@ class WorkerGroup:
             if r.exitcode is None:
                 r.state = "hung"
         return {"kind": "hang", "rank": None, "host": self.host, "ts": now, "attempt": self.spec.attempt,
-                "message": verdict.message, "progress": self.progress(now), "latency_s": round(verdict.stalled_s, 3),
-                "steps_completed": min((r.step for r in self.ranks.values()), default=0),
-                "trained": self.trained(now), **self.reach()}
+                "message": verdict.message, "latency_s": round(verdict.stalled_s, 3),
+                "steps_completed": min((r.step for r in self.ranks.values()), default=0), **self.how_far(now)}
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
@@ -346,6 +345,10 @@ class WorkerGroup:
         if max(counts) == 0 and any(self.ran_past_startup(r, now) for r in self.ranks.values()):
             return None
         return max(counts)
+
+    def how_far(self, now: float) -> dict[str, Any]:
+        """What every fault of this attempt says of its progress, for the restart policy."""
+        return {"progress": self.progress(now), "trained": self.trained(now), **self.reach()}
 
     def all_ready(self) -> bool:
         """No rank is known to be still before or in ``init_process_group`` (so to need the
@@ -419,9 +422,9 @@ class WorkerGroup:
         when = at if at is not None else r.exiting_at if r.exiting_at is not None else now
         fault: dict[str, Any] = {"kind": kind, "rank": r.rank, "local_rank": r.local_rank, "host": self.host,
                                  "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
-                                 "steps_completed": self.steps_completed(r, when), "progress": self.progress(when),
+                                 "steps_completed": self.steps_completed(r, when),
                                  "into_attempt_s": round(now - self.started_at, 3),  # seconds since the attempt started
-                                 "trained": self.trained(when), **self.reach()}
+                                 **self.how_far(when)}
         if failure is not None:
             fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],
                          traceback=failure.traceback,

@@ -98,9 +98,10 @@ class Hearing:
     def paused(self, gap_s: float) -> None:
         self.deaf.paused(gap_s)
 
-    def deaf_for(self, job_id: str) -> bool:
-        """Whether ``job_id`` excuses silence now (its acks say so)."""
-        return self.deaf.deaf_for(job_id)
+    def says_deaf(self, job_id: str, slot: Slot) -> bool:
+        """Whether ``job_id``'s acks say ``deaf``: while it excuses silence, or the loss of its
+        silent nodes waits (their nodes' ranks wait on them: no hang is called on them)."""
+        return self.deaf.deaf_for(job_id) or bool(slot.core.loss_deferred)
 
     def turn(self, now: float, slots: Mapping[str, Slot]) -> None:
         """Once per loop turn: take the probe's news, excuse what silence is the coordinator's

@@ -348,8 +348,7 @@ class CoordinatorServer:
         while queue:
             out = queue.pop(0)
             if isinstance(out, Send):
-                # While silence is excused, or the loss of silent nodes waits (unicron.coord.hearing)
-                if out.kind == "ack" and (self.hearing.deaf_for(job_id) or slot.core.loss_deferred):
+                if out.kind == "ack" and self.hearing.says_deaf(job_id, slot):
                     out = Send(out.node_id, out.kind, dict(out.body, deaf=True))
                 # Only to the socket a node was heard from: its name has a part nobody can guess
                 # (unicron.agent.agent). A node of an attempt taken back after a restart that
