@@ -165,7 +165,7 @@ def test_a_signature_with_characters_past_ascii_is_a_bad_signature() -> None:
 def test_a_claimed_version_is_clipped_in_what_the_user_is_told() -> None:
     """Anyone who reaches the port chooses it: 2 MB of it was printed whole (acceptance 21C F3)."""
     _, receiver = _codecs()
-    raw = _unsigned("1.0").replace(f'"v":{PROTOCOL_VERSION}'.encode(), b'"v":"' + b"\u001b[2J" + b"V" * 100_000 + b'"')
+    raw = _unsigned("1.0").replace(f'"v":{PROTOCOL_VERSION}'.encode(), b'"v":"' + rb"\u001b[2J" + b"V" * 100_000 + b'"')
     with pytest.raises(ProtocolError, match="version") as caught:
         receiver.decode(raw)
     assert len(str(caught.value)) < 100 and r"\x1b" in str(caught.value)  # escaped, as repr does

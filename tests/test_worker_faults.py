@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -95,10 +96,16 @@ def test_hang_blocks_in_python_and_stack_dump_shows_it(tmp_path: Path) -> None:
         agent.wait_for(lambda m: m["t"] == "step" and m["rank"] == 1 and m["step"] == 3)
         dump = stacks / "rank1.txt"
         wait_until(dump.exists, 10, "rank 1 stack file")
-        os.kill(procs[1].pid, STACK_SIGNAL)
+        # Step 3 is reported just before the fault fires, so a signal sent as soon as it arrives may
+        # catch the rank on its way into hang_forever: signal again until a dump shows it there.
         # The dump is written as it is read: its innermost line comes before the frames below it.
-        wait_until(lambda: all(part in dump.read_text() for part in ("hang_forever", "loop.py", "in step")), 10,
-                   "rank 1 stack dump")
+        deadline = time.monotonic() + 20
+        while not all(part in dump.read_text() for part in ("hang_forever", "loop.py", "in step")):
+            assert time.monotonic() < deadline, "timed out after 20s waiting for rank 1 stack dump"
+            os.kill(procs[1].pid, STACK_SIGNAL)
+            signalled = time.monotonic()
+            while "hang_forever" not in dump.read_text() and time.monotonic() - signalled < 1:
+                time.sleep(0.02)
         assert procs[1].poll() is None  # still hung, survived the dump
         agent.drain(0.2)
         assert max(m["step"] for m in agent.of("step", 1)) == 3
