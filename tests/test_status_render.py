@@ -46,6 +46,10 @@ def test_failure_is_visible() -> None:
     assert "transition: node_lost on node trn-b" in text
     assert "node_lost" in text
     assert "dropped msgs 2" in text
+    assert "not judged" not in text
+    snap = failing_snapshot(NOW)
+    snap["job"]["silence_excused"] = True
+    assert "silent nodes not judged: the coordinator's own link is suspect" in capture(render_status(snap, NOW), 200)
 
 
 def test_view_is_compact_and_fits_the_width() -> None:

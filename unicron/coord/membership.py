@@ -34,6 +34,9 @@ class NodeRecord:
     requested_rank: int | None
     joined_at: float
     last_heartbeat: float  # set through Membership (its index of silences follows it)
+    # When its last message really came: ``last_heartbeat`` moves on by silence the coordinator
+    # excused (its own stall, or its own link cut: ``shift``); what ``unicron status`` shows.
+    heard_at: float | None = None
     state: NodeState = NodeState.ACTIVE
     node_rank: int = -1
     workers: list[dict] = field(default_factory=list)
@@ -193,12 +196,14 @@ class Membership:
         self._heard.shift(gap_s)
 
     def _heard_from(self, node: NodeRecord, now: float) -> None:
-        node.last_heartbeat = now
+        node.last_heartbeat = node.heard_at = now
         self._heard.set(node.node_id, now)
 
     def _add(self, record: NodeRecord) -> None:
         """``record`` (active) replaces what was known of its node (nothing, or an inactive one)."""
         self.nodes[record.node_id] = record
+        if record.heard_at is None:
+            record.heard_at = record.last_heartbeat
         self._count += 1
         self._levels[record.activity] += 1
         self._heard.set(record.node_id, record.last_heartbeat)

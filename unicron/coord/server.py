@@ -282,6 +282,8 @@ class CoordinatorServer:
             else:
                 snap = slot.core.snapshot(now)
                 snap["job"]["dropped_messages"] = self.codec.dropped.total
+                if self.hearing.says_deaf(msg.job, slot):  # its silent nodes are not judged meanwhile
+                    snap["job"]["silence_excused"] = True
                 # Where nodes reach it: the address its workers are told (--local-addr, else the FQDN)
                 host = self.advertise_addr or os.uname().nodename
                 snap["job"]["coordinator"] = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"

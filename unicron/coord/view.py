@@ -34,7 +34,8 @@ def job_view(core: JobCore) -> dict[str, Any]:
         workers = [dict(w, state=over) if over and isinstance(w, dict) and w.get("state") in ("running", "hung")
                    else w for w in node.workers]
         nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
-                      "state": node.state.value, "last_heartbeat": node.last_heartbeat,
+                      "state": node.state.value,
+                      "last_heartbeat": node.heard_at if node.heard_at is not None else node.last_heartbeat,
                       "activity": node.activity.name.lower(),
                       "health": node.health,
                       # a node that is gone has no running workers, whatever it last said

@@ -123,6 +123,8 @@ def render_header(snapshot: Mapping[str, Any], now: float) -> Text:
         parts.append((f"coord {job['coordinator']}", "dim"))
     if num(job.get("restore_step")) is not None:
         parts.append((f"restored from step {job['restore_step']}", "cyan"))
+    if job.get("silence_excused") is True:
+        parts.append(("silent nodes not judged: the coordinator's own link is suspect", "yellow"))
     dropped = num(job.get("dropped_messages"))
     if dropped:
         parts.append((f"dropped msgs {dropped:.0f}", "yellow"))
