@@ -25,6 +25,7 @@ KINDS: dict[str, dict[str, object]] = {
     "hang": {"kind": "hang", "rank": None, "message": "no step completed for 4.0 s"},
     "bug": {"kind": "exception", "error_type": "KeyError", "message": "'learning_rate'"},
     "bug2": {"kind": "exception", "error_type": "KeyError", "message": "'warmup_steps'"},
+    "http503": {"kind": "exception", "error_type": "requests.exceptions.HTTPError", "message": "503 Server Error"},
     "argparse": {"kind": "exit", "exitcode": 2, "stderr_tail": "usage: t.py [-h]\nt.py: error: unrecognized arguments: --lr"},
 }
 
@@ -341,7 +342,7 @@ def test_the_same_exception_after_a_restart_of_unknown_progress_stops_the_job() 
     assert job.fail("bug", 1.0, None, rank=0).action is Action.RESTART
     d = job.fail("bug", 20.0, None, rank=1)  # which rank is seen first is chance
     assert d.action is Action.STOP and d.stop is StopReason.CANNOT_RECONFIGURE
-    assert "the same error came back" in d.reason and "KeyError" in d.reason
+    assert "the same error came back" in d.reason and "KeyError" in d.reason and "unknown progress" in d.reason
     # An exit with the same error line may come from an image without hooks that worked (a rank
     # that execs itself: test_run_stepless), and is restarted, as is another exception, or a
     # death by a signal.
@@ -354,6 +355,11 @@ def test_the_same_exception_after_a_restart_of_unknown_progress_stops_the_job() 
     crashes = Job(max_restarts=50)
     crashes.fail("crash", 1.0, None, rank=0)
     assert crashes.fail("crash", 20.0, None, rank=0).action is Action.RESTART
+    # An exception of the world the script met, not of its code (acceptance 23A F2: work without
+    # torch.distributed met the same HTTP 503 twice): restarted, as under torchrun.
+    transient = Job(max_restarts=50)
+    transient.fail("http503", 1.0, None, rank=0)
+    assert transient.fail("http503", 20.0, None, rank=0).action is Action.RESTART
     # Progress made in between: an ordinary restart.
     progressed = Job(max_restarts=50)
     progressed.fail("bug", 1.0, None, rank=0)

@@ -45,6 +45,15 @@ class StopReason(enum.Enum):
     CANNOT_RECONFIGURE = "cannot_reconfigure"  # a restart failed again in place and the job is not elastic
 
 
+# Exceptions that say the script's code is wrong, not the world it met: the same one again after
+# a restart of unknown progress is not worth another restart (see ``unknown_twice``).
+CODE_BUG_TYPES = frozenset({
+    "TypeError", "KeyError", "AttributeError", "IndexError", "ValueError", "AssertionError", "NameError",
+    "UnboundLocalError", "ZeroDivisionError", "NotImplementedError", "ImportError", "ModuleNotFoundError",
+    "SyntaxError", "IndentationError", "TabError",
+})
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """One handled failure: what it was, what was decided, and the progress made before it."""
@@ -309,8 +318,11 @@ class RestartPolicy:
         # without torch.optim trained hundreds of iterations and met the same transient error
         # twice, acceptance 21A F3), nor an exit: it may come from an image without the hooks (a
         # rank that execs itself, a wrapper's subprocess) that did work nobody saw.
+        # Only an exception that says the code is wrong (a KeyError, a TypeError of a removed
+        # argument): the same transient error twice (an HTTP 503, a stale NFS handle) after 15 s of
+        # work without torch.distributed stopped a job that torchrun restarts (acceptance 23A F2).
         unknown_twice = (progress is None and last is not None and last.progress is None and fault.kind == "exception"
-                         and not trained and not last.trained
+                         and not trained and not last.trained and fault.error_type.rsplit(".", 1)[-1] in CODE_BUG_TYPES
                          and bool(last.error) and last.error == classification.error)
         same_error = (last is not None and bool(last.error) and last.error == classification.error
                       and last.rule == classification.rule and (_no_progress(last.progress) or unknown_twice))
@@ -323,10 +335,12 @@ class RestartPolicy:
                 # The same error on another rank is no one node's fault (a script bug that fails
                 # everywhere): no node is left out for it, elastic or not.
                 again = f"{fault.where()} failed again" if same_place else f"the same error came back ({fault.where()})"
+                how = ("without completing a step" if _no_progress(progress) else
+                       "of unknown progress (no step reports), the same exception word for word")
                 why = fixed_why if same_place else "it came on another rank, so it is no one node's fault"
                 return stop(
                     StopReason.CANNOT_RECONFIGURE,
-                    f"{again} after a restart without completing a step, and {why}, so no node can be left "
+                    f"{again} after a restart {how}, and {why}, so no node can be left "
                     f"out{' (use --nnodes MIN:MAX)' if 'not elastic' in why else ''}; last cause: {cause}",
                     escalated=True,
                 )
