@@ -545,6 +545,47 @@ def test_sigterm_ignorer_is_killed_after_the_grace(tmp_path: Path, workers: list
     wait_until(lambda: gone(child), what="the stubborn child to be gone")
 
 
+EXITS_ON_ITS_OWN = """
+import signal, subprocess, sys, time
+def on_term(*_):
+    open(sys.argv[1] + ".term", "w").write("handler ran")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+open(sys.argv[1], "w").write(str(child.pid))
+deadline = time.monotonic() + float(sys.argv[2])  # its teardown: over by then, or stuck
+while time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("teardown_s", [0.5, 300.0])
+def test_a_worker_already_exiting_is_not_signalled_unless_it_lingers(
+        tmp_path: Path, workers: list[WorkerProcess], teardown_s: float) -> None:
+    """A rank whose script raised is on its way out: torchrun never signals it (it learns of the
+    failure from the exit), and its SIGTERM handler run in the middle of its teardown printed a
+    traceback that was not the job's cause (acceptance 23C F1). Its children are stopped as
+    ever; a teardown that does not end is signalled after ``exiting_s``."""
+    script = write_script(tmp_path, "exiting.py", EXITS_ON_ITS_OWN)
+    ready = tmp_path / "ready"
+    worker = spawn([PY, script, str(ready), str(teardown_s)], {}, local_rank=0)
+    other = spawn([PY, "-c", "import time; time.sleep(300)"], {}, local_rank=1)
+    workers += [worker, other]
+    wait_until(lambda: ready.exists() and ready.read_text(), what="the worker to be ready")
+    child = int(ready.read_text())
+    report = terminate_all([worker, other], grace_s=30, exiting=[worker.pid], exiting_s=2.0)
+    print(f"terminate_all: {report}")
+    assert other.returncode == -signal.SIGTERM and report.killed == ()
+    wait_until(lambda: gone(child), what="the exiting worker's child to be gone")
+    if teardown_s < 2.0:
+        assert worker.returncode == 3 and not (tmp_path / "ready.term").exists()
+        assert worker.pid not in report.signalled and child in report.signalled
+    else:
+        assert worker.returncode == 143 and (tmp_path / "ready.term").read_text() == "handler ran"
+        assert worker.pid in report.signalled and 2.0 <= report.elapsed_s < 20
+
+
 def test_a_stopped_worker_is_continued_so_it_exits_on_sigterm(tmp_path: Path, workers: list[WorkerProcess]) -> None:
     """A SIGSTOPped process holds SIGTERM until continued: without SIGCONT it would only go at
     SIGKILL, after the whole grace period."""

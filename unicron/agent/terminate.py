@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
 
 from unicron.agent.procs import POLL_SLICE_S, WorkerProcess
+
+# How long a worker already exiting on its own is left to finish before it is signalled too.
+EXITING_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -74,17 +77,21 @@ def _collect(workers: Sequence[WorkerProcess], found: dict[int, psutil.Process],
     return {pid: proc for pid, proc in found.items() if not _gone(proc)}
 
 
-def _send(workers: Sequence[WorkerProcess], targets: Mapping[int, psutil.Process], sig: int) -> None:
-    """Signal each live group once through killpg, and every process outside those groups directly."""
+def _send(workers: Sequence[WorkerProcess], targets: Mapping[int, psutil.Process], sig: int,
+          spare: Collection[int] = ()) -> None:
+    """Signal each live group once through killpg, and every process outside those groups
+    directly; the ``spare`` pids themselves not (the rest of their groups and trees, yes)."""
     grouped: set[int] = set()
     for worker in workers:
-        if worker.returncode is None:  # not reaped: its pid (= pgid) cannot have been reused
+        if worker.returncode is None and worker.pid not in spare:  # not reaped: its pid (= pgid) cannot have been reused
             try:
                 os.killpg(worker.pgid, sig)
                 grouped.add(worker.pgid)
             except (ProcessLookupError, PermissionError):
                 pass
     for proc in targets.values():
+        if proc.pid in spare:
+            continue
         try:
             if os.getpgid(proc.pid) in grouped:
                 continue
@@ -168,6 +175,8 @@ def terminate_all(
     kill_wait_s: float = 5.0,
     abort: Callable[[], bool] | None = None,
     adopted: Callable[[], Iterable[int]] | None = None,
+    exiting: Collection[int] = (),
+    exiting_s: float = EXITING_S,
 ) -> TerminationReport:
     """Stop every worker's whole tree: ``sig``, up to ``grace_s`` to exit, then SIGKILL; reap all.
 
@@ -175,16 +184,31 @@ def terminate_all(
     returning True ends the grace period early (a second Ctrl-C). ``adopted()``: pids of
     orphans re-parented to this process (a child subreaper) to stop with their trees: what a
     worker left behind in a session of its own after it exited is no longer in its tree.
+    ``exiting``: pids of workers already on their way out (their script raised, or called
+    ``sys.exit``): they get ``sig`` only if still there after ``exiting_s``. torchrun never
+    signals a rank that failed, since it learns of the failure from its exit; a script's SIGTERM
+    handler (save a checkpoint and exit) run in the middle of a crashed rank's teardown printed
+    a traceback that was not the job's cause (acceptance 23C F1).
     """
     start = clock()
     seen: dict[int, psutil.Process] = {}
     targets = _collect(workers, seen, adopted)
-    signalled = tuple(sorted(targets))
-    _send(workers, targets, sig)
+    spare = {pid for pid in exiting if pid in targets} if sig not in (signal.SIGKILL, signal.SIGCONT) else set()
+    signalled = tuple(sorted(set(targets) - spare))
+    _send(workers, targets, sig, spare)
     if sig not in (signal.SIGKILL, signal.SIGCONT):
         # A stopped process (SIGSTOP, a debugger, a job-control suspend) holds the signal until
         # it is continued: continue it, so it exits now rather than at SIGKILL after the grace.
         _send(workers, targets, signal.SIGCONT)
+    if spare:
+        late = _wait_gone(workers, {pid: targets[pid] for pid in spare}, start + min(exiting_s, grace_s), clock, abort)
+        if late:  # its teardown is stuck (a non-daemon thread, a hung finalizer): as the others
+            for pid in late:
+                try:
+                    targets[pid].send_signal(sig)
+                except psutil.Error:
+                    pass
+            signalled = tuple(sorted(set(signalled) | set(late)))
     alive = _wait_gone(workers, targets, start + grace_s, clock, abort)
     killed: tuple[int, ...] = ()
     survivors: list[int] = []

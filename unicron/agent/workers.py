@@ -102,7 +102,11 @@ class WorkerGroup:
         ranks that had to be SIGKILLed (still running at the end of the grace period, or when
         ``abort()`` said so first)."""
         # Every worker, dead ones too: a dead worker's children (data loaders) may still run.
-        report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted, abort=abort)
+        # Ranks whose script raised or called sys.exit are exiting already (terminate_all).
+        exiting = [r.proc.pid for r in self.ranks.values()
+                   if (r.exception is not None and r.exception_fatal) or r.exiting_code is not None]
+        report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted, abort=abort,
+                               exiting=exiting)
         killed = sorted(r.rank for r in self.ranks.values() if r.proc.pid in report.killed)
         now = time.time()
         for r in self.ranks.values():
