@@ -133,6 +133,37 @@ def test_all_finished_ends_the_job() -> None:
     assert finish == [Finish(0, "all workers finished successfully")] and core.phase is Phase.DONE
 
 
+def test_a_node_whose_workers_all_finished_is_not_lost_for_its_silence_while_the_others_train() -> None:
+    """Acceptance 23A F3: node b's ranks all exited 0, then its launcher stalled past the
+    heartbeat timeout. The others' training was killed to "restart on the same nodes", and the
+    job waited the join timeout for b, which exited 0 when it ran again. It did its part: as
+    under torchrun, its silence costs nothing. Once the attempt stops for another reason, a
+    restart needs it again, and its silence is judged."""
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_finished("b", {"attempt": 0}, 2)
+    for t in (3.0, 5.0, 7.0, 9.0):  # b silent since 2, a heartbeats on
+        core.on_heartbeat("a", {"workers": [], "health": {}, "attempt": 0}, t)
+        assert not [o for o in core.tick(t + 0.5) if isinstance(o, Emit) and o.kind == "node_lost"]
+        assert core._silent(t + 0.5) == frozenset()  # nobody waits on b's ranks: no longer threshold
+        assert core.next_tick_s(t + 0.5) >= 0.5  # by a's deadlines only: b's past one made it tick at 20 Hz
+    assert [o for o in core.on_finished("a", {"attempt": 0}, 10) if isinstance(o, Finish)] == [
+        Finish(0, "all workers finished successfully")]
+    # The same silence, then a fault on a: the restart needs b, whose silence counts again.
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_finished("b", {"attempt": 0}, 2)
+    core.on_heartbeat("a", {"workers": [], "health": {}, "attempt": 0}, 8)
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "exception", "rank": 0, "ts": 8}}, 8)
+    assert core.phase is Phase.STOPPING
+    lost = [o for o in core.tick(8.5) if isinstance(o, Emit) and o.kind == "node_lost"]
+    assert [o.fields["node_id"] for o in lost] == ["b"]
+
+
 def test_lost_node_in_elastic_job_reforms_with_survivors() -> None:
     core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
     core.on_heartbeat("a", {"workers": [], "health": {}}, 3.5)

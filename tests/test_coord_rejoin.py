@@ -44,7 +44,10 @@ def test_a_fenced_nodes_heartbeat_is_refused_as_fenced() -> None:
     core = fixed_job_with_b_lost()
     refused = sends(core.on_heartbeat("b", HB, 6), "reject")["b"]
     assert refused["fenced"] is True and "declared lost" in refused["reason"]
+    assert refused["lost"] is True  # this job wants it back: it joins again even if its workers finished
     assert schema_errors("reject", refused) is None
+    stranger = sends(core.on_heartbeat("x", HB, 6), "reject")["x"]
+    assert stranger["fenced"] is True and "lost" not in stranger  # a new coordinator's, say (acceptance 21B F3)
 
 
 def test_a_fenced_node_rejoins_in_its_old_place_and_the_job_restores_from_memory() -> None:

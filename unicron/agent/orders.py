@@ -135,9 +135,11 @@ class AgentOrders:
             elif msg.kind == "reject":
                 refusal = self.joining.on_reject(body)
                 finished = self.group is not None and self.group.finished_reported
-                if refusal is Refusal.FENCED and finished:
+                if refusal is Refusal.FENCED and finished and body.get("lost") is not True:
                     # Its part is done: joining again would run the whole job once more, from its
                     # first step (a coordinator's node replaced as the job ended: acceptance 21B F3).
+                    # Not when this coordinator declared it lost: its job restarts and waits for it
+                    # (acceptance 23A F3: it exited 0, and the job waited the join timeout).
                     return self.rejoiner.end_unconfirmed(f"fenced by the coordinator: {body['reason']}")
                 if refusal is Refusal.FENCED:
                     self._fenced(body["reason"])

@@ -41,7 +41,9 @@ def silent_nodes(spec: JobSpec, members: Membership, phase: Phase, attempt: Atte
     if a is None:
         return frozenset()
     after = 2 * spec.heartbeat_interval_s
-    return frozenset(n.node_id for n in members.silent(now, after) if n.node_id in a.node_set)
+    # Not a node whose workers all finished: nobody's ranks wait on them.
+    return frozenset(n.node_id for n in members.silent(now, after) if n.node_id in a.node_set
+                     and n.node_id not in a.finished)
 
 
 def job_activity(spec: JobSpec, members: Membership, phase: Phase, attempt: Attempt | None,
@@ -79,20 +81,22 @@ def join_mismatch(spec: JobSpec, body: dict[str, Any]) -> str | None:
     return None
 
 
-def next_tick_s(spec: JobSpec, members: Membership, phase: Phase, told_silent: frozenset[str], now: float) -> float:
+def next_tick_s(spec: JobSpec, members: Membership, phase: Phase, told_silent: frozenset[str], now: float,
+                done: frozenset[str] = frozenset()) -> float:
     """How long the job core's ``tick`` has nothing to do unless a message comes first: 0 while
     waiting or stopping (their deadlines are short-lived: tick at the shell's pace), the first
     node's heartbeat deadline while running (or its silence to tell the others of, for nodes
-    not ``told_silent`` yet), inf once the job ended."""
+    not ``told_silent`` yet), inf once the job ended. Nodes ``done`` (their workers all exited
+    0) are judged by no heartbeat deadline."""
     if phase in (Phase.DONE, Phase.FAILED):
         return float("inf")
     if phase is not Phase.RUNNING:
         return 0.0
     deadlines = []
-    oldest = members.oldest_heartbeat()
+    oldest = members.oldest_heartbeat(skip=done)
     if oldest is not None:
         deadlines.append(oldest + members.heartbeat_timeout_s)
-    untold = members.oldest_heartbeat(skip=told_silent)
+    untold = members.oldest_heartbeat(skip=told_silent | done)
     if untold is not None:
         deadlines.append(untold + 2 * spec.heartbeat_interval_s)
     # expire() wants silence longer than the timeout: a hair past the deadline, not on it.

@@ -122,9 +122,10 @@ class JobCore:
         self._told_silent -= {node_id}
         if not self.members.heartbeat(node_id, now, body["workers"], body["health"]):
             node = self.members.nodes.get(node_id)
-            why = ("declared lost: it went silent" if node and node.state is NodeState.LOST
-                   else "not a member of the job")
-            return [Send(node_id, "reject", {"reason": why, "fenced": True})]
+            lost = node is not None and node.state is NodeState.LOST
+            why = "declared lost: it went silent" if lost else "not a member of the job"
+            # ``lost``: this coordinator counted it, and its job wants it back (unicron.agent.orders).
+            return [Send(node_id, "reject", {"reason": why, "fenced": True, **({"lost": True} if lost else {})})]
         # Only a node still running the current attempt has a say: one that finished (or an
         # old attempt's word) must not hold the others to a longer threshold.
         attempt = self.attempt
@@ -230,6 +231,7 @@ class JobCore:
         if self.loss_deferred:
             self.loss_deferred = {n: until for n, until in self.loss_deferred.items() if until > now}
             stopping |= frozenset(self.loss_deferred)
+        stopping |= self._done_nodes()
         for node in self.members.expire(now, stopping):
             out.append(Emit("node_lost", {"node_id": node.node_id, "host": node.host,
                                           "silent_s": round(now - node.last_heartbeat, 3)}))
@@ -272,7 +274,16 @@ class JobCore:
 
     def next_tick_s(self, now: float) -> float:
         """How long ``tick`` has nothing to do unless a message comes first (coord.evidence)."""
-        return next_tick_s(self.spec, self.members, self.phase, self._told_silent, now)
+        return next_tick_s(self.spec, self.members, self.phase, self._told_silent, now, done=self._done_nodes())
+
+    def _done_nodes(self) -> frozenset[str]:
+        """Nodes whose workers all exited 0 while the others train on: they did their part, and
+        their silence (a launcher stalled, a host paused) costs nothing, as under torchrun, whose
+        agent then only waits at its exit barrier. Restarting the others to replace one killed
+        their training and waited the join timeout for it (acceptance 23A F3). Once the attempt
+        stops for another reason, their silence is judged again: a restart needs them."""
+        attempt = self.attempt
+        return frozenset(attempt.finished) if self.phase is Phase.RUNNING and attempt is not None else frozenset()
 
     def start_attempt(self, master_addr: str, master_port: int, now: float) -> list[Out]:
         """Called by the shell once a fresh store for ``self.next_attempt`` is listening."""

@@ -26,8 +26,9 @@ from unicron.proto.schema import schema_errors
 # the node is past its last step (done), an ack which attempt is (done). Peers of another version
 # do not talk: their messages are dropped and counted. 5: assign carries the job's start and
 # restarts (given back in a resume); reject may carry the coordinator's clock (``clock``).
-# 6: an ack says when the coordinator hears no node over the network (``deaf``).
-PROTOCOL_VERSION = 6
+# 6: an ack says when the coordinator hears no node over the network (``deaf``). 7: a fenced
+# node's reject says whether this coordinator declared it lost (``lost``: its job wants it back).
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 

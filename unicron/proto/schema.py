@@ -55,7 +55,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # fenced: no longer a member (re-join); wait: no place yet, ask again (a member may be lost soon);
     # unknown_job: a coordinator that does not know the job (it restarted): register it again
     # clock: this coordinator's time, to a node whose messages carry a time too far off it
-    "reject": {"reason": str, "fenced?": bool, "wait?": bool, "unknown_job?": bool, "clock?": NUM},
+    "reject": {"reason": str, "fenced?": bool, "lost?": bool, "wait?": bool, "unknown_job?": bool, "clock?": NUM},
     "status": {"snapshot": dict},
 }
 
