@@ -67,6 +67,12 @@ CHILD = textwrap.dedent("""\
             model(torch.randn(4, 8)).sum().backward()  # blocks in DDP's gradient all-reduce
         else:
             sleep_forever()
+    elif mode == "mismatch":  # the ranks disagree on the collective: they never meet
+        open(os.path.join(workdir, f"ready{rank}"), "w").close()
+        if rank == 0:
+            dist.all_gather_object([None, None], {"rank": rank})
+        else:
+            dist.broadcast(torch.ones(1), src=1)
     elif mode == "ddp_ctor":
         if rank == 0:
             open(os.path.join(workdir, f"ready{rank}"), "w").close()
@@ -109,12 +115,14 @@ def _collect(mode: str, workdir: Path) -> dict[int, str]:
             _wait_for(lambda r=r: (workdir / f"ready{r}").exists() or procs[r].poll() is not None,
                       f"rank {r} to start")
             assert procs[r].poll() is None, f"rank {r} exited with {procs[r].returncode}"
-        dumps = {1: _request_dump(procs[1], workdir / "rank1.txt")}
-        # Rank 0 reaches the collective a moment after saying it is ready: ask until it is inside.
-        dumps[0] = _wait_for(
-            lambda: (d := annotate_sources(_request_dump(procs[0], workdir / "rank0.txt"), linecache.getline))
-            and (a := analyze_dump(0, d)) is not None and a.in_collective and d,
-            "rank 0 to be seen inside the collective", timeout=60.0)
+        dumps = {1: _request_dump(procs[1], workdir / "rank1.txt")} if mode != "mismatch" else {}
+        # A rank reaches the collective a moment after saying it is ready: ask until it is inside.
+        for r in (0, 1) if mode == "mismatch" else (0,):
+            dumps[r] = _wait_for(
+                lambda r=r: (d := annotate_sources(_request_dump(procs[r], workdir / f"rank{r}.txt"),
+                                                   linecache.getline))
+                and (a := analyze_dump(r, d)) is not None and a.in_collective and d,
+                f"rank {r} to be seen inside the collective", timeout=60.0)
         for r, text in dumps.items():  # the fixtures, kept next to the run for inspection
             (workdir / f"fixture_{mode}_rank{r}.txt").write_text(text)
         return dumps
@@ -138,6 +146,11 @@ def irecv_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, 
 @pytest.fixture(scope="module")
 def ddp_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
     yield _collect("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def mismatch_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+    yield _collect("mismatch", tmp_path_factory.mktemp("mismatch"))
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +198,8 @@ def test_a_rank_waiting_in_ddps_constructor_is_inside_a_collective(ddp_ctor_dump
 def test_ambiguous_cases_are_reported(allreduce_dumps: dict[int, str], ddp_dumps: dict[int, str]) -> None:
     both_inside = name_culprits({0: allreduce_dumps[0], 1: ddp_dumps[0]})
     assert (both_inside.verdict, both_inside.culprits) == ("all_in_collective", ())
-    assert "no culprit" in both_inside.summary
+    # A plain all_reduce on one rank, DDP's backward on the other: they never meet.
+    assert "different collectives" in both_inside.summary and "backward at child.py" in both_inside.summary
     none_inside = name_culprits({0: allreduce_dumps[1], 1: ddp_dumps[1]})
     assert (none_inside.verdict, none_inside.culprits) == ("none_in_collective", ())
     # A rank that gave no dump, while every other waits in the collective, is the suspect.
@@ -232,3 +246,23 @@ def test_source_lines_are_added_under_each_threads_innermost_frame_only() -> Non
     assert threads[0].frames[0].source == "req.wait()" and threads[0].frames[1].source == ""
     assert analyze_dump(0, out) is not None
     assert annotate_sources(dump, lambda f, n: "") == dump  # nothing readable: unchanged
+
+
+def test_ranks_waiting_in_different_collectives_are_a_deadlock_named_with_their_script_lines(
+        mismatch_dumps: dict[int, str], allreduce_dumps: dict[int, str]) -> None:
+    """Acceptance 23C F2: rank 0 in all_gather_object, rank 1 in broadcast. Both wait inside a
+    collective, so no culprit, but they never meet: say where each waits, and from which line
+    of the script (torchrun shows it in each rank's traceback at its timeout, 30 minutes on)."""
+    report = name_culprits(mismatch_dumps)
+    assert report.verdict == "all_in_collective" and report.culprits == ()
+    line = {r: next(i for i, text in enumerate(CHILD.splitlines(), 1) if call in text and "dist." in text)
+            for r, call in ((0, "all_gather_object"), (1, "broadcast(torch"))}
+    assert report.calls == {0: f"all_gather_object at child.py:{line[0]}", 1: f"broadcast at child.py:{line[1]}"}
+    assert report.summary.startswith("ranks wait in different collectives, which never meet (a deadlock: "
+                                     "every rank must call the same collectives in the same order): "
+                                     f"rank(s) 0 in all_gather_object at child.py:{line[0]}; "
+                                     f"rank(s) 1 in broadcast at child.py:{line[1]}")
+    # Waiting in the same collective from the same line is no deadlock of this kind.
+    same = name_culprits({0: allreduce_dumps[0], 1: allreduce_dumps[0]})
+    assert same.verdict == "all_in_collective" and same.mismatch() == ""
+    assert same.summary.startswith("every rank that answered waits inside a collective")

@@ -556,7 +556,18 @@ open(sys.argv[1], "w").write(str(child.pid))
 deadline = time.monotonic() + float(sys.argv[2])  # its teardown: over by then, or stuck
 while time.monotonic() < deadline:
     time.sleep(0.01)
+open(sys.argv[1] + ".exited", "w").write(repr(time.time()))
 sys.exit(3)
+"""
+
+TERM_NOTED = """
+import signal, sys, time
+def on_term(*_):
+    open(sys.argv[1], "w").write(repr(time.time()))
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(300)
 """
 
 
@@ -584,6 +595,22 @@ def test_a_worker_already_exiting_is_not_signalled_unless_it_lingers(
     else:
         assert worker.returncode == 143 and (tmp_path / "ready.term").read_text() == "handler ran"
         assert worker.pid in report.signalled and 2.0 <= report.elapsed_s < 20
+
+
+def test_a_faults_stop_lets_the_exiting_worker_finish_before_the_others_are_signalled(
+        tmp_path: Path, workers: list[WorkerProcess]) -> None:
+    """As under torchrun, which stops the others once the failed rank exited: its atexit hooks,
+    and a checkpoint it was still writing with its peers, are not cut off (acceptance 23C F1)."""
+    ready, noted = tmp_path / "ready", tmp_path / "noted"
+    worker = spawn([PY, write_script(tmp_path, "exiting.py", EXITS_ON_ITS_OWN), str(ready), "1.0"], {}, local_rank=0)
+    other = spawn([PY, write_script(tmp_path, "noted.py", TERM_NOTED), str(noted)], {}, local_rank=1)
+    workers += [worker, other]
+    wait_until(lambda: ready.exists() and ready.read_text() and (tmp_path / "noted.ready").exists(),
+               what="both workers to be ready")
+    report = terminate_all([worker, other], grace_s=30, exiting=[worker.pid], exiting_s=30, exiting_first=True)
+    print(f"terminate_all: {report}")
+    assert worker.returncode == 3 and other.returncode == 143 and report.killed == ()
+    assert float(noted.read_text()) >= float((tmp_path / "ready.exited").read_text())
 
 
 def test_a_stopped_worker_is_continued_so_it_exits_on_sigterm(tmp_path: Path, workers: list[WorkerProcess]) -> None:

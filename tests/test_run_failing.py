@@ -5,9 +5,11 @@ while its victims' reports arrive first."""
 from __future__ import annotations
 
 import re
+import signal
 
+import psutil
 import pytest
-from e2e import read_events, run_unicron
+from e2e import read_events, run_unicron, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -157,3 +159,40 @@ def test_a_stop_is_said_as_it_starts_and_ranks_killed_after_the_grace_period_are
         r"rank\(s\) (0, )?1 did not exit within the 2 s grace period after SIGTERM: killed$", line))
     assert stopping < noted < killed, err
     assert "rank 0 got SIGTERM" not in err and "RuntimeError: rank 0 fails" in err
+
+
+USR1_CHECKPOINTER = r"""
+import os, signal, sys, time
+ready, out = sys.argv[1], sys.argv[2]
+rank = os.environ["RANK"]
+def checkpoint_and_requeue(*_):  # as Lightning does on Slurm's --signal=USR1@90
+    time.sleep(2.5)  # writing it (idle: longer than the 1.5 s idle hang floor)
+    open(f"{out}.{rank}", "w").write("checkpoint")
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, checkpoint_and_requeue)
+import unicron
+open(f"{ready}.{rank}", "w").close()
+while True:
+    unicron.step()
+    time.sleep(0.05)
+"""
+
+
+def test_slurms_usr1_to_every_process_lets_the_workers_handler_finish(workdir, launch) -> None:
+    """Acceptance 23B F1: Slurm's --signal=USR1@N signals every process of the step. Its default
+    action killed the launcher, and with it the workers in the middle of their checkpoint; nor
+    is a handler that holds the ranks between steps a hang."""
+    (workdir / "usr1.py").write_text(USR1_CHECKPOINTER)
+    job = launch(["run", "--standalone", "--nproc-per-node", "2", str(workdir / "usr1.py"),
+                  str(workdir / "ready"), str(workdir / "ckpt")], workdir)
+    wait_for(lambda: all((workdir / f"ready.{r}").exists() for r in (0, 1)), 60, "both ranks to step")
+    wait_for(lambda: len(psutil.Process(job.proc.pid).children(recursive=True)) >= 2, 30, "the workers")
+    for proc in [psutil.Process(job.proc.pid), *psutil.Process(job.proc.pid).children(recursive=True)]:
+        try:
+            proc.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            pass
+    code, _out, err = job.wait(60)
+    assert code == 0, err
+    assert all((workdir / f"ckpt.{r}").read_text() == "checkpoint" for r in (0, 1)), err
+    assert "hang" not in err, err

@@ -165,6 +165,9 @@ def test_hang_is_detected_culprit_named_and_healed(workdir, reference_hash) -> N
     decision = next(e for e in events if e["kind"] == "decision")
     assert decision["culprits"] == [1], decision
     assert "idle" in hang[0]["message"], hang[0]
+    # The dumps the verdict came from are kept with the attempt's logs (acceptance 23C F2).
+    (dump,) = (workdir / "logs").glob("*/attempt_0/stacks/rank1.txt")
+    assert "hang_forever" in dump.read_text()
 
 
 def test_a_frozen_rank_is_named_and_the_job_heals(workdir, reference_hash) -> None:

@@ -102,6 +102,7 @@ class Agent(AgentOrders):
         self.rejoiner = Rejoiner(self.joining, self.link, endpoint=endpoint, shm_dir=self.shm_dir, ui=ui, events=events)
         self.last_attempt: int | None = None  # the attempt of the last workers, once any started
         self.assignment: dict[str, Any] | None = None  # the last ``assign``: what a resume takes back
+        self.script_held_since: float | None = None  # hang verdicts held for a script's signal since
         self.clock_told = False  # the coordinator said this machine's clock is off (once on the console)
 
     # ---- main loop -----------------------------------------------------------------
@@ -242,7 +243,14 @@ class Agent(AgentOrders):
         for r, notice in group.lingering_notices(time.monotonic()):
             self.ui.warn(notice)
             self.events.emit("worker_lingering", rank=r.rank, pid=r.proc.pid, message=notice)
-        if not group.hang_reported and not self.link.unheard(time.monotonic()):
+        now_m = time.monotonic()
+        if self.signals.script_hold(now_m):  # the ranks run a handler of theirs (SCRIPT_SIGNALS)
+            self.script_held_since = self.script_held_since or self.signals.script_signal_at
+            return
+        if self.script_held_since is not None:  # the hold is not held against the ranks' hang clocks
+            group.hang.paused(now_m - self.script_held_since, now_m)
+            self.script_held_since = None
+        if not group.hang_reported and not self.link.unheard(now_m):
             hang = group.check_hang(now, self.link.job_level(time.monotonic()))
             if hang is not None:
                 group.hang_reported = True

@@ -23,7 +23,9 @@ from unicron.errors import RendezvousError
 
 JOIN_RETRY_S = 1.0
 QUIET_NOTICE_S = 10.0  # no answer this long (or half the join timeout, if shorter): say so, once
-STACK_STOP_MARGIN_S = 10.0  # the coordinator's stop timeout beyond the grace period (stack dumps)
+# The coordinator's stop timeout beyond the grace period, twice (a rank that raised is waited for
+# first, up to the grace: unicron.agent.terminate), for the stack dumps.
+STACK_STOP_MARGIN_S = 10.0
 
 
 class Refusal(enum.Enum):
@@ -174,7 +176,7 @@ def join_body(s: AgentSettings, node_id: str, host: str, pid: int, extra: dict[s
             "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,
             "heartbeat_timeout_s": s.heartbeat_timeout_s, "heartbeat_interval_s": s.heartbeat_interval_s,
             "join_timeout_s": s.join_timeout_s,
-            "stop_timeout_s": s.grace_s + STACK_STOP_MARGIN_S, "hang": hang_settings(s), **extra}
+            "stop_timeout_s": 2 * s.grace_s + STACK_STOP_MARGIN_S, "hang": hang_settings(s), **extra}
 
 
 def hang_settings(s: AgentSettings) -> dict[str, float]:

@@ -274,7 +274,7 @@ class AgentOrders:
         # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
-                            abort=lambda: self.signals.escalated)
+                            abort=lambda: self.signals.escalated, exiting_first=self.signals.signum is None)
         if self.signals.signum is None:  # not worth a word when the user stopped the job
             if killed and sig != signal.SIGKILL:
                 self.ui.warn(f"rank(s) {', '.join(map(str, sorted(killed)))} did not exit within the "

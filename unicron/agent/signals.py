@@ -56,6 +56,18 @@ DUPLICATE_S = 0.25
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
+# Signals that are the script's business: Slurm's ``--signal=USR1@90`` (Lightning's
+# checkpoint-and-requeue) sends them to every process of the step, the workers included. Their
+# default action killed the launcher, and with it (PR_SET_PDEATHSIG) the workers, in the middle
+# of their handler (acceptance 23B F1). The launcher lets them pass (a handler that does
+# nothing: an ignored signal would stay ignored in the workers it starts); ``--signals-to-handle``
+# may still make them a stop.
+SCRIPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+# How long hang verdicts wait after such a signal: the workers' handlers (write a checkpoint,
+# ``scontrol requeue``) may hold every rank between two steps, and a handler is no hang.
+SCRIPT_SIGNAL_HOLD_S = 30.0
 class LauncherSignals:
     """SIGTERM/SIGINT/SIGHUP/SIGQUIT handling for ``unicron run``, installed for a ``with`` block.
 
@@ -71,6 +83,7 @@ class LauncherSignals:
         self.received: list[int] = []
         self.escalated = False  # a second signal came: what is left is killed at once
         self._first_at: float | None = None
+        self.script_signal_at: float | None = None  # monotonic: the last of SCRIPT_SIGNALS
         self._previous: dict[int, object] = {}
         self._read_fd: int | None = None
         self._write_fd: int | None = None
@@ -83,6 +96,9 @@ class LauncherSignals:
         os.set_blocking(self._write_fd, False)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        for signum in SCRIPT_SIGNALS:
+            if signum not in self.signals:
+                self._previous[signum] = signal.signal(signum, self._scripts_business)
         return self
 
     def uninstall(self) -> None:
@@ -114,6 +130,14 @@ class LauncherSignals:
                 os.write(self._write_fd, b"\0")
             except OSError:
                 pass  # pipe full: a wake-up is already pending
+
+    def _scripts_business(self, signum: int, frame: FrameType | None) -> None:
+        """The launcher's copy of a signal meant for the workers (``SCRIPT_SIGNALS``): noted only."""
+        self.script_signal_at = time.monotonic()
+
+    def script_hold(self, now: float) -> bool:
+        """Whether hang verdicts wait: within ``SCRIPT_SIGNAL_HOLD_S`` of a ``SCRIPT_SIGNALS``."""
+        return self.script_signal_at is not None and now - self.script_signal_at < SCRIPT_SIGNAL_HOLD_S
 
     def fileno(self) -> int:
         if self._read_fd is None:

@@ -52,3 +52,18 @@ def dump_stacks(pids: dict[int, int], stack_dir: str, wait_s: float = STACK_WAIT
         time.sleep(0.02)
     stacks.update({str(rank): "" for rank in paths})
     return stacks
+
+
+def keep_dumps(stacks: dict[str, str], directory: str | None) -> None:
+    """Write each rank's dump to ``directory/stacks/rank<N>.txt`` (the attempt's log directory):
+    the verdict quotes one frame of each, and the dumps where the agent took them go with its
+    work directory; a hang is often debugged after the processes are gone (acceptance 23C F2)."""
+    if directory is None or not any(stacks.values()):
+        return
+    try:
+        os.makedirs(os.path.join(directory, "stacks"), exist_ok=True)
+        for rank, text in stacks.items():
+            if text:
+                Path(directory, "stacks", f"rank{rank}.txt").write_text(text, encoding="utf-8")
+    except OSError:  # a full or read-only log directory: the verdict still goes out
+        pass

@@ -177,6 +177,7 @@ def terminate_all(
     adopted: Callable[[], Iterable[int]] | None = None,
     exiting: Collection[int] = (),
     exiting_s: float = EXITING_S,
+    exiting_first: bool = False,
 ) -> TerminationReport:
     """Stop every worker's whole tree: ``sig``, up to ``grace_s`` to exit, then SIGKILL; reap all.
 
@@ -188,12 +189,19 @@ def terminate_all(
     ``sys.exit``): they get ``sig`` only if still there after ``exiting_s``. torchrun never
     signals a rank that failed, since it learns of the failure from its exit; a script's SIGTERM
     handler (save a checkpoint and exit) run in the middle of a crashed rank's teardown printed
-    a traceback that was not the job's cause (acceptance 23C F1).
+    a traceback that was not the job's cause (acceptance 23C F1). ``exiting_first``: nobody is
+    signalled until they are gone (or ``exiting_s`` passed), as under torchrun, which stops the
+    others only once the failed rank exited: its atexit hooks, and a checkpoint it was still
+    writing with its peers (``dcp.async_save``), are not cut off. Then the grace period starts.
     """
-    start = clock()
+    start = begin = clock()
     seen: dict[int, psutil.Process] = {}
     targets = _collect(workers, seen, adopted)
     spare = {pid for pid in exiting if pid in targets} if sig not in (signal.SIGKILL, signal.SIGCONT) else set()
+    if spare and exiting_first:
+        _wait_gone(workers, {pid: targets[pid] for pid in spare}, start + exiting_s, clock, abort)
+        targets, spare = _collect(workers, seen, adopted), set()  # still there: stopped as the others
+        begin = clock()
     signalled = tuple(sorted(set(targets) - spare))
     _send(workers, targets, sig, spare)
     if sig not in (signal.SIGKILL, signal.SIGCONT):
@@ -201,7 +209,7 @@ def terminate_all(
         # it is continued: continue it, so it exits now rather than at SIGKILL after the grace.
         _send(workers, targets, signal.SIGCONT)
     if spare:
-        late = _wait_gone(workers, {pid: targets[pid] for pid in spare}, start + min(exiting_s, grace_s), clock, abort)
+        late = _wait_gone(workers, {pid: targets[pid] for pid in spare}, begin + min(exiting_s, grace_s), clock, abort)
         if late:  # its teardown is stuck (a non-daemon thread, a hung finalizer): as the others
             for pid in late:
                 try:
@@ -209,7 +217,7 @@ def terminate_all(
                 except psutil.Error:
                     pass
             signalled = tuple(sorted(set(signalled) | set(late)))
-    alive = _wait_gone(workers, targets, start + grace_s, clock, abort)
+    alive = _wait_gone(workers, targets, begin + grace_s, clock, abort)
     killed: tuple[int, ...] = ()
     survivors: list[int] = []
     if alive:

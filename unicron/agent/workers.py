@@ -20,7 +20,7 @@ from unicron.agent.proctree import is_exiting, process_state
 from unicron.agent.ranks import GroupSpec, RankState, median
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.sendqueues import SendQueueWatch
-from unicron.agent.stackdump import dump_stacks
+from unicron.agent.stackdump import dump_stacks, keep_dumps
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.terminate import terminate_all
 from unicron.agent.usage import tree_usage
@@ -97,16 +97,18 @@ class WorkerGroup:
         self.hang.start(time.monotonic(), list(self.ranks))
 
     def stop(self, grace_s: float, sig: int = signal.SIGTERM, *,
-             adopted: Callable[[], Iterable[int]] | None = None, abort: Callable[[], bool] | None = None) -> list[int]:
+             adopted: Callable[[], Iterable[int]] | None = None, abort: Callable[[], bool] | None = None,
+             exiting_first: bool = False) -> list[int]:
         """Stop every rank's process tree, and the trees of the ``adopted`` orphans; returns the
         ranks that had to be SIGKILLed (still running at the end of the grace period, or when
         ``abort()`` said so first)."""
         # Every worker, dead ones too: a dead worker's children (data loaders) may still run.
-        # Ranks whose script raised or called sys.exit are exiting already (terminate_all).
+        # Ranks whose script raised or called sys.exit are exiting already: left to finish, the
+        # others stopped after them (``exiting_first``: a fault's stop) or at once (an interrupt).
         exiting = [r.proc.pid for r in self.ranks.values()
                    if (r.exception is not None and r.exception_fatal) or r.exiting_code is not None]
         report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted, abort=abort,
-                               exiting=exiting)
+                               exiting=exiting, exiting_s=grace_s, exiting_first=exiting_first)
         killed = sorted(r.rank for r in self.ranks.values() if r.proc.pid in report.killed)
         now = time.time()
         for r in self.ranks.values():
@@ -337,7 +339,9 @@ class WorkerGroup:
         a worker without the handler (``--no-inject``, or still starting), so those are skipped."""
         live = {r.rank: r.proc.pid for r in self.ranks.values()
                 if r.hooked and r.exitcode is None and r.proc.poll() is None}
-        return dump_stacks(live, self.stack_dir)
+        stacks = dump_stacks(live, self.stack_dir)
+        keep_dumps(stacks, self.run_logs.attempt_dir(self.spec.attempt))
+        return stacks
 
     def progress(self, now: float) -> int | None:
         """Steps the job completed in this attempt (None: unknown, when the workers report no

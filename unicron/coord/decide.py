@@ -164,10 +164,12 @@ class DetectDecider:
         parsed = [to_fault(f) for f in faults]
         culprits: list[int] = []
         report_text = ""
+        deadlock = False  # ranks wait in different collectives: no pause to allow for
         if stacks:
             report = name_culprits(stacks)
             culprits = list(report.culprits)
             report_text = report.summary
+            deadlock = report.verdict == "all_in_collective" and bool(report.mismatch())
             parsed = [replace(f, culprit_ranks=tuple(culprits)) if f.kind == "hang" else f for f in parsed]
         cause = root_cause(parsed)
         classification = classify(cause, [f for f in parsed if f.kind == "health"])
@@ -220,7 +222,7 @@ class DetectDecider:
             reason += f" [{report_text}]"
         error = decision.to_error()
         detail = _root_cause_text(cause, faults)
-        if error is not None and classification.rule == "hang":
+        if error is not None and classification.rule == "hang" and not deadlock:
             # The one false positive a torchrun user can meet: a pause between steps that is
             # expected (rank 0 uploading metrics while the others wait) and longer than the floor.
             if "warm-up allowance" in cause.message:

@@ -159,6 +159,32 @@ class RankStack:
     threads: tuple[ThreadStack, ...]
     in_collective: bool
     where: str  # the innermost frame of the thread that decided it ("" if no frames)
+    call: str = ""  # in a collective: which, and the script's line that called it ("" if not known)
+
+
+def _in_torch(frame: Frame) -> bool:
+    return "/torch/" in frame.filename.replace("\\", "/")
+
+
+_POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "wait", "send_object_list",
+                             "recv_object_list"})
+_DECORATORS = frozenset({"wrapper", "inner", "_fn", "decorate_context", "wrapped"})
+
+
+def collective_call(frames: tuple[Frame, ...]) -> str:
+    """``all_gather_object at coll.py:32``: the torch function a thread waiting in a collective
+    was called into (the outermost torch frame) and the script's line that called it (the frame
+    below). "" when the wait is not under torch, or nothing called into torch."""
+    for i, frame in enumerate(frames):
+        if not _in_torch(frame):
+            if i == 0:
+                return ""
+            name = frame.filename.replace("\\", "/").rsplit("/", 1)[-1]
+            # The API the script called, under torch's decorators (c10d_logger's ``wrapper``).
+            called = next((f.function for f in reversed(frames[:i]) if f.function not in _DECORATORS),
+                          frames[i - 1].function)
+            return f"{called} at {name}:{frame.lineno}"
+    return ""
 
 
 def analyze_dump(rank: int, text: str) -> RankStack | None:
@@ -171,7 +197,7 @@ def analyze_dump(rank: int, text: str) -> RankStack | None:
     deciding = [main] if main is not None else [t for t in threads if t.frames]
     for thread in deciding:
         if frame_in_collective(thread.frames[0]):
-            return RankStack(rank, tuple(threads), True, thread.frames[0].short())
+            return RankStack(rank, tuple(threads), True, thread.frames[0].short(), collective_call(thread.frames))
     return RankStack(rank, tuple(threads), False, deciding[0].frames[0].short())
 
 
@@ -188,6 +214,7 @@ class CulpritReport:
     outside: tuple[int, ...]
     missing: tuple[int, ...]
     where: dict[int, str]
+    calls: dict[int, str] = dataclasses.field(default_factory=dict)  # see RankStack.call
 
     @property
     def summary(self) -> str:
@@ -201,10 +228,29 @@ class CulpritReport:
                    f"{ranks(self.in_collective)} wait in ({detail}){missing}"
         if self.verdict == "all_in_collective":
             blame = f"; suspect rank(s) {ranks(self.culprits)}, which gave no stack" if self.culprits else ""
+            mismatch = self.mismatch()
+            if mismatch:
+                return (f"ranks wait in different collectives, which never meet (a deadlock: every rank must call "
+                        f"the same collectives in the same order): {mismatch}{blame}{missing}")
             return f"every rank that answered waits inside a collective (no culprit among them){blame}{missing}"
         if self.verdict == "none_in_collective":
             return f"no rank is inside a collective: not a collective hang (ranks {ranks(self.outside)}){missing}"
         return f"no stack dump could be read{missing}"
+
+    def mismatch(self, shown: int = 4) -> str:
+        """Where ranks wait, when they wait in different collectives or were called there from
+        different lines (rank 0 in all_gather_object, rank 1 in broadcast: they never meet); ""
+        when they all wait in the same one. torchrun shows it only at its 30 minute timeout."""
+        places: dict[str, list[int]] = {}
+        for rank in self.in_collective:
+            places.setdefault(self.calls.get(rank, ""), []).append(rank)
+        # Point-to-point calls pair up different calls (a send meets a recv): no mismatch to see.
+        if len(places) < 2 or "" in places or any(call.split(" ", 1)[0] in _POINT_TO_POINT for call in places):
+            return ""
+        groups = sorted(places.items(), key=lambda kv: kv[1][0])
+        text = "; ".join(f"rank(s) {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''} in {call}"
+                         for call, rs in groups[:shown])
+        return text + (f"; {len(groups) - shown} more places" if len(groups) > shown else "")
 
 
 def name_culprits(dumps: Mapping[int, str | None], expected: Iterable[int] | None = None) -> CulpritReport:
@@ -222,10 +268,11 @@ def name_culprits(dumps: Mapping[int, str | None], expected: Iterable[int] | Non
     inside = tuple(sorted(r for r, s in analyzed.items() if s.in_collective))
     outside = tuple(sorted(r for r, s in analyzed.items() if not s.in_collective))
     where = {r: s.where for r, s in analyzed.items()}
+    calls = {r: s.call for r, s in analyzed.items() if s.call}
     if not analyzed:
         return CulpritReport("no_dumps", (), (), (), missing, where)
     if inside and outside:
         return CulpritReport("culprits", outside, inside, outside, missing, where)
     if inside:
-        return CulpritReport("all_in_collective", missing, inside, (), missing, where)
+        return CulpritReport("all_in_collective", missing, inside, (), missing, where, calls)
     return CulpritReport("none_in_collective", (), (), outside, missing, where)
