@@ -720,3 +720,26 @@ def test_a_signal_delivered_twice_at_once_is_one_signal_a_later_or_other_one_is_
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)  # another signal at once: the user means it
         wait_until(lambda: signals.escalated, what="a different signal to count as a second one")
+
+
+def test_a_process_traced_from_outside_names_its_tracer(workers: list[WorkerProcess]) -> None:
+    """``gdb -p`` attaches with ptrace: the rank stops, its liveness thread with it, and only
+    /proc says why (acceptance 23B F5: a hang was called 1.5 s after gdb attached)."""
+    import ctypes
+
+    from unicron.agent.proctree import tracer_of
+
+    worker = spawn([PY, "-c", "import time; time.sleep(300)"], {}, local_rank=0)
+    workers.append(worker)
+    assert tracer_of(worker.pid) is None
+    libc = ctypes.CDLL(None, use_errno=True)
+    ptrace_attach, ptrace_detach = 16, 17
+    if libc.ptrace(ptrace_attach, worker.pid, None, None) != 0:
+        pytest.skip(f"cannot ptrace here: errno {ctypes.get_errno()}")
+    try:
+        os.waitpid(worker.pid, 0)  # the attach stop
+        assert tracer_of(worker.pid) == os.getpid()
+    finally:
+        libc.ptrace(ptrace_detach, worker.pid, None, None)
+    wait_until(lambda: tracer_of(worker.pid) is None, what="the detach")
+    assert tracer_of(2 ** 22 + 12345) is None  # no such process

@@ -231,6 +231,10 @@ def test_the_summary_of_a_crash_report_is_its_error_not_its_last_stack_frame() -
     traceback = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    boom()\nKeyError: 1\n'
     assert stderr_summary(traceback) == "KeyError: 1"
     assert stderr_summary("frame #0: only frames\n") == "frame #0: only frames" and stderr_summary("") == ""
+    # unicron's worker hooks' own warnings are not what the rank said as it died (acceptance 23B F4)
+    shm = "unicron: snapshot write failed: OSError: [Errno 28] shared memory too small for a 10.5 MB snapshot\n"
+    assert stderr_summary("step 12\n" + shm) == "step 12" and stderr_summary(shm) == ""
+    assert stderr_summary(shm + "unicron worker: can't open file 'train.py': no such file\n").startswith("unicron worker:")
 
 
 def test_read_tail_reads_only_the_end(tmp_path: Path) -> None:

@@ -311,3 +311,17 @@ def test_a_directory_or_zip_with_main_runs_like_python(tmp_path: Path, kind: str
     got = _report(out)
     assert got["name"] == "__main__" and got["argv"] == [app.name, "a"] and got["value"] == 42
     assert os.path.samefile(got["path0"], app)
+
+
+def test_a_removed_working_directory_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Acceptance 23B F3: the job's directory removed (a redeploy), then a restart: every rank
+    printed a traceback of unicron's own boot (os.path.abspath asks for the gone directory)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    # Only absolute paths: Python itself cannot start with a relative one and no directory.
+    env = base_env(PYTHONPATH=str(Path(boot.__file__).resolve().parents[2]))
+    proc = subprocess.run(["bash", "-c", f'cd "{gone}" && rmdir "{gone}" && exec "{PYTHON}" -m '
+                           "unicron.worker.boot train.py"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"unicron worker: can't open file 'train.py' (the working directory '{gone}' "
+                                  "no longer exists)"), proc.stderr

@@ -37,6 +37,7 @@ from unicron.agent.logs import RunLogDir
 from unicron.agent.orders import AgentOrders
 from unicron.agent.orphans import Helpers
 from unicron.agent.pace import LoopPace
+from unicron.agent.proctree import tracer_of
 from unicron.agent.rejoin import Rejoiner
 from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
@@ -102,7 +103,8 @@ class Agent(AgentOrders):
         self.rejoiner = Rejoiner(self.joining, self.link, endpoint=endpoint, shm_dir=self.shm_dir, ui=ui, events=events)
         self.last_attempt: int | None = None  # the attempt of the last workers, once any started
         self.assignment: dict[str, Any] | None = None  # the last ``assign``: what a resume takes back
-        self.script_held_since: float | None = None  # hang verdicts held for a script's signal since
+        self.held_since: float | None = None  # hang verdicts held (a script's signal, a debugger) since
+        self.traced_told: set[int] = set()  # ranks said to be under a debugger
         self.clock_told = False  # the coordinator said this machine's clock is off (once on the console)
 
     # ---- main loop -----------------------------------------------------------------
@@ -227,6 +229,21 @@ class Agent(AgentOrders):
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 
     # ---- workers -------------------------------------------------------------------
+    def _traced(self, group: WorkerGroup) -> bool:
+        """Whether a rank of this node is traced from outside (``gdb -p``, ``strace -p``): it is
+        stopped while a person looks at it, and its peers wait on it; torchrun's job waits too.
+        Its own liveness thread stops with it, so only its /proc status tells (acceptance 23B F5:
+        a hang was called 1.5 s after gdb attached, and the job ended under the person)."""
+        traced = {r.rank: tracer for r in group.ranks.values()
+                  if r.exitcode is None and (tracer := tracer_of(r.proc.pid)) is not None}
+        for rank, tracer in traced.items():
+            if rank not in self.traced_told:
+                self.traced_told.add(rank)
+                self.ui.warn(f"rank {rank} is traced by pid {tracer} (a debugger?): no hang is called on this "
+                             "node's ranks while it is")
+        self.traced_told &= set(traced)
+        return bool(traced)
+
     def _watch_workers(self) -> None:
         group = self.group
         if group is None or group.finished_reported:
@@ -245,11 +262,15 @@ class Agent(AgentOrders):
             self.events.emit("worker_lingering", rank=r.rank, pid=r.proc.pid, message=notice)
         now_m = time.monotonic()
         if self.signals.script_hold(now_m):  # the ranks run a handler of theirs (SCRIPT_SIGNALS)
-            self.script_held_since = self.script_held_since or self.signals.script_signal_at
+            self.held_since = self.held_since or self.signals.script_signal_at
             return
-        if self.script_held_since is not None:  # the hold is not held against the ranks' hang clocks
-            group.hang.paused(now_m - self.script_held_since, now_m)
-            self.script_held_since = None
+        if self._traced(group):  # a person looks at a rank (gdb -p): no hang of its ranks meanwhile
+            self.held_since = self.held_since or now_m
+            group.level = Activity.WORKING  # nor of the ranks of other nodes, that wait on it (heartbeats)
+            return
+        if self.held_since is not None:  # the hold is not held against the ranks' hang clocks
+            group.hang.paused(now_m - self.held_since, now_m)
+            self.held_since = None
         if not group.hang_reported and not self.link.unheard(now_m):
             hang = group.check_hang(now, self.link.job_level(time.monotonic()))
             if hang is not None:

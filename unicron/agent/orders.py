@@ -123,6 +123,10 @@ class AgentOrders:
             elif msg.kind == "shutdown":
                 self._stop_group(reason=body["reason"])
                 self.events.emit("shutdown", exit_code=body["exit_code"], reason=body["reason"])
+                # Signalled itself meanwhile (scancel signals every node at once; the stop waits
+                # the grace for ranks that checkpoint on SIGTERM): its own 128 + n, not the
+                # coordinator's node's interruption (acceptance 23B F2).
+                self.signals.raise_if_received()
                 if body["exit_code"] != 0:
                     raise WorkerFailedError(body["reason"], int(body["exit_code"]))
                 self.ui.info("job finished: all workers exited 0")

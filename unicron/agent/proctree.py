@@ -91,3 +91,17 @@ def is_exiting(pid: int) -> bool:
         return exiting_from_stat(stat)
     except (ValueError, IndexError):
         return False
+
+
+def tracer_of(pid: int) -> int | None:
+    """The pid of the process tracing ``pid`` (a debugger attached from outside: ``gdb -p``,
+    ``strace -p``, ``py-spy dump --native``), None when untraced, gone, or not Linux."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("TracerPid:"):
+                    tracer = int(line.split()[1])
+                    return tracer or None
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -202,14 +202,17 @@ class Classification:
 _NOT_THE_ERROR = re.compile(r"^(frame #\d+:|Exception raised from |Search for `|CUDA kernel errors might|"
                             r"For debugging consider|Compile with `TORCH_USE_CUDA_DSA`|Current thread 0x|"
                             r"Thread 0x|Extension modules:|Python runtime state:|\s)")
+_HOOKS_WARNING = "unicron: "  # unicron.worker's own warnings on a rank's stderr (not "unicron worker:" errors)
 _CXX_WHAT = re.compile(r"^\s*what\(\):\s*(\S.*)$")  # std::terminate's report of the C++ exception
 
 
 def stderr_summary(tail: str) -> str:
     """The line of a dead process's stderr that says what went wrong: the message of the C++
     exception that terminated it (an NCCL watchdog's ``what():``), else the last line that is
-    not a stack frame or a debugging hint, else the last line."""
-    lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
+    not a stack frame or a debugging hint, else the last line. Not the warnings unicron's worker
+    hooks print themselves (``unicron: snapshot write failed ...``): printed steps earlier, they
+    were shown as what a rank that exited 3 for its own reasons said last (acceptance 23B F4)."""
+    lines = [line.rstrip() for line in tail.splitlines() if line.strip() and not line.startswith(_HOOKS_WARNING)]
     for line in reversed(lines):
         found = _CXX_WHAT.match(line)
         if found:

@@ -214,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = parse_argv(sys.argv[1:] if argv is None else argv)
         if not target.module and not os.path.exists(target.script):
-            raise UsageError(f"can't open file {os.path.abspath(target.script)!r}: no such file")
+            try:
+                where = repr(os.path.abspath(target.script))
+            except OSError:  # the working directory itself is gone (a redeploy, a cleaned scratch dir)
+                where = f"{target.script!r} (the working directory {os.environ.get('PWD', '')!r} no longer exists)"
+            raise UsageError(f"can't open file {where}: no such file")
         hooks.install()
         if "torch" in sys.modules:  # a warm fork: torch read its import-time variables already
             lateenv.watch_first_torch_import(os.environ)
