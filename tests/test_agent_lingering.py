@@ -54,3 +54,30 @@ def test_a_process_that_outlives_its_script_is_named_once(tmp_path: Path) -> Non
         tee.close()
     group.poll(time.time())
     assert all(r.exitcode is not None for r in group.ranks.values())
+
+
+def test_steps_after_a_ranks_clean_end_mean_the_job_is_not_past_its_last_step(tmp_path: Path) -> None:
+    """Acceptance 23C F3: with uneven data a rank that runs out of shards exits 0 while the
+    others train on; its clean end turned hang detection off for the rest of the job. Steps of
+    the others after it re-arm it; a tail after the last step (no step after the end) does not."""
+    spec = GroupSpec(attempt=0, restart_count=0, rank_offset=0, world_size=3, node_rank=0, nnodes=1,
+                     local_world_sizes=(3,), master_addr="127.0.0.1", master_port=1, restore_step=None, inject="")
+    tee = ConsoleTee()
+    group = WorkerGroup(spec, cmd=[sys.executable, "-c", "import time; time.sleep(120)"], env_for=lambda *_: {},
+                        run_logs=RunLogDir(LogSpec(log_dir=str(tmp_path)), "j"), tee=tee, host="h",
+                        hang=HangDetector(), role="default", stack_dir=str(tmp_path))
+    group.start(time.time())
+    try:
+        t0 = time.time()
+        for rank in (0, 1, 2):
+            group.on_message({"t": "step", "rank": rank, "step": 10, "ts": t0}, t0)
+        group.on_message({"t": "bye", "rank": 2, "ts": t0 + 0.1}, t0 + 0.1)
+        assert group.past_last_step()  # nobody stepped since: maybe the job's end
+        for rank in (0, 1):
+            group.on_message({"t": "step", "rank": rank, "step": 11, "ts": t0 + 0.2}, t0 + 0.2)
+        assert not group.past_last_step()  # the others train on without rank 2
+        group.on_message({"t": "bye", "rank": 0, "ts": t0 + 0.3}, t0 + 0.3)
+        assert group.past_last_step()  # rank 1's tail after its last step
+    finally:
+        group.stop(2.0)
+        tee.close()

@@ -251,8 +251,17 @@ class WorkerGroup:
         return self.expect_steps or any(r.steps_in_attempt or r.steps_expected for r in self.ranks.values())
 
     def past_last_step(self) -> bool:
-        """Some local rank finished cleanly or destroyed its default process group."""
-        return any(r.bye_at is not None or r.exitcode == 0 or r.closed for r in self.ranks.values())
+        """Some local rank finished cleanly or destroyed its default process group, and no rank
+        still running stepped after that: with uneven data a rank that runs out of shards exits 0
+        while the others train on, and a hang of theirs went uncalled for the job's life
+        (acceptance 23C F3). A tail after the last step (an upload, ``wandb.finish()``) has no
+        step after it."""
+        ends = [end for r in self.ranks.values() if (end := r.clean_end()) is not None]
+        if not ends:
+            return False
+        last = max(ends)
+        return not any(r.last_step_at is not None and r.last_step_at > last
+                       for r in self.ranks.values() if r.exitcode is None and r.clean_end() is None)
 
     def next_check_s(self, mono: float) -> float:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the
