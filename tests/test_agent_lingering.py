@@ -73,8 +73,11 @@ def test_steps_after_a_ranks_clean_end_mean_the_job_is_not_past_its_last_step(tm
             group.on_message({"t": "step", "rank": rank, "step": 10, "ts": t0}, t0)
         group.on_message({"t": "bye", "rank": 2, "ts": t0 + 0.1}, t0 + 0.1)
         assert group.past_last_step()  # nobody stepped since: maybe the job's end
-        for rank in (0, 1):
+        for rank in (0, 1):  # reports of the same last step may come after the bye
             group.on_message({"t": "step", "rank": rank, "step": 11, "ts": t0 + 0.2}, t0 + 0.2)
+        assert group.past_last_step()
+        for rank in (0, 1):
+            group.on_message({"t": "step", "rank": rank, "step": 12, "ts": t0 + 0.25}, t0 + 0.25)
         assert not group.past_last_step()  # the others train on without rank 2
         group.on_message({"t": "bye", "rank": 0, "ts": t0 + 0.3}, t0 + 0.3)
         assert group.past_last_step()  # rank 1's tail after its last step

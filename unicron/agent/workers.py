@@ -259,9 +259,10 @@ class WorkerGroup:
         ends = [end for r in self.ranks.values() if (end := r.clean_end()) is not None]
         if not ends:
             return False
+        # By step, not time: a peer's report of the same last step may come after the bye. Two
+        # steps past it, so that a last step whose report was lost at the exit does not count.
         last = max(ends)
-        return not any(r.last_step_at is not None and r.last_step_at > last
-                       for r in self.ranks.values() if r.exitcode is None and r.clean_end() is None)
+        return not any(r.step > last + 1 for r in self.ranks.values() if r.exitcode is None and r.clean_end() is None)
 
     def next_check_s(self, mono: float) -> float:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the
