@@ -341,7 +341,10 @@ class WorkerGroup:
                 r.state = "hung"
         return {"kind": "hang", "rank": None, "host": self.host, "ts": now, "attempt": self.spec.attempt,
                 "message": verdict.message, "latency_s": round(verdict.stalled_s, 3),
-                "steps_completed": min((r.step for r in self.ranks.values()), default=0), **self.how_far(now)}
+                # Of the ranks still running: one that ended cleanly early (uneven data) is not behind.
+                "steps_completed": min((r.step for r in self.ranks.values() if r.exitcode is None),
+                                       default=min((r.step for r in self.ranks.values()), default=0)),
+                **self.how_far(now)}
 
     # ---- outputs -------------------------------------------------------------------
     def dump_stacks(self) -> dict[str, str]:
