@@ -222,3 +222,22 @@ def snapshot_env(monkeypatch: pytest.MonkeyPatch, root: Path, rank: int) -> None
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.delenv("UNICRON_RESTORE_STEP", raising=False)
     monkeypatch.delenv("UNICRON_AGENT_ADDR", raising=False)
+
+
+def sleeping_group(tmp_path: Path, nproc: int, sleep_s: float = 120.0) -> tuple[Any, Any]:
+    """A ``WorkerGroup`` of ``nproc`` ranks on one node that only sleep, not started yet, and the
+    console tee it writes to (close it after ``group.stop``): the agent's bookkeeping, driven by
+    hand-made channel messages, over real processes."""
+    from unicron.agent.logs import LogSpec, RunLogDir
+    from unicron.agent.ranks import GroupSpec
+    from unicron.agent.tee import ConsoleTee
+    from unicron.agent.workers import WorkerGroup
+    from unicron.detect.hang import HangDetector
+
+    spec = GroupSpec(attempt=0, restart_count=0, rank_offset=0, world_size=nproc, node_rank=0, nnodes=1,
+                     local_world_sizes=(nproc,), master_addr="127.0.0.1", master_port=1, restore_step=None, inject="")
+    tee = ConsoleTee()
+    group = WorkerGroup(spec, cmd=[sys.executable, "-c", f"import time; time.sleep({sleep_s})"], env_for=lambda *_: {},
+                        run_logs=RunLogDir(LogSpec(log_dir=str(tmp_path)), "j"), tee=tee, host="h",
+                        hang=HangDetector(), role="default", stack_dir=str(tmp_path))
+    return group, tee

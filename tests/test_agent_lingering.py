@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_worker import sleeping_group
 
 from unicron.agent.logs import LogSpec, RunLogDir
 from unicron.agent.ranks import GroupSpec
@@ -60,12 +61,7 @@ def test_steps_after_a_ranks_clean_end_mean_the_job_is_not_past_its_last_step(tm
     """Acceptance 23C F3: with uneven data a rank that runs out of shards exits 0 while the
     others train on; its clean end turned hang detection off for the rest of the job. Steps of
     the others after it re-arm it; a tail after the last step (no step after the end) does not."""
-    spec = GroupSpec(attempt=0, restart_count=0, rank_offset=0, world_size=3, node_rank=0, nnodes=1,
-                     local_world_sizes=(3,), master_addr="127.0.0.1", master_port=1, restore_step=None, inject="")
-    tee = ConsoleTee()
-    group = WorkerGroup(spec, cmd=[sys.executable, "-c", "import time; time.sleep(120)"], env_for=lambda *_: {},
-                        run_logs=RunLogDir(LogSpec(log_dir=str(tmp_path)), "j"), tee=tee, host="h",
-                        hang=HangDetector(), role="default", stack_dir=str(tmp_path))
+    group, tee = sleeping_group(tmp_path, 3)
     group.start(time.time())
     try:
         t0 = time.time()

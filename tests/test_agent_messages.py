@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_worker import sleeping_group
 
 from unicron.agent.logs import LogSpec, RunLogDir
 from unicron.agent.ranks import GroupSpec
@@ -83,12 +84,7 @@ def test_a_rank_that_execs_or_never_initialises_distributed_has_unknown_progress
     its first step", which the crash-loop guard and the user-error rules would act on."""
     from unicron.agent.workers import NEVER_READY_S
 
-    spec = GroupSpec(attempt=0, restart_count=0, rank_offset=0, world_size=2, node_rank=0, nnodes=1,
-                     local_world_sizes=(2,), master_addr="127.0.0.1", master_port=1, restore_step=None, inject="")
-    tee = ConsoleTee()
-    group = WorkerGroup(spec, cmd=[sys.executable, "-c", "import time; time.sleep(60)"], env_for=lambda *_: {},
-                        run_logs=RunLogDir(LogSpec(log_dir=str(tmp_path)), "j"), tee=tee, host="h",
-                        hang=HangDetector(), role="default", stack_dir=str(tmp_path))
+    group, tee = sleeping_group(tmp_path, 2, sleep_s=60)
     start = time.time() - 100.0
     group.start(start)
     try:
