@@ -164,6 +164,30 @@ def test_a_node_whose_workers_all_finished_is_not_lost_for_its_silence_while_the
     assert [o.fields["node_id"] for o in lost] == ["b"]
 
 
+def test_a_rank_that_raised_is_stopped_on_its_node_first_and_the_others_after() -> None:
+    """Acceptance 24A F1: the other nodes' ranks were SIGTERMed as the exception was reported,
+    while the rank that raised was still exiting (a dcp.async_save in flight with them lost its
+    .metadata). As under torchrun, whose other agents learn of it only after its exit: its node
+    is told first, the others once it stopped, or half the stop timeout later."""
+    core = two_nodes_running(ScriptedDecider(RESTART, RESTART, RESTART))
+    outs = core.on_fault("b", {"attempt": 0, "fault": {"kind": "exception", "rank": 3, "ts": 2}}, 2)
+    assert set(sends(outs, "stop")) == {"b"} and core.phase is Phase.STOPPING
+    assert not sends(core.tick(2.5), "stop")
+    outs = core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+    assert set(sends(outs, "stop")) == {"a"} and not [o for o in outs if isinstance(o, Emit) and o.kind == "decision"]
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3.5)
+    assert [o for o in outs if isinstance(o, Emit) and o.kind == "decision"]
+    # Its node slow to stop: the others are told half the stop timeout (10 s) later.
+    core = two_nodes_running(ScriptedDecider(RESTART))
+    core.on_fault("a", {"attempt": 0, "fault": {"kind": "exception", "rank": 0, "ts": 2}}, 2)
+    core.on_heartbeat("b", {"workers": [], "health": {}, "attempt": 0}, 6.5)
+    assert not sends(core.tick(6.9), "stop") and set(sends(core.tick(7.1), "stop")) == {"b"}
+    # Any other fault stops every node at once.
+    core = two_nodes_running(ScriptedDecider(RESTART))
+    outs = core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 3, "exitcode": 1, "ts": 2}}, 2)
+    assert set(sends(outs, "stop")) == {"a", "b"}
+
+
 def test_lost_node_in_elastic_job_reforms_with_survivors() -> None:
     core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
     core.on_heartbeat("a", {"workers": [], "health": {}}, 3.5)

@@ -22,7 +22,7 @@ from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.coord.restore import Holdings, choose_restore
 from unicron.coord.resume import MAX_HISTORY, rejoined, take_back
-from unicron.coord.stopping import after_stop, all_stopped, node_gone, stop_attempt, unacked
+from unicron.coord.stopping import after_stop, all_stopped, node_gone, stop_attempt, stop_the_rest, unacked
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
 
@@ -176,7 +176,8 @@ class JobCore:
         out: list[Out] = [Emit("fault", fault_fields(fault))]
         if self.phase is Phase.RUNNING:
             out += stop_attempt(self, describe_fault(fault), now, want_stacks=fault.get("kind") == "hang",
-                                victim=reports_a_victim(fault))
+                                victim=reports_a_victim(fault),
+                                first=node_id if fault.get("kind") == "exception" else None)
         return out
 
     def on_finished(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -199,6 +200,8 @@ class JobCore:
         attempt.stopped[node_id] = body
         self.members.heartbeat(node_id, now)  # any message is a sign of life
         out: list[Out] = [Emit("node_stopped", {"node_id": node_id, "attempt": attempt.number})]
+        if attempt.stop_waits_for == node_id:
+            out += stop_the_rest(self, now)
         if all_stopped(self):
             out += after_stop(self, now)
         return out
@@ -238,6 +241,9 @@ class JobCore:
             self.detections.append(now - node.last_heartbeat)
             out += node_gone(self, node.node_id, node.host, "lost",
                              f"no heartbeat for {now - node.last_heartbeat:.1f} s", now)
+        if (self.phase is Phase.STOPPING and self.attempt is not None and self.attempt.stop_waits_for is not None
+                and self.attempt.stop_sent_at is not None and now - self.attempt.stop_sent_at > self.spec.stop_timeout_s / 2):
+            out += stop_the_rest(self, now)
         if self.phase is Phase.STOPPING and self.attempt is not None and self.attempt.stop_sent_at is not None:
             if now - self.attempt.stop_sent_at > self.spec.stop_timeout_s:
                 for node_id in unacked(self):

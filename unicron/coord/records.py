@@ -52,6 +52,10 @@ class Attempt:
     progress: RankProgress = field(default_factory=RankProgress)  # each rank's steps (uneven progress)
     stop_reason: str = ""
     stop_sent_at: float | None = None
+    # A staged stop (``unicron.coord.stopping.stop_attempt``): the node whose rank raised is told
+    # first, the others (``stop_body``) once it stopped.
+    stop_waits_for: str | None = None
+    stop_body: dict[str, Any] = field(default_factory=dict)
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure
     restore_step: int = 0  # the step its ranks restored (0: a fresh start)
     silence_ended_at: float | None = None  # a silent node of this attempt was heard again then

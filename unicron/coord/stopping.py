@@ -41,13 +41,21 @@ def node_gone(core: JobCore, node_id: str, host: str, how: str, why: str, now: f
     if core.phase is Phase.STOPPING:
         attempt.faults.append({"kind": "node_lost", "node_id": node_id, "host": host, "message": message,
                                "ts": now, "reported_at": now, "attempt": attempt.number})
+        out = stop_the_rest(core, now) if attempt.stop_waits_for == node_id else []
         if all_stopped(core):
-            return after_stop(core, now)
+            out += after_stop(core, now)
+        return out
     return []
 
 
-def stop_attempt(core: JobCore, reason: str, now: float, *, want_stacks: bool, victim: bool = False) -> list[Out]:
-    """Tell every node of the attempt to stop its workers (with their stacks, for a hang)."""
+def stop_attempt(core: JobCore, reason: str, now: float, *, want_stacks: bool, victim: bool = False,
+                 first: str | None = None) -> list[Out]:
+    """Tell every node of the attempt to stop its workers (with their stacks, for a hang).
+    ``first``: the node of a rank whose exception came before its exit. It is told alone, and
+    the others once it stopped (its agent waits for that rank to exit before it signals the
+    rest): as under torchrun, whose other agents learn of a failure only after the failed rank
+    exited, what it finishes on its way out with its peers (``dcp.async_save``) is not cut off
+    on the other nodes (acceptance 24A F1)."""
     attempt = core.attempt
     assert attempt is not None
     core.phase = Phase.STOPPING
@@ -55,13 +63,26 @@ def stop_attempt(core: JobCore, reason: str, now: float, *, want_stacks: bool, v
     attempt.stop_reason = reason
     attempt.stop_sent_at = now
     out: list[Out] = [Emit("stop", {"attempt": attempt.number, "reason": reason, "want_stacks": want_stacks})]
-    for node_id in attempt.nodes:
-        if core.members.is_active(node_id):
-            out.append(Send(node_id, "stop", {"attempt": attempt.number, "reason": reason,
-                                              "want_stacks": want_stacks, **({"victim": True} if victim else {})}))
+    body = {"attempt": attempt.number, "reason": reason, "want_stacks": want_stacks, **({"victim": True} if victim else {})}
+    nodes = [n for n in attempt.nodes if core.members.is_active(n)]
+    if first in nodes and len(nodes) > 1:
+        attempt.stop_waits_for, attempt.stop_body = first, body
+        nodes = [first]
+    out += [Send(node_id, "stop", body) for node_id in nodes]
     if all_stopped(core):
         out += after_stop(core, now)
     return out
+
+
+def stop_the_rest(core: JobCore, now: float) -> list[Out]:
+    """The other nodes of a staged stop (``stop_attempt``'s ``first``): its node stopped, is
+    gone, or took longer than half the stop timeout (its grace period and a margin)."""
+    attempt = core.attempt
+    if attempt is None or attempt.stop_waits_for is None:
+        return []
+    told, attempt.stop_waits_for = attempt.stop_waits_for, None
+    attempt.stop_sent_at = now  # their stop timeout counts from now
+    return [Send(n, "stop", attempt.stop_body) for n in unacked(core) if n != told]
 
 
 def unacked(core: JobCore) -> list[str]:
