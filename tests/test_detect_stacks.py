@@ -262,7 +262,12 @@ def test_ranks_waiting_in_different_collectives_are_a_deadlock_named_with_their_
                                      "every rank must call the same collectives in the same order): "
                                      f"rank(s) 0 in all_gather_object at child.py:{line[0]}; "
                                      f"rank(s) 1 in broadcast at child.py:{line[1]}")
-    # Waiting in the same collective from the same line is no deadlock of this kind.
+    # Waiting in the same collective is no deadlock of this kind, from the same line or from
+    # two ("rank 0 sends, the others receive": acceptance 24A F2); nor when a rank gave no stack
+    # (it may be the one the others wait for).
     same = name_culprits({0: allreduce_dumps[0], 1: allreduce_dumps[0]})
     assert same.verdict == "all_in_collective" and same.mismatch() == ""
     assert same.summary.startswith("every rank that answered waits inside a collective")
+    moved = mismatch_dumps[1].replace(f"line {line[1]} in", f"line {line[1] + 1} in")
+    assert moved != mismatch_dumps[1] and name_culprits({0: mismatch_dumps[1], 1: moved}).mismatch() == ""
+    assert name_culprits({0: mismatch_dumps[0], 1: mismatch_dumps[1], 2: None}).mismatch() == ""

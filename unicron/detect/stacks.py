@@ -238,18 +238,22 @@ class CulpritReport:
         return f"no stack dump could be read{missing}"
 
     def mismatch(self, shown: int = 4) -> str:
-        """Where ranks wait, when they wait in different collectives or were called there from
-        different lines (rank 0 in all_gather_object, rank 1 in broadcast: they never meet); ""
-        when they all wait in the same one. torchrun shows it only at its 30 minute timeout."""
+        """Where ranks wait, when they wait in different collectives (rank 0 in
+        all_gather_object, rank 1 in broadcast: they never meet); "" when they all wait in the
+        same one (from whatever lines: "rank 0 sends, the others receive" is one broadcast), or a
+        rank gave no stack (it may be the one the others wait for). torchrun shows it only at
+        its 30 minute timeout."""
+        if self.missing or self.culprits:
+            return ""
         places: dict[str, list[int]] = {}
         for rank in self.in_collective:
-            places.setdefault(self.calls.get(rank, ""), []).append(rank)
+            places.setdefault(self.calls.get(rank, "").split(" ", 1)[0], []).append(rank)
         # Point-to-point calls pair up different calls (a send meets a recv): no mismatch to see.
-        if len(places) < 2 or "" in places or any(call.split(" ", 1)[0] in _POINT_TO_POINT for call in places):
+        if len(places) < 2 or "" in places or any(call in _POINT_TO_POINT for call in places):
             return ""
-        groups = sorted(places.items(), key=lambda kv: kv[1][0])
-        text = "; ".join(f"rank(s) {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''} in {call}"
-                         for call, rs in groups[:shown])
+        groups = sorted(places.values(), key=lambda rs: rs[0])
+        text = "; ".join(f"rank(s) {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''} in {self.calls[rs[0]]}"
+                         for rs in groups[:shown])
         return text + (f"; {len(groups) - shown} more places" if len(groups) > shown else "")
 
 
