@@ -42,6 +42,7 @@ from unicron.agent.rejoin import Rejoiner
 from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import make_shm_dir, make_work_dir
+from unicron.agent.signals import SCRIPT_SIGNAL_HOLD_S
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import warm_pool
 from unicron.agent.workers import WorkerGroup
@@ -262,6 +263,9 @@ class Agent(AgentOrders):
             self.events.emit("worker_lingering", rank=r.rank, pid=r.proc.pid, message=notice)
         now_m = time.monotonic()
         if self.signals.script_hold(now_m):  # the ranks run a handler of theirs (SCRIPT_SIGNALS)
+            if self.held_since is None:
+                self.ui.info(f"{self.signals.script_signal_name} to the launcher: left to the workers (it does not "
+                             f"stop the job); no hang is called for {SCRIPT_SIGNAL_HOLD_S:g} s while their handlers run")
             self.held_since = self.held_since or self.signals.script_signal_at
             return
         if self._traced(group):  # a person looks at a rank (gdb -p): no hang of its ranks meanwhile

@@ -278,7 +278,8 @@ class AgentOrders:
         # A second signal to the launcher (Ctrl-C twice) kills what is left now, in any stop: the
         # first one interrupts (after a restart's stop, if one is under way).
         killed = group.stop(self.s.grace_s, sig, adopted=self.helpers.adopted,
-                            abort=lambda: self.signals.escalated, exiting_first=self.signals.signum is None)
+                            abort=lambda: self.signals.escalated, exiting_first=self.signals.signum is None,
+                            lingering=self._exit_lingers)
         if self.signals.signum is None:  # not worth a word when the user stopped the job
             if killed and sig != signal.SIGKILL:
                 self.ui.warn(f"rank(s) {', '.join(map(str, sorted(killed)))} did not exit within the "
@@ -289,6 +290,11 @@ class AgentOrders:
             for notice in unfired_injects(group.spec, steps, faulted):
                 self.ui.warn(notice)
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
+
+    def _exit_lingers(self, ranks: list[int]) -> None:
+        self.ui.warn(f"rank(s) {', '.join(map(str, ranks))} raised but did not exit within 2 s (a non-daemon thread "
+                     f"keeps the interpreter? py-spy dump --pid shows it): the other ranks are stopped after it "
+                     f"exits, or after the {self.s.grace_s:g} s grace period")
 
     def _report(self, fault: dict[str, Any]) -> None:
         self.reporter.report(fault, self.group)

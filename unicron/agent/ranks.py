@@ -39,15 +39,7 @@ class RankState:
     exiting_at: float | None = None
     bye_at: float | None = None  # (monotonic) its script ended cleanly; the interpreter may still tear down
     closed: bool = False  # destroyed its default process group (since its last step): past its collectives
-    ended_at_step: int | None = None  # its step when it said bye or destroyed its process group
     lingering_named: bool = False  # said to have outlived its script (WorkerGroup.lingering_notices)
-
-    def clean_end(self) -> int | None:
-        """The step at which it finished cleanly (its script ended, it exited 0, or it destroyed
-        its default process group since its last step); None if it has not."""
-        if self.bye_at is None and self.exitcode != 0 and not self.closed:
-            return None
-        return self.ended_at_step if self.ended_at_step is not None else self.step
 
     def note(self, t: Any, msg: dict[str, Any], at: float) -> bool:
         """Apply what a channel message of type ``t`` says of this rank, sent at ``at`` (the
@@ -67,11 +59,8 @@ class RankState:
             self.stateful = True
         elif t in ("closed", "opened"):
             self.closed = t == "closed"
-            if self.closed:
-                self.ended_at_step = self.step
         elif t == "bye":
             self.bye_at = time.monotonic()
-            self.ended_at_step = self.step
         elif t == "exiting" and isinstance(msg.get("code"), int):
             self.exiting_code, self.exiting_at = (msg["code"] or None), at
             if msg.get("ready") is True:

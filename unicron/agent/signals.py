@@ -84,6 +84,7 @@ class LauncherSignals:
         self.escalated = False  # a second signal came: what is left is killed at once
         self._first_at: float | None = None
         self.script_signal_at: float | None = None  # monotonic: the last of SCRIPT_SIGNALS
+        self.script_signal_name = ""
         self._previous: dict[int, object] = {}
         self._read_fd: int | None = None
         self._write_fd: int | None = None
@@ -134,6 +135,7 @@ class LauncherSignals:
     def _scripts_business(self, signum: int, frame: FrameType | None) -> None:
         """The launcher's copy of a signal meant for the workers (``SCRIPT_SIGNALS``): noted only."""
         self.script_signal_at = time.monotonic()
+        self.script_signal_name = signal.Signals(signum).name
 
     def script_hold(self, now: float) -> bool:
         """Whether hang verdicts wait: within ``SCRIPT_SIGNAL_HOLD_S`` of a ``SCRIPT_SIGNALS``."""

@@ -178,6 +178,7 @@ def terminate_all(
     exiting: Collection[int] = (),
     exiting_s: float = EXITING_S,
     exiting_first: bool = False,
+    lingering: Callable[[list[int]], None] | None = None,
 ) -> TerminationReport:
     """Stop every worker's whole tree: ``sig``, up to ``grace_s`` to exit, then SIGKILL; reap all.
 
@@ -193,13 +194,19 @@ def terminate_all(
     signalled until they are gone (or ``exiting_s`` passed), as under torchrun, which stops the
     others only once the failed rank exited: its atexit hooks, and a checkpoint it was still
     writing with its peers (``dcp.async_save``), are not cut off. Then the grace period starts.
+    ``lingering(pids)`` is told of those still there after ``EXITING_S`` (a non-daemon thread
+    keeps an interpreter from exiting), before the rest of that wait.
     """
     start = begin = clock()
     seen: dict[int, psutil.Process] = {}
     targets = _collect(workers, seen, adopted)
     spare = {pid for pid in exiting if pid in targets} if sig not in (signal.SIGKILL, signal.SIGCONT) else set()
     if spare and exiting_first:
-        _wait_gone(workers, {pid: targets[pid] for pid in spare}, start + exiting_s, clock, abort)
+        still = _wait_gone(workers, {pid: targets[pid] for pid in spare}, start + min(EXITING_S, exiting_s), clock,
+                           abort)
+        if still and lingering is not None and exiting_s > EXITING_S:
+            lingering(still)
+            _wait_gone(workers, {pid: targets[pid] for pid in still}, start + exiting_s, clock, abort)
         targets, spare = _collect(workers, seen, adopted), set()  # still there: stopped as the others
         begin = clock()
     signalled = tuple(sorted(set(targets) - spare))

@@ -98,7 +98,7 @@ class WorkerGroup:
 
     def stop(self, grace_s: float, sig: int = signal.SIGTERM, *,
              adopted: Callable[[], Iterable[int]] | None = None, abort: Callable[[], bool] | None = None,
-             exiting_first: bool = False) -> list[int]:
+             exiting_first: bool = False, lingering: Callable[[list[int]], None] | None = None) -> list[int]:
         """Stop every rank's process tree, and the trees of the ``adopted`` orphans; returns the
         ranks that had to be SIGKILLed (still running at the end of the grace period, or when
         ``abort()`` said so first)."""
@@ -108,7 +108,9 @@ class WorkerGroup:
         exiting = [r.proc.pid for r in self.ranks.values()
                    if (r.exception is not None and r.exception_fatal) or r.exiting_code is not None]
         report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted, abort=abort,
-                               exiting=exiting, exiting_s=grace_s, exiting_first=exiting_first)
+                               exiting=exiting, exiting_s=grace_s, exiting_first=exiting_first,
+                               lingering=lingering and (lambda pids: lingering(sorted(
+                                   r.rank for r in self.ranks.values() if r.proc.pid in pids))))
         killed = sorted(r.rank for r in self.ranks.values() if r.proc.pid in report.killed)
         now = time.time()
         for r in self.ranks.values():
@@ -251,18 +253,12 @@ class WorkerGroup:
         return self.expect_steps or any(r.steps_in_attempt or r.steps_expected for r in self.ranks.values())
 
     def past_last_step(self) -> bool:
-        """Some local rank finished cleanly or destroyed its default process group, and no rank
-        still running stepped after that: with uneven data a rank that runs out of shards exits 0
-        while the others train on, and a hang of theirs went uncalled for the job's life
-        (acceptance 23C F3). A tail after the last step (an upload, ``wandb.finish()``) has no
-        step after it."""
-        ends = [end for r in self.ranks.values() if (end := r.clean_end()) is not None]
-        if not ends:
-            return False
-        # By step, not time: a peer's report of the same last step may come after the bye. Two
-        # steps past it, so that a last step whose report was lost at the exit does not count.
-        last = max(ends)
-        return not any(r.step > last + 1 for r in self.ranks.values() if r.exitcode is None and r.clean_end() is None)
+        """Some local rank finished cleanly or destroyed its default process group. Even if the
+        others step on after it (uneven data): their tail after their own last step (an upload,
+        ``wandb.finish()``) cannot be told from a pause between steps, and re-arming the verdicts
+        called those tails hangs (acceptance 24A F3/F6); a hang after an uneven end waits for the
+        collective's timeout, as under torchrun (23C F3, a documented limit)."""
+        return any(r.bye_at is not None or r.exitcode == 0 or r.closed for r in self.ranks.values())
 
     def next_check_s(self, mono: float) -> float:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the
