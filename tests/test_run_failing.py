@@ -195,4 +195,4 @@ def test_slurms_usr1_to_every_process_lets_the_workers_handler_finish(workdir, l
     code, _out, err = job.wait(60)
     assert code == 0, err
     assert all((workdir / f"ckpt.{r}").read_text() == "checkpoint" for r in (0, 1)), err
-    assert "hang" not in err, err
+    assert "hang on node" not in err and "SIGUSR1 to the launcher: left to the workers" in err, err
