@@ -63,11 +63,11 @@ LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT
 # nothing: an ignored signal would stay ignored in the workers it starts); ``--signals-to-handle``
 # may still make them a stop.
 SCRIPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-
-
 # How long hang verdicts wait after such a signal: the workers' handlers (write a checkpoint,
 # ``scontrol requeue``) may hold every rank between two steps, and a handler is no hang.
 SCRIPT_SIGNAL_HOLD_S = 30.0
+
+
 class LauncherSignals:
     """SIGTERM/SIGINT/SIGHUP/SIGQUIT handling for ``unicron run``, installed for a ``with`` block.
 

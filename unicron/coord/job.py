@@ -241,10 +241,10 @@ class JobCore:
             self.detections.append(now - node.last_heartbeat)
             out += node_gone(self, node.node_id, node.host, "lost",
                              f"no heartbeat for {now - node.last_heartbeat:.1f} s", now)
-        if (self.phase is Phase.STOPPING and self.attempt is not None and self.attempt.stop_waits_for is not None
-                and self.attempt.stop_sent_at is not None and now - self.attempt.stop_sent_at > self.spec.stop_timeout_s / 2):
-            out += stop_the_rest(self, now)
         if self.phase is Phase.STOPPING and self.attempt is not None and self.attempt.stop_sent_at is not None:
+            # A staged stop whose first node is slow: the rest are told (their timeout from now).
+            if self.attempt.stop_waits_for is not None and now - self.attempt.stop_sent_at > self.spec.stop_timeout_s / 2:
+                out += stop_the_rest(self, now)
             if now - self.attempt.stop_sent_at > self.spec.stop_timeout_s:
                 for node_id in unacked(self):
                     gone = self.members.leave(node_id, NodeState.LOST)
