@@ -12,9 +12,9 @@ from test_coord_core import RESTART, ScriptedDecider, join, sends, spec, started
 from unicron.agent.joining import JoinState, Refusal, Resume, resume_fields
 from unicron.coord.decide import Decision
 from unicron.coord.job import JobCore
-from unicron.coord.outbox import Emit, Finish, Send
+from unicron.coord.outbox import Emit, Finish, OpenStore, Send
 from unicron.coord.records import Phase
-from unicron.coord.resume import parse_resume
+from unicron.coord.resume import parse_resume, store_opened_again
 from unicron.proto.schema import schema_errors
 
 HB: dict[str, Any] = {"workers": [], "health": {}, "attempt": 3}
@@ -31,12 +31,14 @@ def first_assigns() -> dict[str, dict[str, Any]]:
 
 def resumed_join(node: str, assign: dict[str, Any], state: str = "running", attempt: int = 3,
                  restarts: int = 2, faults: list[dict[str, Any]] | None = None,
-                 snapshots: dict[str, list[int]] | None = None, started: bool = True) -> dict[str, Any]:
+                 snapshots: dict[str, list[int]] | None = None, started: bool = True,
+                 untouched: bool = False) -> dict[str, Any]:
     """The join of ``node`` resuming ``assign`` (made the agent's way), as if it were attempt
     ``attempt`` with ``restarts`` restarts spent."""
     assign = dict(assign, attempt=attempt, restarts_used=restarts)
     body = dict(join(node), **resume_fields(assign, epoch=7, state=state, faults=faults or [],
-                                            snapshots=snapshots or {}, snapshot_bytes={}, started=started))
+                                            snapshots=snapshots or {}, snapshot_bytes={}, started=started,
+                                            store_untouched=untouched))
     assert schema_errors("join", body) is None
     return body
 
@@ -149,6 +151,45 @@ def test_ranks_still_starting_when_the_coordinator_restarted_re_form_at_once_on_
     assert {a["attempt"] for a in new.values()} == {4} and {a["restarts_used"] for a in new.values()} == {2}
 
 
+def test_ranks_that_have_not_called_init_process_group_anywhere_get_their_store_back_on_its_port() -> None:
+    """Acceptance 23A F1: no rank of any node has called init_process_group (a script that
+    loads first, or never calls it): the store is opened again, empty, where the ranks look for
+    it, and the attempt trains on: nothing is re-formed, nothing redone."""
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(), now=100)
+    outs = core.on_join("a", resumed_join("a", assigns["a"], started=False, untouched=True), 100)
+    opens = [o for o in outs if isinstance(o, OpenStore)]
+    assert opens == [OpenStore(3, port=assigns["a"]["master_port"], addr=assigns["a"]["master_addr"])]
+    outs = core.on_join("b", resumed_join("b", assigns["b"], started=False, untouched=True), 100.2)
+    assert not [o for o in outs if isinstance(o, OpenStore)] and not sends(outs, "stop")  # opened once
+    outs = store_opened_again(core, 3, assigns["a"]["master_port"], "", 101)
+    assert core.phase is Phase.RUNNING and [o.kind for o in outs if isinstance(o, Emit)] == ["store_reopened"]
+
+
+@pytest.mark.parametrize("b_said", [{"started": False}, {"started": True}], ids=["in-init", "past-init"])
+def test_ranks_that_have_not_begun_beside_ranks_that_used_the_store_re_form(b_said: dict[str, bool]) -> None:
+    """Ranks in init_process_group used the dead store; ranks past it (NCCL's rendezvous is
+    lazy) may have left keys in it that the others would wait for: an empty store would hang
+    the rendezvous, so the job re-forms on no budget, whichever node resumed first."""
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(), now=100)
+    core.on_join("a", resumed_join("a", assigns["a"], started=False, untouched=True), 100)
+    assert core.phase is Phase.RUNNING
+    outs = core.on_join("b", resumed_join("b", assigns["b"], **b_said), 100.2)
+    assert set(sends(outs, "stop")) == {"a", "b"} and "store is gone" in core.attempt.stop_reason
+    assert core.restarts_used == 2
+
+
+def test_a_store_that_cannot_be_opened_again_re_forms_the_job() -> None:
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(), now=100)
+    core.on_join("a", resumed_join("a", assigns["a"], started=False, untouched=True), 100)
+    core.on_join("b", resumed_join("b", assigns["b"], started=False, untouched=True), 100.2)
+    outs = store_opened_again(core, 3, 4321, "address already in use", 101)
+    assert set(sends(outs, "stop")) == {"a", "b"}
+    assert "port 4321 (address already in use)" in core.attempt.stop_reason
+
+
 def test_every_node_finished_while_the_coordinator_was_away_ends_the_job() -> None:
     assigns = first_assigns()
     core = JobCore(spec(), ScriptedDecider(), now=100)
@@ -246,6 +287,9 @@ def test_a_resume_from_a_node_outside_the_attempt_joins_it_as_a_late_joiner() ->
     ({"faults": ["boom"]}, "faults"),
     ({"restarts_used": True}, "restarts_used"),
     ({"surprise": 1}, "unexpected"),
+    ({"store_untouched": "yes"}, "store_untouched"),
+    ({"master_port": 70000}, "master_port"),
+    ({"master_addr": 7}, "master_addr"),
 ])
 def test_a_resume_that_does_not_add_up_is_refused_with_the_reason(garbage: Any, why: str) -> None:
     good = resumed_join("a", first_assigns()["a"])["resume"]

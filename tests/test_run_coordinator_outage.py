@@ -244,3 +244,52 @@ def test_a_node_whose_workers_finished_is_not_rerun_when_a_new_coordinator_fence
     assert code == 0, err
     assert "the job's end was not confirmed (fenced by the coordinator" in err, err
     assert len(list(workdir.glob("ran.*"))) == 2  # each rank ran its script once: nothing ran again
+
+
+LOADS_FIRST = """
+import os, sys, time
+import torch, torch.distributed as dist
+
+here = sys.argv[1]
+with open(os.path.join(here, f"loading.{os.environ['RANK']}.{os.getpid()}"), "w"):
+    pass  # one file per run of the script: a re-formed job would leave more
+while not os.path.exists(os.path.join(here, "go")):  # loading a model, for as long as the test says
+    time.sleep(0.05)
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+with open(os.path.join(here, f"sum.{dist.get_rank()}"), "w") as fh:
+    fh.write(str(int(total.item())))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_loading_before_init_process_group_rendezvous_in_the_store_opened_again(workdir, launch) -> None:
+    """Acceptance 23A F1: the standalone coordinator restarted while every rank was still
+    loading, before init_process_group. Their store died with it; the new coordinator opens it
+    again on its port, and the ranks rendezvous there: the job is not re-formed, nothing redone."""
+    (workdir / "loads.py").write_text(LOADS_FIRST)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    first = _coordinator(launch, workdir, port, "coord1", env)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
+            "--rdzv-id", "loadjob", "--max-restarts", "2", "--log-dir", str(workdir / "logs"),
+            str(workdir / "loads.py"), str(workdir)]
+    a, b = launch(args, workdir, env), launch(args, workdir, env)
+    wait_for(lambda: len(list(workdir.glob("loading.*"))) == 2, 90, "both ranks to start loading")
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait(20)
+    second = _coordinator(launch, workdir, port, "coord2", env)
+    wait_for(lambda: [e for e in read_events(workdir / "coord2") if e["kind"] == "store_reopened"], 60,
+             "the store to be opened again")
+    (workdir / "go").touch()
+    for item in (a, b):
+        code, out, err = item.wait(120)
+        assert code == 0 and "took the job back" in err, out + err
+    assert [(workdir / f"sum.{r}").read_text() for r in (0, 1)] == ["3", "3"]
+    assert len(list(workdir.glob("loading.*"))) == 2  # each rank ran its script once
+    kinds = [e["kind"] for e in read_events(workdir / "coord2")]
+    assert "attempt_start" not in kinds and "stop" not in kinds, kinds
+    second.proc.send_signal(signal.SIGTERM)
+    code, _, err = second.wait(20)
+    assert code == 0 and "opened the workers' store of attempt 0 again on port" in err, err

@@ -63,18 +63,20 @@ class Resume:
 
 def resume_fields(assign: dict[str, Any] | None, *, epoch: int, state: str, faults: list[dict[str, Any]],
                   snapshots: dict[str, list[int]], snapshot_bytes: dict[str, int],
-                  started: bool = True) -> dict[str, Any]:
+                  started: bool = True, store_untouched: bool = False) -> dict[str, Any]:
     """The ``join`` fields that resume the attempt ``assign`` gave this node, with its workers
     ``state`` (running, finished, stopped), whether all are past ``init_process_group``
-    (``started``), and the ``faults`` it reported; none before any assign (the node joins as
-    at the start)."""
+    (``started``) or none has called it yet (``store_untouched``: the attempt's store, on the
+    assign's ``master_port``, may be opened again empty), and the ``faults`` it reported; none
+    before any assign (the node joins as at the start)."""
     if assign is None:
         return {}
     return {"resume": {"attempt": assign["attempt"], "nodes": assign["nodes"],
                        "local_world_sizes": assign["local_world_sizes"], "restarts_used": assign["restarts_used"],
                        "epoch": epoch, "state": state, "faults": faults[-MAX_FAULTS:],
                        "snapshots": snapshots, "snapshot_bytes": snapshot_bytes, "started": started,
-                       **{k: assign[k] for k in ("started_at", "restarts") if k in assign}}}
+                       "store_untouched": store_untouched,
+                       **{k: assign[k] for k in ("started_at", "restarts", "master_addr", "master_port") if k in assign}}}
 
 
 class JoinState:

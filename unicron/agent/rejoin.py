@@ -58,14 +58,16 @@ class Rejoiner:
         ``assign`` (``pending``: its workers not started yet) and how far its workers got."""
         state = "stopped"  # a restart's stop came, its next assign did not
         started = False  # every rank past init_process_group (their store is not needed again)
+        untouched = False  # no rank has called init_process_group (none used the store yet)
         if pending:
-            state = "running"  # its workers start as soon as the zygote is ready
+            state, untouched = "running", True  # its workers start as soon as the zygote is ready
         elif group is not None and assign is not None and group.spec.attempt == assign["attempt"]:
             state = "finished" if group.finished_reported else "running"
-            started = group.all_ready()
+            started, untouched = group.all_ready(), group.store_untouched()
         snapshots, sizes = scan_snapshots(self.shm_dir) if state == "stopped" else ({}, {})
         return resume_fields(assign, epoch=epoch, state=state, faults=faults, snapshots=snapshots,
-                             snapshot_bytes=sizes, started=started or state != "running")
+                             snapshot_bytes=sizes, started=started or state != "running",
+                             store_untouched=untouched and state == "running")
 
     def end_unconfirmed(self, why: str) -> int:
         """This node's workers all exited 0, and the coordinator now on the endpoint does not

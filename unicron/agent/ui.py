@@ -96,6 +96,9 @@ class AgentUI:
         elif kind == "job_resumed":  # a standalone coordinator's own console, after it restarted
             self.info(f"took back attempt {event.get('attempt')} ({event.get('nnodes')} node(s), "
                       f"{event.get('restarts_used')} restart(s) spent) from its agents")
+        elif kind == "store_reopened":  # the same console: the ranks had not used their store yet
+            self.info(f"opened the workers' store of attempt {event.get('attempt')} again on port "
+                      f"{event.get('port')}: no rank had called init_process_group")
         elif kind == "waiting_for_nodes":
             missing = int(event.get("need", 0)) - int(event.get("have", 0))
             if event.get("gone"):  # before the first attempt: the job is still forming

@@ -58,6 +58,10 @@ class JobCore:
         self._told_silent: frozenset[str] = frozenset()  # silent nodes the others were told of
         self._refused: dict[str, str] = {}  # node -> why its last join was refused (logged once)
         self.awaiting_resume: set[str] = set()  # nodes of an attempt taken back, not heard resuming yet
+        # node -> what its resume said of the attempt's store (unicron.coord.resume.store_after_resume)
+        self.store_said: dict[str, str] = {}
+        # (attempt, port): an attempt taken back whose store was opened again
+        self.store_reopened: tuple[int, int] | None = None
         self.pinned: set[str] = set()  # nodes never left out: the one whose agent hosts this coordinator
         # node -> not declared lost before then, silent or not (unicron.coord.hearing: a link that
         # is back, whose connections retransmit); dropped when the node is heard

@@ -17,9 +17,14 @@ class Send:
 
 @dataclass(frozen=True)
 class OpenStore:
-    """Open a fresh TCPStore for ``attempt`` and call ``JobCore.start_attempt`` with it."""
+    """Open a fresh TCPStore for ``attempt`` and call ``JobCore.start_attempt`` with it. With a
+    ``port``: open the store of ``attempt``, taken back after a restart, again where its ranks
+    look for it (``addr``, as its assign said: "" for this coordinator's), and call
+    ``unicron.coord.resume.store_opened_again``."""
 
     attempt: int
+    port: int = 0
+    addr: str = ""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from unicron.coord.outbox import Emit, Out, Send
+from unicron.coord.outbox import Emit, OpenStore, Out, Send
 from unicron.coord.records import Attempt, Phase
 from unicron.coord.stopping import after_stop, all_stopped, stop_attempt
 from unicron.coord.view import describe_fault, fault_fields
@@ -55,6 +55,11 @@ class ResumedAttempt:
     # With ``running``: every rank of the node is past init_process_group. One that is not may
     # still need the attempt's store, which died with the coordinator that opened it.
     started: bool = True
+    # No rank of the node has called init_process_group: if no node's rank has, the store may be
+    # opened again, empty, where the ranks will look for it (``master_addr``:``master_port``).
+    store_untouched: bool = False
+    master_addr: str = ""
+    master_port: int = 0
 
     @property
     def node_ids(self) -> list[str]:
@@ -105,16 +110,23 @@ def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
     if not isinstance(history, list) or not all(_is_restart(r) for r in history):
         return "restarts is not a list of restarts"
     started: Any = raw.get("started", True)
-    if not isinstance(started, bool):
-        return "started is not true or false"
+    untouched: Any = raw.get("store_untouched", False)
+    if not isinstance(started, bool) or not isinstance(untouched, bool):
+        return "started or store_untouched is not true or false"
+    addr: Any = raw.get("master_addr", "")
+    port: Any = raw.get("master_port", 0)
+    if not isinstance(addr, str) or not _count(port) or port > 65535:
+        return "master_addr or master_port is not an address"
     extra = set(raw) - {"attempt", "nodes", "local_world_sizes", "restarts_used", "epoch", "state", "faults",
-                        "snapshots", "snapshot_bytes", "started_at", "restarts", "started"}
+                        "snapshots", "snapshot_bytes", "started_at", "restarts", "started", "store_untouched",
+                        "master_addr", "master_port"}
     if extra:
         return f"unexpected field(s) {sorted(extra)}"
     return ResumedAttempt(attempt, tuple((n[0], n[1], int(s)) for n, s in zip(nodes, sizes, strict=True)), restarts, epoch,
                           state, tuple(faults[-MAX_FAULTS:]), snapshots, nbytes,
                           None if started_at is None else float(started_at),
-                          tuple({k: r[k] for k in RESTART_FIELDS} for r in history[-MAX_HISTORY:]), started)
+                          tuple({k: r[k] for k in RESTART_FIELDS} for r in history[-MAX_HISTORY:]), started,
+                          untouched, addr, port)
 
 
 def _is_restart(record: Any) -> bool:
@@ -176,14 +188,54 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
         out += stop_attempt(core, describe_fault(new[0]) if new else (
             f"node {node.host} had stopped its workers of attempt {attempt.number} when the coordinator restarted"),
             now, want_stacks=False)
-    elif core.phase is Phase.RUNNING and resumed.state == "running" and not resumed.started:
-        # Its ranks rendezvous in a store that died with the old coordinator: they would wait
-        # for it until torch's store timeout (30 min), stepping nothing (acceptance 21C F4).
-        # A re-form with a fresh store, no fault: no restart of the budget is spent.
-        out += stop_attempt(core, f"the coordinator restarted while ranks on node {node.host} were still starting "
-                                  f"(before init_process_group was done): the attempt's store is gone with it",
-                            now, want_stacks=False)
+    elif core.phase is Phase.RUNNING and resumed.state == "running":
+        out += store_after_resume(core, node_id, resumed, now)
     return out
+
+
+def store_after_resume(core: JobCore, node_id: str, resumed: ResumedAttempt, now: float) -> list[Out]:
+    """The attempt's store died with the old coordinator. Ranks that used it and are still in
+    ``init_process_group`` would wait for it until torch's store timeout (30 min), stepping
+    nothing (acceptance 21C F4): the job re-forms with a fresh store, no fault, no restart of
+    the budget spent. While no rank of any node has called ``init_process_group`` (a script
+    that loads first, or never calls it: acceptance 23A F1), the store is opened again, empty,
+    on its port instead, and they rendezvous there as if nothing happened."""
+    attempt = core.attempt
+    assert attempt is not None
+    said = "untouched" if resumed.store_untouched else "started" if resumed.started else "touched"
+    core.store_said[node_id] = said
+    host = core.members.nodes[node_id].host
+    if said == "touched":
+        reason = (f"the coordinator restarted while ranks on node {host} were still starting (in or before "
+                  f"init_process_group): the attempt's store is gone with it")
+    elif {"untouched", "started"} <= set(core.store_said.values()):
+        # Some ranks are past the rendezvous the others have yet to begin (NCCL's is lazy): an
+        # empty store would leave the latter waiting for keys only the dead store had.
+        early = sorted(core.members.nodes[n].host for n, s in core.store_said.items() if s == "untouched")
+        reason = (f"the coordinator restarted while ranks on node(s) {', '.join(early)} had not called "
+                  f"init_process_group and others had: the attempt's store is gone with it")
+    elif said == "untouched" and core.store_reopened is None:
+        if not resumed.master_port:
+            return stop_attempt(core, "the coordinator restarted before the attempt's ranks called "
+                                      "init_process_group, and no node said where their store was", now, want_stacks=False)
+        core.store_reopened = (attempt.number, resumed.master_port)
+        return [OpenStore(attempt.number, port=resumed.master_port, addr=resumed.master_addr),
+                Emit("store_reopening", {"attempt": attempt.number, "port": resumed.master_port})]
+    else:
+        return []
+    return stop_attempt(core, reason, now, want_stacks=False)
+
+
+def store_opened_again(core: JobCore, attempt: int, port: int, error: str, now: float) -> list[Out]:
+    """The shell opened the store of an attempt taken back again (``store_after_resume``), or
+    could not (``error``): the ranks would wait for it, so the job re-forms with a fresh one."""
+    if core.attempt is None or core.attempt.number != attempt or core.phase is not Phase.RUNNING:
+        return []
+    if error:
+        return stop_attempt(core, f"the coordinator restarted before the attempt's ranks called "
+                                  f"init_process_group, and their store could not be opened again on port {port} "
+                                  f"({error})", now, want_stacks=False)
+    return [Emit("store_reopened", {"attempt": attempt, "port": port})]
 
 
 def _disagrees(core: JobCore, node_id: str, resumed: ResumedAttempt, now: float) -> list[Out]:

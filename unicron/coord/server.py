@@ -26,6 +26,7 @@ from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.peers import PeerWarnings, other_job
 from unicron.coord.records import JobSpec
+from unicron.coord.resume import store_opened_again
 from unicron.coord.statusfit import fit_status, size
 from unicron.coord.stores import AttemptStores, StoreOpener, preload
 from unicron.detect.stall import StallWatch
@@ -360,8 +361,11 @@ class CoordinatorServer:
                     self._send_raw(identity, job_id, out.kind, out.body)
             elif isinstance(out, Emit):
                 slot.events.emit(out.kind, **out.fields)
+            elif isinstance(out, OpenStore) and out.port and out.addr not in ("", self.advertise_addr):
+                queue += store_opened_again(slot.core, out.attempt, out.port, f"its ranks look for it at {out.addr}, "
+                                            f"this coordinator is at {self.advertise_addr}", self.clock())
             elif isinstance(out, OpenStore):
-                self.stores.open(job_id, out.attempt)  # off the loop: heartbeats are answered meanwhile
+                self.stores.open(job_id, out.attempt, out.port)  # off the loop: heartbeats are answered meanwhile
             elif isinstance(out, Finish):
                 # Lost nodes too: one that only stalled finds the word in its socket when it runs
                 # again, rather than waiting out the coordinator's silence.
@@ -389,6 +393,12 @@ class CoordinatorServer:
                     store.close()
                 continue
             now = self.clock()
+            reopened = slot.core.store_reopened
+            if reopened is not None and reopened[0] == attempt:  # an attempt taken back: never a fresh one's
+                if store is not None:
+                    slot.stores.keep(attempt, store)
+                self._run(job_id, slot, store_opened_again(slot.core, attempt, reopened[1], error, now))
+                continue
             if store is None:
                 self._run(job_id, slot, slot.core.fail(error, now))
                 continue

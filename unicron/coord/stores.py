@@ -191,8 +191,9 @@ class StoreOpener:
         self._ready: queue.Queue[tuple[str, int, Store | None, str]] = queue.Queue()
         self.host = host
 
-    def open(self, job_id: str, attempt: int) -> None:
-        threading.Thread(target=self._open, args=(job_id, attempt), name="unicron-store", daemon=True).start()
+    def open(self, job_id: str, attempt: int, port: int = 0) -> None:
+        """A store on any free port, or on ``port`` (one a coordinator before this one held)."""
+        threading.Thread(target=self._open, args=(job_id, attempt, port), name="unicron-store", daemon=True).start()
 
     def pending(self) -> bool:
         """Something opened that ``ready()`` has not handed over yet."""
@@ -211,11 +212,11 @@ class StoreOpener:
         if self.host is not None:
             self.host.close()
 
-    def _open(self, job_id: str, attempt: int) -> None:
+    def _open(self, job_id: str, attempt: int, port: int) -> None:
         error = ""
         for _ in range(STORE_TRIES):
             try:
-                store = self._open_once()
+                store = self._open_once(port)
             except Exception as err:  # noqa: BLE001 - reported as the job's failure, in the loop thread
                 error = str(err)
                 continue
@@ -223,13 +224,13 @@ class StoreOpener:
             return
         self._ready.put((job_id, attempt, None, f"cannot open the workers' store: {error}"))
 
-    def _open_once(self) -> Store:
-        if self.host is not None:
+    def _open_once(self, port: int) -> Store:
+        if self.host is not None and not port:  # the store host opens on a free port only
             try:
                 return self.host.open(STORE_OPEN_TIMEOUT_S, ANSWERED_WAIT_S if self.host.answered else HOST_WAIT_S)
             except StoreHostGone:
                 pass
-        return LocalStore(open_tcp_store(STORE_OPEN_TIMEOUT_S))  # imports torch here: the first time, seconds
+        return LocalStore(open_tcp_store(STORE_OPEN_TIMEOUT_S, port))  # imports torch here: the first time, seconds
 
 
 def preload() -> None:

@@ -28,7 +28,8 @@ from unicron.proto.schema import schema_errors
 # restarts (given back in a resume); reject may carry the coordinator's clock (``clock``).
 # 6: an ack says when the coordinator hears no node over the network (``deaf``). 7: a fenced
 # node's reject says whether this coordinator declared it lost (``lost``: its job wants it back).
-PROTOCOL_VERSION = 7
+# 8: a resume says whether no rank of the node used the attempt's store yet, and its port.
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 

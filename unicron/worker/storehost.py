@@ -48,12 +48,13 @@ def parse_request(line: bytes) -> tuple[str, int, float]:
     raise RequestError("request is neither open nor close")
 
 
-def open_tcp_store(timeout_s: float) -> Any:
-    """A TCPStore server on a free port of every interface. Its own client connects at once: a
-    bounded wait (torch's default is 300 s, and a job would wait that long without a word)."""
+def open_tcp_store(timeout_s: float, port: int = 0) -> Any:
+    """A TCPStore server on ``port`` (0: a free one) of every interface. Its own client connects
+    at once: a bounded wait (torch's default is 300 s, and a job would wait that long without a
+    word)."""
     from torch.distributed import TCPStore
 
-    return TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def serve(requests_fd: int, replies_fd: int) -> int:
