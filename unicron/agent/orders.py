@@ -38,6 +38,7 @@ from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import scan_snapshots
 from unicron.agent.tee import ConsoleTee
+from unicron.agent.terminate import EXITING_S
 from unicron.agent.warm import READY_WAIT_S, WarmPool
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
@@ -292,9 +293,9 @@ class AgentOrders:
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _exit_lingers(self, ranks: list[int]) -> None:
-        self.ui.warn(f"rank(s) {', '.join(map(str, ranks))} raised but did not exit within 2 s (a non-daemon thread "
-                     f"keeps the interpreter? py-spy dump --pid shows it): the other ranks are stopped after it "
-                     f"exits, or after the {self.s.grace_s:g} s grace period")
+        self.ui.warn(f"rank(s) {', '.join(map(str, ranks))} raised but did not exit within {EXITING_S:g} s "
+                     f"(a non-daemon thread keeps the interpreter? py-spy dump --pid shows it): the other ranks are "
+                     f"stopped after it exits, or after the {self.s.grace_s:g} s grace period")
 
     def _report(self, fault: dict[str, Any]) -> None:
         self.reporter.report(fault, self.group)

@@ -29,8 +29,13 @@ class Frame:
     function: str
     source: str = ""  # the line's text, when the agent could read it
 
+    @property
+    def path(self) -> str:
+        """The file's path with forward slashes (a dump may come from any platform's Python)."""
+        return self.filename.replace("\\", "/")
+
     def short(self) -> str:
-        parts = self.filename.replace("\\", "/").split("/")
+        parts = self.path.split("/")
         # The last three parts; "..." says where a longer path was cut (not a relative path).
         tail = "/".join(parts) if len(parts) <= 4 else ".../" + "/".join(parts[-3:])
         return f"{tail}:{self.lineno} in {self.function}"
@@ -80,7 +85,7 @@ def parse_dump(text: str) -> list[ThreadStack]:
 
 
 def _is_thread_bootstrap(frame: Frame) -> bool:
-    return frame.filename.replace("\\", "/").endswith("/threading.py") and frame.function.startswith("_bootstrap")
+    return frame.path.endswith("/threading.py") and frame.function.startswith("_bootstrap")
 
 
 def main_thread(threads: list[ThreadStack]) -> ThreadStack | None:
@@ -115,7 +120,7 @@ COLLECTIVE_FRAMES: tuple[tuple[str, str | None], ...] = (
 
 
 def frame_in_collective(frame: Frame) -> bool:
-    path = frame.filename.replace("\\", "/")
+    path = frame.path
     for fragment, function in COLLECTIVE_FRAMES:
         if fragment in path and (function is None or frame.function == function):
             return True
@@ -163,7 +168,7 @@ class RankStack:
 
 
 def _in_torch(frame: Frame) -> bool:
-    return "/torch/" in frame.filename.replace("\\", "/")
+    return "/torch/" in frame.path
 
 
 _POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "wait", "send_object_list",
@@ -179,7 +184,7 @@ def collective_call(frames: tuple[Frame, ...]) -> str:
         if not _in_torch(frame):
             if i == 0:
                 return ""
-            name = frame.filename.replace("\\", "/").rsplit("/", 1)[-1]
+            name = frame.path.rsplit("/", 1)[-1]
             # The API the script called, under torch's decorators (c10d_logger's ``wrapper``).
             called = next((f.function for f in reversed(frames[:i]) if f.function not in _DECORATORS),
                           frames[i - 1].function)
