@@ -200,7 +200,13 @@ _LONG_CALL = _iterations_for(4.0)  # longer than the 1.5 s of sampling even if t
 def _one_native_call(stop: threading.Event) -> None:  # CPU in one C call, longer than the sampling
     import hashlib
 
+    _one_native_call.entering.set()  # type: ignore[attr-defined]
     hashlib.pbkdf2_hmac("sha256", b"unicron", b"salt", _LONG_CALL)
+
+
+# Sampling begins once the main thread is in the call: one sample taken on its way there (on
+# a loaded machine it can take longer than a sample's interval) sees it come back from Python.
+_one_native_call.entering = threading.Event()  # type: ignore[attr-defined]
 
 
 def _native_loop(stop: threading.Event) -> None:  # CPU in C calls, one after another, one frame
@@ -367,12 +373,24 @@ def _reports_while(body) -> tuple[int, int]:
     stop = threading.Event()
 
     def sampler() -> None:
+        entering = getattr(body, "entering", None)
+        if entering is not None:
+            assert entering.wait(30), "the body never began"
+            # At the same instruction twice, computing in between (not just descheduled): in it.
+            deadline, last, cpu = time.monotonic() + 30, None, main_thread_cpu()
+            while (now := main_thread_signature()) is None or now != last or (cpu is not None and main_thread_cpu() == cpu):
+                assert time.monotonic() < deadline, "the main thread never settled in the call"
+                last, cpu = now, main_thread_cpu()
+                time.sleep(SAMPLE_S)
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
             time.sleep(SAMPLE_S)
             watch.sample(time.monotonic())
         stop.set()
 
+    entering = getattr(body, "entering", None)
+    if entering is not None:
+        entering.clear()
     thread = threading.Thread(target=sampler)
     thread.start()
     body(stop)
