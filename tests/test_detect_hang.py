@@ -290,9 +290,14 @@ def test_a_pause_of_the_observer_does_not_count_as_the_ranks_silence() -> None:
     now = run_steps(det, [0, 1], 30, dt=1.0, t0=5.0)
     det.paused(10.0)
     assert det.check(now + 10.0 + 2.9) is None
-    assert det.check(now + 10.0 + 3.1) is not None
+    verdict = det.check(now + 10.0 + 3.1)
+    assert verdict is not None and verdict.stalled_s == pytest.approx(3.1)
+    # Acceptance 24A F5: the verdict says the whole silence, and what of it was not counted.
+    assert "no step completed for 13.10s by rank(s) 0, 1, 10.0s of it not counted" in verdict.message
     det.observe(0, 31, now + 13.5)  # the next step's interval is what ran, not the pause
     assert det.stats.iter_times(0)[-1] == pytest.approx(3.5)
+    det.observe(1, 31, now + 13.5)
+    assert "not counted" not in det.check(now + 13.5 + 3.1).message  # a step since: nothing excused
 
 
 def test_a_pause_never_moves_a_clock_past_now() -> None:

@@ -29,6 +29,7 @@ class _RankProgress:
     times: deque[float] = field(default_factory=deque)
     longest_s: float = 0.0  # longest gap between progress reports this attempt (first one included)
     first_step_ts: float | None = None  # when its first step of the attempt came
+    excused_s: float = 0.0  # of its silence since that progress, what ``paused`` took off its clock
 
 
 class StepStats:
@@ -71,6 +72,8 @@ class StepStats:
         if p.last_step is not None and p.steps_in_attempt + advanced > self.skip_first:
             p.times.append(max(ts - p.last_progress_ts, 0.0) / advanced)
         p.last_step = step
+        if ts >= p.last_progress_ts:
+            p.excused_s = 0.0
         p.last_progress_ts = max(ts, p.last_progress_ts)
         p.steps_in_attempt += advanced
         return True
@@ -82,7 +85,14 @@ class StepStats:
         future would hide a hang that long, and turn the steps before it into 0 s samples)."""
         for p in self._ranks.values():
             moved = p.last_progress_ts + gap_s
-            p.last_progress_ts = max(p.last_progress_ts, moved if now is None else min(moved, now))
+            moved = max(p.last_progress_ts, moved if now is None else min(moved, now))
+            p.excused_s += moved - p.last_progress_ts
+            p.last_progress_ts = moved
+
+    def excused_s(self, rank: int) -> float:
+        """How much of ``rank``'s silence since its last progress ``paused`` did not count."""
+        p = self._ranks.get(rank)
+        return p.excused_s if p is not None else 0.0
 
     def remove(self, rank: int) -> None:
         """Stop expecting ``rank`` (it finished cleanly or was taken out of the job)."""
@@ -174,6 +184,9 @@ class HangVerdict:
     # The detector holds one node's ranks: in a job of several nodes the stalled ones named are
     # this node's, and the stuck rank may be another node's (the stack dump names it).
     one_node_of_several: bool = False
+    # Silence of the first stalled rank before ``stalled_s`` that was not counted (the launcher
+    # was stopped, the ranks ran a handler of a script signal): said, as the whole silence is.
+    excused_s: float = 0.0
 
     @property
     def message(self) -> str:
@@ -185,6 +198,10 @@ class HangVerdict:
             which = "busy: max(busy k x median" if self.busy else "idle: max(k x median"
             basis = f"threshold {self.threshold_s:.2f}s, {which} {median}, floor)"
         whose = "this node's rank(s)" if self.one_node_of_several else "rank(s)"
+        if self.excused_s >= 0.05:
+            return (f"no step completed for {self.stalled_s + self.excused_s:.2f}s by {whose} {ranks}, "
+                    f"{self.excused_s:.1f}s of it not counted (the launcher stopped, a script signal's or a debugger's "
+                    f"hold, or the coordinator unheard) ({basis})")
         return f"no step completed for {self.stalled_s:.2f}s by {whose} {ranks} ({basis})"
 
 
@@ -347,7 +364,9 @@ class HangDetector:
         stalled = sorted((r for r in ranks if now - last[r] > threshold), key=lambda r: (last[r], r))
         if not stalled:
             return None
+        own = self.stats.last_progress(stalled[0]) == last[stalled[0]]  # not a mark's later time
         return HangVerdict(
+            excused_s=self.stats.excused_s(stalled[0]) if own else 0.0,
             stalled_s=now - last[stalled[0]],
             threshold_s=threshold,
             median_s=self.stats.job_median(),
