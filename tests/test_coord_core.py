@@ -493,10 +493,12 @@ def test_the_core_passes_the_ranks_that_finished_and_skips_garbage() -> None:
 def test_a_lost_nodes_workers_are_not_shown_running() -> None:
     core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
     core.on_heartbeat("a", {"workers": [{"rank": 0, "state": "running"}], "health": {}}, 3.5)
-    core.on_heartbeat("b", {"workers": [{"rank": 1, "state": "running"}], "health": {}}, 1.2)
+    core.on_heartbeat("b", {"workers": [{"rank": 1, "state": "running"}, {"rank": 2, "state": "failed"}],
+                            "health": {}}, 1.2)
     core.tick(4.5)  # b silent: lost
     nodes = {n["node_id"]: n for n in core.snapshot(4.5)["nodes"]}
-    assert nodes["b"]["state"] == "lost" and [w["state"] for w in nodes["b"]["workers"]] == ["lost"]
+    # A rank that failed stays failed (acceptance 25C F1: shown as its node's state, the cause hid).
+    assert nodes["b"]["state"] == "lost" and [w["state"] for w in nodes["b"]["workers"]] == ["lost", "failed"]
     assert [w["state"] for w in nodes["a"]["workers"]] == ["running"]
 
 

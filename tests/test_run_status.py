@@ -94,3 +94,31 @@ def test_a_run_trains_when_the_runs_dir_cannot_be_used(workdir) -> None:
     warned = [line for line in proc.stderr.splitlines() if "cannot use" in line]
     assert len(warned) == 1 and f"UNICRON_RUNS_DIR: cannot use {taken}" in warned[0], proc.stderr
     assert "`unicron status` will not find this run" in warned[0] and "Traceback" not in proc.stderr
+
+
+def test_an_ended_jobs_status_still_lists_every_rank_and_the_one_that_failed(workdir, launch) -> None:
+    """Acceptance 25C F1: a standalone coordinator keeps showing a job that failed, but the
+    ranks of nodes that had stopped their workers were gone from it (heartbeats after the stop
+    said no workers), and a failed rank was shown as its node's ``left``."""
+    from test_run_coordinator_outage import _coordinator
+    from test_run_mesh import SECRET
+
+    port = _free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    coordinator = _coordinator(launch, workdir, port, "coord", env)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
+            "--rdzv-id", "endjob", "--max-restarts", "0", "--inject", "exception@1:5", "--log-dir",
+            str(workdir / "logs"), str(workdir / "train_state.py"), "--steps", "40", "--sleep", "0.05"]
+    nodes = [launch(args, workdir, env), launch(args, workdir, env)]
+    for node in nodes:
+        assert node.wait(120)[0] == 1
+    proc = subprocess.run(unicron_cmd("status", "--json", "--job", "endjob"), cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    snap = json.loads(proc.stdout)
+    assert snap["job"]["state"] == "failed"
+    states = {w["rank"]: w["state"] for n in snap["nodes"] for w in n["workers"]}
+    # Rank 0 is stopped, or fails first on its broken collective (gloo's peer is gone).
+    assert states[1] == "failed" and states[0] in ("stopped", "failed") and len(states) == 2, snap["nodes"]
+    coordinator.proc.send_signal(signal.SIGTERM)
+    assert coordinator.wait(20)[0] == 0

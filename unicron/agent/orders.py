@@ -118,6 +118,7 @@ class AgentOrders:
                                                         if f.get("kind") != "hang"]
                     self.group.peers_done = told
             elif msg.kind == "assign":
+                self.reporter.ended_workers = []  # another attempt: its ranks come with its workers
                 self._start_attempt(body)
             elif msg.kind == "stop":
                 self._on_stop(body)
@@ -249,6 +250,7 @@ class AgentOrders:
         self.ui.warn(f"stopping attempt {body['attempt']} (first report: {body['reason']})")
         if group is not None and group.spec.attempt == body["attempt"]:
             self._stop_group(reason=body["reason"])
+            self._heartbeat(at_once=True)  # the ranks as they ended, before the job may end with the stop
         snapshots, sizes = scan_snapshots(self.shm_dir)
         self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],
                                "snapshots": snapshots, "stacks": stacks, "snapshot_bytes": sizes,
@@ -290,6 +292,7 @@ class AgentOrders:
             faulted = {f.get("rank") for f in self.reporter.attempt_faults}
             for notice in unfired_injects(group.spec, steps, faulted):
                 self.ui.warn(notice)
+        self.reporter.ended_workers = group.summary()
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _exit_lingers(self, ranks: list[int]) -> None:

@@ -37,6 +37,10 @@ class Reporter:
         self.last_heartbeat = 0.0  # monotonic time of the last heartbeat sent
         self.sent_level = Activity.IDLE
         self.sent_done = False  # whether the last heartbeat said some local rank is past its last step
+        # The ranks of the last workers stopped, as they ended: heartbeats show them until new
+        # workers start (``unicron status`` lists a failed rank after its job failed, and the
+        # ranks of a node that waits for a lost peer).
+        self.ended_workers: list[dict[str, Any]] = []
         # Every fault reported since the last assign (health evidence too): what a restarted
         # coordinator, which lost them, is told in this node's resume (unicron.coord.resume).
         self.attempt_faults: list[dict[str, Any]] = []
@@ -90,7 +94,7 @@ class Reporter:
         self.last_heartbeat, self.sent_level, self.sent_done = now, level, done
         if self.health.due(now):
             self._check_health(read_health_safely(), group)
-        workers = group.summary() if group is not None else []
+        workers = group.summary() if group is not None else self.ended_workers
         self.send("heartbeat", {"node_id": self.node_id, "epoch": epoch,
                                 "attempt": group.spec.attempt if group else -1,
                                 "workers": workers, "health": self.health.reading,

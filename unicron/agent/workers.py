@@ -117,7 +117,8 @@ class WorkerGroup:
             if r.exitcode is None:
                 r.exitcode = r.proc.poll()
                 r.exited_at = now
-                r.state = "stopped"
+                # The rank that raised (or exited non-zero by itself) failed; the others were stopped.
+                r.state = "failed" if r.proc.pid in exiting and r.exitcode != 0 else "stopped"
         return killed
 
     # ---- inputs --------------------------------------------------------------------

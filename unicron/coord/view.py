@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 
 GONE_NODES_SHOWN = 8  # the newest nodes that left or were lost, in a status reply
+ENDED = ("failed", "exited")  # a rank's states that its node's end does not change
 
 
 def job_view(core: JobCore) -> dict[str, Any]:
@@ -38,9 +39,11 @@ def job_view(core: JobCore) -> dict[str, Any]:
                       "last_heartbeat": node.heard_at if node.heard_at is not None else node.last_heartbeat,
                       "activity": node.activity.name.lower(),
                       "health": node.health,
-                      # a node that is gone has no running workers, whatever it last said
+                      # a node that is gone has no running workers, whatever it last said; one
+                      # that failed or exited is shown so still (the root cause of the job's end)
                       "workers": workers if node.state is NodeState.ACTIVE else
-                      [dict(w, state=node.state.value) for w in workers if isinstance(w, dict)]})
+                      [w if w.get("state") in ENDED else dict(w, state=node.state.value)
+                       for w in workers if isinstance(w, dict)]})
     return {
         "job": {"id": core.spec.job_id, "state": core.phase.value,
                 **({"gone_nodes_not_shown": len(dropped)} if dropped else {}),
