@@ -195,6 +195,25 @@ def test_a_failing_collector_gives_500_and_the_server_survives() -> None:
         server.stop()
 
 
+def test_a_scraper_that_resets_mid_request_costs_no_traceback_on_the_console(capfd) -> None:
+    """Acceptance 25C F2: each broken-off scrape printed a Python traceback (socketserver's)."""
+    import socket
+    import struct
+
+    from e2e import wait_for
+
+    server, port = start_metrics_server(0, lambda: {"job": "x"}, host="127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHo")  # the server waits for the rest: reset then
+        wait_for(lambda: server.client_errors >= 1, 10, "the server to meet the reset")
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200  # it serves on
+    finally:
+        server.stop()
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_metrics_port_in_use_is_one_usage_error() -> None:
     import socket
 

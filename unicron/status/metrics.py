@@ -22,6 +22,7 @@ The values dict of one job (every key optional):
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from unicron.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Detection targets are sub-second for crashes and a few seconds for hangs and lost nodes.
@@ -191,6 +194,13 @@ class MetricsServer(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.collect = collect
         self.thread: threading.Thread | None = None
+        self.client_errors = 0  # requests that broke off (a scraper that timed out and reset)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback on the console for each; a scrape that gives up
+        # mid-answer (a Prometheus timeout) is ordinary, and only the scraper is affected.
+        self.client_errors += 1
+        log.debug("metrics request from %s broke off", client_address, exc_info=True)
 
     def stop(self) -> None:
         stop_metrics_server(self)
