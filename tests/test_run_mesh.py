@@ -52,6 +52,20 @@ def test_two_agents_on_loopback_form_one_job(workdir, launch) -> None:
     assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["nnodes"] == 2
 
 
+def test_an_inject_given_on_one_node_fires_on_the_node_that_runs_its_rank(workdir, launch) -> None:
+    """Acceptance 25C F3: ``--inject kill@1:5`` given on node 0 only, rank 1 on node 1: each
+    agent applied its own flags, so it never fired, and nothing said so. A RANK is global."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    a = launch(agent_args(workdir, port, "2", "--node-rank", "0", "--inject", "kill@1:5", steps=12), workdir, env)
+    b = launch(agent_args(workdir, port, "2", "--node-rank", "1", steps=12), workdir, env)
+    results = [item.wait(120) for item in (a, b)]
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert "exit on rank 1 at step 5: signal SIGKILL" in results[1][2], results[1][2]
+    faults = [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]
+    assert {(e["rank"], e.get("signal")) for e in faults} == {(1, "SIGKILL")}, faults
+
+
 def test_a_node_whose_clock_is_200_s_ahead_joins_and_the_job_runs(workdir, launch) -> None:
     # Messages carry wall-clock time against replays; a node whose clock is off by more than
     # the window (no NTP, a VM resumed from a suspend) had all its messages dropped and waited

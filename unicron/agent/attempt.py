@@ -13,6 +13,7 @@ from unicron.agent.ranks import GroupSpec
 from unicron.agent.settings import AgentSettings
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.hang import HangDetector
+from unicron.errors import UsageError
 from unicron.worker.inject import parse_inject_spec
 
 
@@ -23,7 +24,7 @@ def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
                      node_rank=body["node_rank"], nnodes=body["nnodes"],
                      local_world_sizes=tuple(body["local_world_sizes"]),
                      master_addr=body["master_addr"] or s.rdzv_host, master_port=body["master_port"],
-                     restore_step=body.get("restore_step"), inject=s.inject if body["inject"] else "",
+                     restore_step=body.get("restore_step"), inject=injected(body, s),
                      restore_note=body.get("restore_note", ""),
                      node_ids=frozenset(str(n[0]) for n in body.get("nodes", ()) if isinstance(n, list) and n))
 
@@ -50,6 +51,20 @@ class EarlierAttempts:
         if self._startup is None or self._startup[1:] != (spec.world_size, spec.node_ids):
             return None
         return self._startup[0]
+
+
+def injected(body: dict[str, Any], s: AgentSettings) -> str:
+    """What ``assign`` injects: in the first attempt only, every node's ``--inject`` (this
+    node's if the coordinator sent none, or what it sent does not parse)."""
+    if not body["inject"]:
+        return ""
+    faults = body.get("inject_faults") or s.inject
+    try:
+        if faults:
+            parse_inject_spec(faults)
+    except UsageError:
+        return s.inject
+    return faults
 
 
 def hang_detector(s: AgentSettings, startup_hint_s: float | None = None) -> HangDetector:

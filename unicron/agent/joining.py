@@ -178,7 +178,9 @@ def join_body(s: AgentSettings, node_id: str, host: str, pid: int, extra: dict[s
             "max_restarts": s.max_restarts, "last_call_s": s.last_call_s,
             "heartbeat_timeout_s": s.heartbeat_timeout_s, "heartbeat_interval_s": s.heartbeat_interval_s,
             "join_timeout_s": s.join_timeout_s,
-            "stop_timeout_s": 2 * s.grace_s + STACK_STOP_MARGIN_S, "hang": hang_settings(s), **extra}
+            "stop_timeout_s": 2 * s.grace_s + STACK_STOP_MARGIN_S, "hang": hang_settings(s),
+            # its --inject: the job's first attempt injects every node's (a RANK is global)
+            **({"inject": s.inject} if s.inject else {}), **extra}
 
 
 def hang_settings(s: AgentSettings) -> dict[str, float]:

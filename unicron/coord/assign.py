@@ -3,7 +3,7 @@ each node's ``assign``, its place in the attempt's world."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from unicron.coord.outbox import Emit, Out, Send
@@ -21,11 +21,12 @@ class Placed(Protocol):
 def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restarts_used: int,
                      master_addr: str, master_port: int, restore_step: int | None,
                      restore_note: str = "", why: str = "", started_at: float | None = None,
-                     restarts: Sequence[dict[str, Any]] = ()) -> list[Out]:
+                     restarts: Sequence[dict[str, Any]] = (), inject: str = "") -> list[Out]:
     """The event that opens attempt ``number`` on ``nodes`` (in node-rank order), then one
     ``assign`` per node: its node rank, the global rank of its first worker, the world's sizes,
-    the store, the step every rank restores, and ``why`` (the decision that led to it, for the
-    console of every node: only the one hosting the coordinator sees its events)."""
+    the store, the step every rank restores, ``why`` (the decision that led to it, for the
+    console of every node: only the one hosting the coordinator sees its events), and the
+    faults the first attempt injects (``inject``: those of every node, see ``merged_injects``)."""
     sizes = [n.nproc for n in nodes]
     world = sum(sizes)
     note: dict[str, Any] = {"restore_note": restore_note} if restore_note else {}
@@ -45,9 +46,18 @@ def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restar
             "master_port": master_port, "restore_step": restore_step, **note,
             **({"why": why} if why else {}),
             # faults are injected into the first attempt only (a restart must be able to heal)
-            "inject": number == 0, "restarts_used": restarts_used,
+            "inject": number == 0, **({"inject_faults": inject} if inject and number == 0 else {}),
+            "restarts_used": restarts_used,
             "nodes": [[n.node_id, n.host] for n in nodes],
             **({"started_at": started_at} if started_at is not None else {}),
             "restarts": list(restarts)}))
         offset += node.nproc
     return out
+
+
+def merged_injects(specs: Iterable[str]) -> str:
+    """The ``--inject`` faults of every node, each once (``KIND@RANK:STEP;...``): a RANK is a
+    global rank, and a node applies those of its own ranks, whichever node was given them
+    (acceptance 25C F3: a fault given on another node than its rank's never fired, unsaid)."""
+    parts = (part.strip() for spec in specs for part in spec.split(";"))
+    return ";".join(dict.fromkeys(part for part in parts if part))
