@@ -60,6 +60,40 @@ def test_a_rank_that_breaks_its_peers_before_it_throws_is_the_root_cause(workdir
     assert decisions[0]["rule"] != "peer-connection-lost", decisions[0]
 
 
+FINALLY_DESTROY = r"""
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    for step in range(40):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        if step == 5 and dist.get_rank() == 1:
+            raise KeyError("missing_key_in_batch")
+finally:
+    dist.destroy_process_group()  # PyTorch's own advice: the peers' collectives fail on it at once
+"""
+
+
+def test_a_rank_that_raises_through_a_finally_that_destroys_its_group_is_the_root_cause(workdir) -> None:
+    """Acceptance 25A F1: the ``closed`` the ``finally`` sends came before the exception's
+    report, so the raising rank counted as ended cleanly ("exited with code 0") and the job
+    was stopped for an uneven end, KeyError nowhere."""
+    (workdir / "finally_destroy.py").write_text(FINALLY_DESTROY)
+    code, _out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                                   "--log-dir", str(workdir / "logs"), str(workdir / "finally_destroy.py")],
+                                  workdir, timeout=150)
+    assert code == 1, err
+    assert "last cause: rank 1 on" in err and "raised KeyError: 'missing_key_in_batch'" in err, err
+    assert "exited with code 0" not in err, err
+
+
 THREAD_THEN_KILL = r"""
 import os, signal, threading
 import torch

@@ -51,7 +51,8 @@ def failing_ranks(ranks: Iterable[RankState], now: float) -> list[int]:
     that exits is done: its exit is the report)."""
     return [r.rank for r in ranks
             if r.exitcode is None and not r.exception_fatal and r.exiting_code is None
-            and looks_failing(r.logs.stderr_path, now) and r.proc.poll() is None and not is_exiting(r.proc.pid)]
+            and (r.closed_raising or looks_failing(r.logs.stderr_path, now))
+            and r.proc.poll() is None and not is_exiting(r.proc.pid)]
 
 
 def wait_for_failing(ranks: Iterable[RankState], drain: Callable[[], object], wait_s: float = WAIT_S) -> None:

@@ -39,6 +39,7 @@ class RankState:
     exiting_at: float | None = None
     bye_at: float | None = None  # (monotonic) its script ended cleanly; the interpreter may still tear down
     closed: bool = False  # destroyed its default process group (since its last step): past its collectives
+    closed_raising: bool = False  # ... with an exception on its way out (in a ``finally``): not an end
     lingering_named: bool = False  # said to have outlived its script (WorkerGroup.lingering_notices)
 
     def note(self, t: Any, msg: dict[str, Any], at: float) -> bool:
@@ -59,6 +60,7 @@ class RankState:
             self.stateful = True
         elif t in ("closed", "opened"):
             self.closed = t == "closed"
+            self.closed_raising = self.closed and msg.get("raising") is True
         elif t == "bye":
             self.bye_at = time.monotonic()
         elif t == "exiting" and isinstance(msg.get("code"), int):
@@ -80,7 +82,7 @@ class RankState:
                 self.steps_in_attempt += 1
             self.step = msg["step"]
             self.last_step_at = at
-            self.closed = False  # a new process group after all
+            self.closed = self.closed_raising = False  # a new process group after all
             if isinstance(msg.get("snap"), int):
                 self.snapshot_step = msg["snap"]
             return True

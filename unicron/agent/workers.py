@@ -259,7 +259,8 @@ class WorkerGroup:
         ``wandb.finish()``) cannot be told from a pause between steps, and re-arming the verdicts
         called those tails hangs (acceptance 24A F3/F6); a hang after an uneven end waits for the
         collective's timeout, as under torchrun (23C F3, a documented limit)."""
-        return any(r.bye_at is not None or r.exitcode == 0 or r.closed for r in self.ranks.values())
+        return any(r.bye_at is not None or r.exitcode == 0 or (r.closed and not r.closed_raising)
+                   for r in self.ranks.values())
 
     def next_check_s(self, mono: float) -> float:
         """How long ``check_hang`` has nothing to do unless a message comes first: until the

@@ -190,7 +190,11 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
         default = group is None or (members is not None and group is getattr(members, "WORLD", None))
         if default:  # said first: the peers' collectives fail on it before it returns
             _rt.closed = True
-            channel.get().emit("closed")
+            # In a ``finally`` on an exception's way out (``try: train() finally:
+            # destroy_process_group()``): not a clean end, the exception's report follows.
+            err = sys.exc_info()[1]
+            raising = err is not None and not (isinstance(err, SystemExit) and err.code in (0, None))
+            channel.get().emit("closed", **({"raising": True} if raising else {}))
         try:
             return destroy(group, *args, **kwargs)
         except BaseException:
