@@ -164,6 +164,28 @@ def test_a_node_whose_workers_all_finished_is_not_lost_for_its_silence_while_the
     assert [o.fields["node_id"] for o in lost] == ["b"]
 
 
+def test_a_node_whose_workers_all_finished_may_leave_while_the_others_train() -> None:
+    """Acceptance 25A F2: SIGTERM (or Ctrl-C) to node b's launcher after its ranks all exited 0
+    stopped a's training and waited the join timeout for b. As its silence (above), b's leaving
+    costs nothing: a trains on and the job ends when a finishes."""
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_finished("b", {"attempt": 0}, 2)
+    outs = core.on_leave("b", {"node_id": "b", "reason": "interrupted by SIGTERM"}, 3)
+    assert core.phase is Phase.RUNNING and not sends(outs, "stop")
+    assert [o for o in core.on_finished("a", {"attempt": 0}, 10) if isinstance(o, Finish)] == [
+        Finish(0, "all workers finished successfully")]
+    # One that leaves before its workers finished is a fault, as before.
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_leave("b", {"node_id": "b", "reason": "interrupted by SIGTERM"}, 3)
+    assert core.phase is Phase.STOPPING
+
+
 def test_a_rank_that_raised_is_stopped_on_its_node_first_and_the_others_after() -> None:
     """Acceptance 24A F1: the other nodes' ranks were SIGTERMed as the exception was reported,
     while the rank that raised was still exiting (a dcp.async_save in flight with them lost its

@@ -637,6 +637,58 @@ def test_a_rank_waiting_at_the_end_for_another_nodes_rank_that_trains_on_is_not_
     assert not [e for e in events if e["kind"] in ("fault", "decision")], events
 
 
+ONE_NODE_ENDS_FIRST = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+dist.barrier()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+step = 0
+while (rank == 1 and step < 5) or (rank == 0 and not os.path.exists(sys.argv[1])):  # rank 0 has more data
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    step += 1
+    time.sleep(0.05)
+print(f"rank {rank} done after {step} steps", flush=True)
+"""
+
+
+def test_a_node_whose_workers_finished_may_be_interrupted_while_the_others_train_on(workdir, launch) -> None:
+    """Acceptance 25A F2: SIGTERM to the launcher of a node whose ranks had all exited 0 (a
+    Ctrl-C at its exit barrier) stopped the other node's training and left the job waiting the
+    join timeout for it. Under torchrun the others train on to their end, as they do now."""
+    (workdir / "ends_first.py").write_text(ONE_NODE_ENDS_FIRST)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+
+    def node(rank: int):
+        return launch(["run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "endsfirst", "--max-restarts", "1",
+                       "--log-dir", str(workdir / f"logs{rank}"), str(workdir / "ends_first.py"),
+                       str(workdir / "go")], workdir, env)
+
+    a = node(0)  # the coordinator's host (an embedded coordinator ends with its launcher, as torchrun's store)
+    wait_for(lambda: [e for e in read_events(workdir / "logs0") if e["kind"] == "agent_start" and e["coordinator"]],
+             60, "node 0 to host the coordinator")
+    b = node(1)
+    wait_for(lambda: [e for e in read_events(workdir / "logs1") if e["kind"] == "workers_finished"], 90,
+             "node 1's workers to finish")
+    b.proc.send_signal(signal.SIGTERM)
+    code, _, err = b.wait(30)
+    assert code == 143, err
+    (workdir / "go").touch()
+    code, _, err = a.wait(60)
+    assert code == 0, err
+    events = read_events(workdir / "logs0")
+    assert not [e for e in events if e["kind"] in ("decision", "stop", "attempt_stop")], events
+    assert [e["kind"] for e in events if e["kind"] == "attempt_start"] == ["attempt_start"]
+
+
 def test_a_spare_node_waiting_for_a_place_ends_with_the_job(workdir, launch) -> None:
     """A third agent for a full 2-node job waits for a place; when the job ends it is told so
     and exits at once with one line (it used to wait silently for the 600 s join timeout)."""

@@ -213,10 +213,14 @@ class JobCore:
         return out
 
     def on_leave(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
+        done = node_id in self._done_nodes()
         node = self.members.leave(node_id)
         if node is None:
             return []
         out: list[Out] = [Emit("leave", {"node_id": node_id, "host": node.host, "reason": body["reason"]})]
+        if done:  # its workers had all exited 0 (interrupted at its exit barrier): as its silence would
+            self.awaiting_resume.discard(node_id)
+            return out
         out += node_gone(self, node_id, node.host, "left", body["reason"], now)
         return out
 
@@ -292,8 +296,9 @@ class JobCore:
         """Nodes whose workers all exited 0 while the others train on: they did their part, and
         their silence (a launcher stalled, a host paused) costs nothing, as under torchrun, whose
         agent then only waits at its exit barrier. Restarting the others to replace one killed
-        their training and waited the join timeout for it (acceptance 23A F3). Once the attempt
-        stops for another reason, their silence is judged again: a restart needs them."""
+        their training and waited the join timeout for it (acceptance 23A F3); so did one that
+        left, interrupted by SIGTERM or Ctrl-C (25A F2). Once the attempt stops for another
+        reason, their silence is judged again: a restart needs them."""
         attempt = self.attempt
         return frozenset(attempt.finished) if self.phase is Phase.RUNNING and attempt is not None else frozenset()
 
