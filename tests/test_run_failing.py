@@ -197,36 +197,53 @@ def test_a_stop_is_said_as_it_starts_and_ranks_killed_after_the_grace_period_are
 
 USR1_CHECKPOINTER = r"""
 import os, signal, sys, time
+import torch.distributed as dist
 ready, out = sys.argv[1], sys.argv[2]
 rank = os.environ["RANK"]
-def checkpoint_and_requeue(*_):  # as Lightning does on Slurm's --signal=USR1@90
-    time.sleep(2.5)  # writing it (idle: longer than the 1.5 s idle hang floor)
-    open(f"{out}.{rank}", "w").write("checkpoint")
-    sys.exit(0)
-signal.signal(signal.SIGUSR1, checkpoint_and_requeue)
+asked = []
+signal.signal(signal.SIGUSR1, lambda *_: asked.append(1))  # as Lightning does on Slurm's --signal=USR1@90
 import unicron
+dist.init_process_group("gloo")
 open(f"{ready}.{rank}", "w").close()
-while True:
+while not asked:
     unicron.step()
     time.sleep(0.05)
+time.sleep(2.5)  # writing the checkpoint (idle: longer than the 1.5 s idle hang floor)
+dist.barrier(group=dist.new_group(backend="gloo"))  # a group for it: the store, after the signal
+open(f"{out}.{rank}", "w").write("checkpoint")
+dist.destroy_process_group()
 """
 
 
 def test_slurms_usr1_to_every_process_lets_the_workers_handler_finish(workdir, launch) -> None:
     """Acceptance 23B F1: Slurm's --signal=USR1@N signals every process of the step. Its default
     action killed the launcher, and with it the workers in the middle of their checkpoint; nor
-    is a handler that holds the ranks between steps a hang."""
+    is a handler that holds the ranks between steps a hang. 25A F3: it killed the zygote and
+    the store host (a new process group after it failed on the store) and the janitor."""
     (workdir / "usr1.py").write_text(USR1_CHECKPOINTER)
     job = launch(["run", "--standalone", "--nproc-per-node", "2", str(workdir / "usr1.py"),
                   str(workdir / "ready"), str(workdir / "ckpt")], workdir)
     wait_for(lambda: all((workdir / f"ready.{r}").exists() for r in (0, 1)), 60, "both ranks to step")
     wait_for(lambda: len(psutil.Process(job.proc.pid).children(recursive=True)) >= 2, 30, "the workers")
+    helpers = {}  # zygote, store host, janitor: process -> its command line
+    for proc in psutil.Process(job.proc.pid).children(recursive=True):
+        try:
+            line = " ".join(proc.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "unicron.worker.boot" not in line:
+            helpers[proc] = line
+    assert len(helpers) >= 3, helpers
     for proc in [psutil.Process(job.proc.pid), *psutil.Process(job.proc.pid).children(recursive=True)]:
         try:
             proc.send_signal(signal.SIGUSR1)
         except psutil.NoSuchProcess:
             pass
+    wait_for(lambda: all((workdir / f"ckpt.{r}").exists() for r in (0, 1)) or job.proc.poll() is not None, 60,
+             "the checkpoints")
+    gone = [line for p, line in helpers.items() if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
     code, _out, err = job.wait(60)
     assert code == 0, err
     assert all((workdir / f"ckpt.{r}").read_text() == "checkpoint" for r in (0, 1)), err
+    assert not gone, gone
     assert "hang on node" not in err and "SIGUSR1 to the launcher: left to the workers" in err, err

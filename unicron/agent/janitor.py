@@ -1,7 +1,7 @@
 """A watcher that removes the agent's directories when the agent dies without doing it.
 
 The agent removes its shared-memory snapshot directory and its IPC directory on every path it
-controls. A SIGKILL, the kernel's OOM killer or a signal it does not handle (SIGUSR2) gives it
+controls. A SIGKILL, the kernel's OOM killer or a crash gives it
 no such path, and the snapshots (model and optimizer state, three steps of it per rank) would
 hold that much RAM in ``/dev/shm`` until the next agent on the machine cleans up (``shm.py``).
 
@@ -19,7 +19,8 @@ the read end of a pipe. It waits for end of input, which comes when the agent cl
 dies (the kernel closes it, and nothing was said), and removes whatever of the directories is
 still there and, after a death, kills the processes that carry the marker. It runs in a
 session of its own, ignoring the terminal's signals, so a Ctrl-C that also reaches the agent
-does not take it first.
+does not take it first, and the scripts' (SIGUSR1, SIGUSR2: Slurm signals every process of a
+job step with them, acceptance 25A F3).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 
 _PROGRAM = """
 import os, shutil, signal, sys
-for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT):
+for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(sig, signal.SIG_IGN)
 fd, marker = int(sys.argv[1]), sys.argv[2].encode()
 said = b""

@@ -60,6 +60,7 @@ from unicron.worker import nocwd  # noqa: F401, I001
 # isort: split
 import ctypes
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -167,6 +168,8 @@ def _apply_thread_count(env: dict[str, str]) -> None:
 
 def become_worker(spec: dict[str, Any], capture: _Capture) -> int:
     """Turn this (forked) interpreter into the worker ``spec`` describes and run it; returns boot's exit code."""
+    for sig in SCRIPT_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
     _reseed()
     capture.replay(spec.get("stdout"), spec.get("stderr"))
     os.environ.clear()  # wholesale: nothing of the zygote's environment may leak
@@ -302,9 +305,18 @@ def _fork_store_host(reply_fd: int, spec_fd: int, store_fds: tuple[int, int], ag
     return pid
 
 
+# Slurm's ``--signal=USR1@90`` reaches every process of the step: the scripts' own signals, which
+# killed the zygote and the store host it forks, and with it the workers' store (acceptance 25A
+# F3). They ignore them; a worker gets the default action back (``become_worker``), as a cold one
+# has it (``unicron.agent.signals.SCRIPT_SIGNALS``).
+SCRIPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
 def main(argv: list[str]) -> int:
     agent_pid = str(os.getppid())
     boot.die_with_agent(agent_pid)  # the zygote must not outlive its agent
+    for sig in SCRIPT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     args = parse_args(argv)
     if args is None:
         print("usage: python -m unicron.worker.zygote --reply-fd N --spec-fd M [--store-fds R,W] [SPACES]",
