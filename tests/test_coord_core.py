@@ -13,6 +13,7 @@ from unicron.coord.membership import Membership
 from unicron.coord.outbox import Emit, Finish, OpenStore, Send
 from unicron.coord.records import JobSpec, Phase
 from unicron.detect.activity import Activity
+from unicron.proto.schema import schema_errors
 
 
 class ScriptedDecider:
@@ -194,6 +195,9 @@ def test_a_rank_that_raised_is_stopped_on_its_node_first_and_the_others_after() 
     core = two_nodes_running(ScriptedDecider(RESTART, RESTART, RESTART))
     outs = core.on_fault("b", {"attempt": 0, "fault": {"kind": "exception", "rank": 3, "ts": 2}}, 2)
     assert set(sends(outs, "stop")) == {"b"} and core.phase is Phase.STOPPING
+    # a is told the stop is coming: its ranks wait on rank 3, no hang of theirs (acceptance 25A F4).
+    assert sends(outs, "ack")["a"]["stopping"] == 0 and "b" not in sends(outs, "ack")
+    assert schema_errors("ack", sends(outs, "ack")["a"]) is None
     assert not sends(core.tick(2.5), "stop")
     outs = core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
     assert set(sends(outs, "stop")) == {"a"} and not [o for o in outs if isinstance(o, Emit) and o.kind == "decision"]

@@ -689,6 +689,51 @@ def test_a_node_whose_workers_finished_may_be_interrupted_while_the_others_train
     assert [e["kind"] for e in events if e["kind"] == "attempt_start"] == ["attempt_start"]
 
 
+RAISES_WITH_A_SLOW_EXIT = """
+import atexit, os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+for step in range(12):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    time.sleep(0.05)
+    if first and step == 6 and rank == 1:
+        atexit.register(time.sleep, 4)  # a flush or an upload on its way out
+        raise RuntimeError("rank 1 fails")
+dist.destroy_process_group()
+"""
+
+
+def test_the_nodes_told_of_a_stop_after_the_raising_rank_exits_call_no_hang_meanwhile(workdir, launch) -> None:
+    """Acceptance 25A F4: while the stop waited for the raising rank's node (its rank exiting
+    for 4 s), the other node's rank, waiting on it in a collective, was called hung."""
+    (workdir / "slow_exit.py").write_text(RAISES_WITH_A_SLOW_EXIT)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "slowexit", "--max-restarts", "1", "--grace-period", "8", "--log-dir", str(workdir / "logs"),
+            str(workdir / "slow_exit.py")]
+    nodes = [launch(args, workdir, env) for _ in range(2)]
+    for node in nodes:
+        code, _, err = node.wait(120)
+        assert code == 0, err
+    events = read_events(workdir / "logs")
+    faults = {(e["fault_kind"], e.get("rank")) for e in events if e["kind"] == "fault"}
+    # Rank 0 fails on its lost peer once rank 1 has exited; nobody was hung meanwhile.
+    assert ("exception", 1) in faults and not [f for f in faults if f[0] == "hang"], faults
+    decisions = [e for e in events if e["kind"] == "decision"]
+    assert len(decisions) == 1 and "rank 1 fails" in decisions[0]["reason"], decisions
+
+
 def test_a_spare_node_waiting_for_a_place_ends_with_the_job(workdir, launch) -> None:
     """A third agent for a full 2-node job waits for a place; when the job ends it is told so
     and exits at once with one line (it used to wait silently for the 600 s join timeout)."""

@@ -38,7 +38,7 @@ from unicron.agent.reporting import Reporter
 from unicron.agent.settings import AgentSettings
 from unicron.agent.shm import scan_snapshots
 from unicron.agent.tee import ConsoleTee
-from unicron.agent.terminate import EXITING_S
+from unicron.agent.terminate import LINGER_NOTICE_S
 from unicron.agent.warm import READY_WAIT_S, WarmPool
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
@@ -117,6 +117,7 @@ class AgentOrders:
                         self.reporter.attempt_faults = [f for f in self.reporter.attempt_faults
                                                         if f.get("kind") != "hang"]
                     self.group.peers_done = told
+                    self.group.stop_coming = body.get("stopping") == self.group.spec.attempt
             elif msg.kind == "assign":
                 self.reporter.ended_workers = []  # another attempt: its ranks come with its workers
                 self._start_attempt(body)
@@ -296,9 +297,10 @@ class AgentOrders:
         self.events.emit("workers_stopped", attempt=group.spec.attempt, reason=reason, killed_ranks=killed)
 
     def _exit_lingers(self, ranks: list[int]) -> None:
-        self.ui.warn(f"rank(s) {', '.join(map(str, ranks))} raised but did not exit within {EXITING_S:g} s "
-                     f"(a non-daemon thread keeps the interpreter? py-spy dump --pid shows it): the other ranks are "
-                     f"stopped after it exits, or after the {self.s.grace_s:g} s grace period")
+        self.ui.warn(f"rank(s) {', '.join(map(str, ranks))} raised and did not exit within {LINGER_NOTICE_S:g} s "
+                     f"(atexit hooks at work, or a non-daemon thread that keeps the interpreter? py-spy dump --pid "
+                     f"shows where): the other ranks are stopped after it exits, or after the {self.s.grace_s:g} s "
+                     f"grace period")
 
     def _report(self, fault: dict[str, Any]) -> None:
         self.reporter.report(fault, self.group)

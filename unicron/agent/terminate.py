@@ -21,6 +21,9 @@ from unicron.agent.procs import POLL_SLICE_S, WorkerProcess
 
 # How long a worker already exiting on its own is left to finish before it is signalled too.
 EXITING_S = 2.0
+# How long a rank that raised may take to exit before it is said to linger: torch's own teardown
+# takes about 2 s on a loaded host (acceptance 25A F5: said at 2 s of an ordinary exit).
+LINGER_NOTICE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -194,17 +197,17 @@ def terminate_all(
     signalled until they are gone (or ``exiting_s`` passed), as under torchrun, which stops the
     others only once the failed rank exited: its atexit hooks, and a checkpoint it was still
     writing with its peers (``dcp.async_save``), are not cut off. Then the grace period starts.
-    ``lingering(pids)`` is told of those still there after ``EXITING_S`` (a non-daemon thread
-    keeps an interpreter from exiting), before the rest of that wait.
+    ``lingering(pids)`` is told of those still there after ``LINGER_NOTICE_S`` (an atexit hook
+    at work, a non-daemon thread that keeps the interpreter), before the rest of that wait.
     """
     start = begin = clock()
     seen: dict[int, psutil.Process] = {}
     targets = _collect(workers, seen, adopted)
     spare = {pid for pid in exiting if pid in targets} if sig not in (signal.SIGKILL, signal.SIGCONT) else set()
     if spare and exiting_first:
-        still = _wait_gone(workers, {pid: targets[pid] for pid in spare}, start + min(EXITING_S, exiting_s), clock,
-                           abort)
-        if still and lingering is not None and exiting_s > EXITING_S:
+        still = _wait_gone(workers, {pid: targets[pid] for pid in spare}, start + min(LINGER_NOTICE_S, exiting_s),
+                           clock, abort)
+        if still and lingering is not None and exiting_s > LINGER_NOTICE_S:
             lingering(still)
             _wait_gone(workers, {pid: targets[pid] for pid in still}, start + exiting_s, clock, abort)
         targets, spare = _collect(workers, seen, adopted), set()  # still there: stopped as the others

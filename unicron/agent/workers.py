@@ -62,6 +62,7 @@ class WorkerGroup:
         self.finished_reported = False
         self.hang_reported = False
         self.peers_done = False  # the coordinator says a rank of another node is past its last step
+        self.stop_coming = False  # the coordinator stops this attempt, another node's ranks first
         self.saw_hello = False
         self.activity = ActivityTracker()
         self.sendq = SendQueueWatch()  # each rank's TCP send queues, drained (a slow collective)
@@ -245,8 +246,10 @@ class WorkerGroup:
         none seen: they cannot be overdue), nor once some rank finished cleanly or destroyed its
         default process group: the job is past its last step (no collective can join every rank
         again), and what the ranks do in their tail (an upload, ``wandb.finish()``, a sleep) is
-        not a hang. The same once a rank of another node is (``peers_done``)."""
-        if self.failure_reported() or self.past_last_step() or self.peers_done:
+        not a hang. The same once a rank of another node is (``peers_done``), or once the
+        coordinator stops the attempt (``stop_coming``: another node's rank raised, and this
+        node's stop comes once that rank has exited; its peers here wait on it meanwhile)."""
+        if self.failure_reported() or self.past_last_step() or self.peers_done or self.stop_coming:
             return False
         # A rank that built an optimizer will report steps: before its first one the
         # first-step allowance applies, in the first attempt too (a rank stuck in its start-up

@@ -153,7 +153,14 @@ class JobCore:
         ack = {"epoch": self.members.epoch, "state": self.phase.value, "activity": level.name.lower()}
         if self.past_last_step() and self.attempt is not None:
             ack["done"] = self.attempt.number
+        if self.phase is Phase.STOPPING and self.attempt is not None:
+            ack["stopping"] = self.attempt.number  # its stop may come later (stopping.stop_attempt)
         return ack
+
+    def ack_all(self, now: float, skip: str | None = None) -> list[Out]:
+        """An ``ack`` to every active node but ``skip``, now (what the job is doing changed)."""
+        ack = self._ack(self.job_activity(now))
+        return [Send(n.node_id, "ack", ack) for n in self.members.active() if n.node_id != skip]
 
     def past_last_step(self) -> bool:
         return past_last_step(self.phase, self.attempt)  # see unicron.coord.evidence
