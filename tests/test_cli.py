@@ -9,8 +9,9 @@ import pytest
 from e2e import clean_env, unicron_cmd
 
 
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(unicron_cmd(*args), capture_output=True, text=True, timeout=timeout, env=clean_env())
+def _run(*args: str, timeout: float = 60, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(unicron_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(**(env_extra or {})))
 
 
 def test_version_and_help() -> None:
@@ -79,6 +80,20 @@ def test_ctrl_c_while_importing_is_one_line() -> None:
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == "unicron: error: interrupted by SIGINT\n", proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_coordinators_metrics_port_in_use_is_one_line_and_nothing_said_listening() -> None:
+    """Acceptance 25C F5: "listening on ..." came before the error line."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        proc = _run("coordinator", "--port", "0", "--metrics-port", str(taken.getsockname()[1]),
+                    env_extra={"UNICRON_SECRET": "s"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unicron: error: --metrics-port"), proc.stderr
 
 
 def test_a_coordinators_empty_secret_file_is_named_as_empty(tmp_path) -> None:

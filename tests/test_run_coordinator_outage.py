@@ -293,3 +293,22 @@ def test_ranks_loading_before_init_process_group_rendezvous_in_the_store_opened_
     second.proc.send_signal(signal.SIGTERM)
     code, _, err = second.wait(20)
     assert code == 0 and "opened the workers' store of attempt 0 again on port" in err, err
+
+
+def test_a_coordinator_stopped_with_end_jobs_on_exit_ends_its_jobs_and_says_so(workdir, launch) -> None:
+    """``--end-jobs-on-exit``: SIGTERM ends every job it serves (their nodes exit 1 with the
+    reason) instead of leaving them to a successor; acceptance 25C F5: it said nothing of it."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    coordinator = launch(["coordinator", "--port", str(port), "--host", "127.0.0.1", "--end-jobs-on-exit",
+                          "--log-dir", str(workdir / "coord")], workdir, env)
+    job = launch(["run", "--nnodes", "1", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
+                  "--rdzv-id", "endme", "--log-dir", str(workdir / "logs"), str(workdir / "train_state.py"),
+                  "--steps", "2000", "--sleep", "0.05"], workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"], 90,
+             "the job to train")
+    coordinator.proc.send_signal(signal.SIGTERM)
+    code, _, err = coordinator.wait(30)
+    assert code == 0 and "stopped by SIGTERM; 1 job(s) ended (endme): their nodes exit 1" in err, err
+    code, _, err = job.wait(60)
+    assert code == 1 and "the coordinator was stopped by SIGTERM" in err, err

@@ -77,6 +77,7 @@ def test_status_without_runs_is_a_clear_error(workdir) -> None:
                           timeout=30)
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "unicron: error:" in proc.stderr
+    assert not (workdir / "none").exists()  # a reader writes nothing (acceptance 25C F5)
 
 
 def test_a_run_trains_when_the_runs_dir_cannot_be_used(workdir) -> None:

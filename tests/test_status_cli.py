@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -15,9 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import typer
 import zmq
+from e2e import wait_for
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -142,6 +145,25 @@ def test_silent_endpoint_is_one_error_within_the_timeout(runs_dir: Path) -> None
     assert code == EndpointUnreachableError.exit_code
     assert msg.startswith(f"no answer from 127.0.0.1:{port} within 0.5 s") and "\n" not in msg
     assert elapsed < 10  # the 0.5 s timeout ends the wait, not the test's (a bound, not a timing)
+
+
+def test_a_local_run_whose_process_is_stopped_is_said_to_be(runs_dir: Path, tmp_path: Path) -> None:
+    """Acceptance 25C F5: a frozen run got "is it running, and are --job and the secret right?"."""
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # its coordinator, frozen with its process
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    port = silent.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        wait_for(lambda: psutil.Process(frozen.pid).status() == psutil.STATUS_STOPPED, 10, "the process to stop")
+        register_local(tmp_path, f"127.0.0.1:{port}", frozen.pid)
+        code, msg = invoke(["status", "--job", JOB, "--timeout", "0.5"])
+    finally:
+        frozen.kill()
+        frozen.wait()
+        silent.close(0)
+    assert code == 5 and f"its process {frozen.pid} is stopped" in msg and "\n" not in msg, msg
 
 
 @pytest.mark.parametrize("watch", [[], ["--watch"]])

@@ -38,14 +38,17 @@ def default_runs_base() -> str:
     return "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
 
 
-def runs_dir() -> Path:
-    """The registry's directory (created): ``UNICRON_RUNS_DIR``, else ``/tmp/unicron-runs-UID``.
+def runs_dir(create: bool = True) -> Path:
+    """The registry's directory (created, unless ``create`` is False: a reader such as `unicron
+    status` writes nothing, acceptance 25C F5): ``UNICRON_RUNS_DIR``, else ``/tmp/unicron-runs-UID``.
     ``ConfigError`` naming where it came from when it cannot be used, or when the default one is
     not this user's own: in a shared /tmp another user could make it first, and plant runs in
     this user's `unicron status` or remove theirs."""
     given = os.environ.get("UNICRON_RUNS_DIR")
     path = Path(given or os.path.join(default_runs_base(), f"unicron-runs-{os.getuid()}"))
     source = "UNICRON_RUNS_DIR" if given else "the runs directory"
+    if not create and not os.path.lexists(path):
+        return path  # nothing was ever registered there
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = path.lstat()
@@ -124,7 +127,7 @@ def unregister_run(job: str, pid: int | None = None) -> None:
 def list_runs() -> list[RunInfo]:
     """Live runs, newest first; stale entries (dead pid, unreadable) are removed."""
     found: list[RunInfo] = []
-    for path in runs_dir().glob("*.json"):
+    for path in runs_dir(create=False).glob("*.json"):
         try:
             info = RunInfo(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):

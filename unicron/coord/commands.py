@@ -78,13 +78,14 @@ def register(app: typer.Typer) -> None:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
-        typer.echo(f"unicron coordinator listening on {_listening(host, server.port)}", err=True)
         server.start()
         metrics = None
-        if metrics_port >= 0:
+        if metrics_port >= 0:  # before "listening" is said: its port may be taken (one error line, then)
             from unicron.status.metrics import start_metrics_server
 
             metrics, mport = start_metrics_server(metrics_port, server.metrics)
+        typer.echo(f"unicron coordinator listening on {_listening(host, server.port)}", err=True)
+        if metrics is not None:
             typer.echo(f"metrics on {_listening(host, mport, 'http://', '/metrics')}", err=True)
         try:
             while not stop.wait(0.2):
@@ -99,6 +100,10 @@ def register(app: typer.Typer) -> None:
             leave = bool(got) and not end_jobs_on_exit
             server.stop(reason=f"the coordinator was {how}", end_jobs=not leave)
             left = server.unfinished_jobs() if leave else []
+            ended = server.ended_on_stop
+            if got and ended:
+                typer.echo(f"unicron coordinator: {how}; {len(ended)} job(s) ended ({', '.join(ended)}): their "
+                           "nodes exit 1 (--end-jobs-on-exit)", err=True)
             if left:
                 typer.echo(f"unicron coordinator: {how}; {len(left)} job(s) left to a successor "
                            f"({', '.join(left)}): start it again on port {server.port} to take them back "

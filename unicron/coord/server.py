@@ -82,6 +82,7 @@ class CoordinatorServer:
         self.exit_when_done = exit_when_done
         # MASTER_ADDR for workers; "" lets each agent use the address it reached us at.
         self.advertise_addr = advertise_addr
+        self.ended_on_stop: list[str] = []  # jobs still going that ``stop`` ended (read it once it returned)
         self.clock = clock
         # Told to the user (not just counted): messages that say a node is misconfigured.
         self.peers = PeerWarnings(warn, self.codec.window_s)
@@ -189,6 +190,7 @@ class CoordinatorServer:
             # coordinator stopped): their nodes hear it now, not after their silence timeout.
             for job_id, slot in list(self.slots.items()):
                 if slot.finished_at is None and self._end_jobs:
+                    self.ended_on_stop.append(job_id)
                     self._run(job_id, slot, slot.core.fail(self._stop_reason, self.clock(), self._stop_code))
         finally:
             for slot in self.slots.values():

@@ -75,6 +75,9 @@ def fetch_snapshot(target: Target, timeout_s: float) -> dict[str, Any]:
                       timeout_s=timeout_s, expect="status")
     except EndpointUnreachableError as err:
         if str(err).startswith("no answer"):
+            if target.pid is not None and _stopped(target.pid):  # a local run frozen (acceptance 25C F5)
+                raise EndpointUnreachableError(f"{err}: its process {target.pid} is stopped (SIGSTOP, Ctrl-Z?); "
+                                               "it answers once continued (kill -CONT)") from None
             # A coordinator silently drops what it cannot verify, so say what else it could be.
             raise EndpointUnreachableError(f"{err} (is it running, and are --job and the secret right?)") from None
         raise
@@ -82,6 +85,13 @@ def fetch_snapshot(target: Target, timeout_s: float) -> dict[str, Any]:
     if not isinstance(snapshot, dict):
         raise EndpointUnreachableError(f"bad answer from {target.endpoint}: no snapshot")
     return snapshot
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
 
 
 RunRow = tuple[dict[str, Any], dict[str, Any] | None, str]
