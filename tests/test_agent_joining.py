@@ -113,3 +113,13 @@ def test_a_node_waiting_for_a_place_ends_once_the_coordinator_stops_answering() 
         j.join_due(44.1)
     never = JoinState("tcp://h:1", join_timeout_s=600, now=0.0, gone_after_s=15.0)
     assert never.join_due(0.0) and never.join_due(16.0)  # never answered: the coordinator may start later
+
+
+def test_role_ranks_count_the_workers_of_nodes_of_the_same_role_before_this_one() -> None:
+    from unicron.agent.attempt import role_ranks
+
+    body = {"local_world_sizes": [2, 3, 1, 2], "roles": ["t", "e", "t", "e"], "node_rank": 2}
+    assert role_ranks(body) == {"role_offset": 2, "role_world_size": 3}
+    assert role_ranks(dict(body, node_rank=3)) == {"role_offset": 3, "role_world_size": 5}
+    # None sent, or not one per node (a peer's message: anything may come): the global ones.
+    assert role_ranks(dict(body, roles=None)) == {} and role_ranks(dict(body, roles=["t"])) == {}

@@ -3,6 +3,7 @@ and stopped by signals with nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -64,6 +65,32 @@ def test_an_inject_given_on_one_node_fires_on_the_node_that_runs_its_rank(workdi
     assert "exit on rank 1 at step 5: signal SIGKILL" in results[1][2], results[1][2]
     faults = [e for e in read_events(workdir / "logs") if e["kind"] == "fault"]
     assert {(e["rank"], e.get("signal")) for e in faults} == {(1, "SIGKILL")}, faults
+
+
+ROLE_DUMP = """
+import json, os, sys
+keys = ("RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE")
+with open(os.path.join(sys.argv[1], f"env.{os.environ['RANK']}.json"), "w") as fh:
+    json.dump({k: os.environ[k] for k in keys}, fh)
+"""
+
+
+def test_role_ranks_count_within_each_nodes_role_as_torchrun_does(workdir, launch) -> None:
+    """Acceptance 25B F1: with --role trainer on node 0 and evaler on node 1 (2 workers each),
+    torchrun gives the evalers ROLE_RANK 0, 1 and ROLE_WORLD_SIZE 2; unicron gave 2, 3 and 4."""
+    (workdir / "roles.py").write_text(ROLE_DUMP)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    nodes = [launch(["run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank), "--role", role,
+                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "roles", "--log-dir",
+                     str(workdir / f"logs{rank}"), str(workdir / "roles.py"), str(workdir)], workdir, env)
+             for rank, role in ((0, "trainer"), (1, "evaler"))]
+    for node in nodes:
+        code, _, err = node.wait(90)
+        assert code == 0, err
+    seen = {r: json.loads((workdir / f"env.{r}.json").read_text()) for r in range(4)}
+    assert [(e["ROLE_NAME"], e["ROLE_RANK"], e["ROLE_WORLD_SIZE"]) for e in seen.values()] == [
+        ("trainer", "0", "2"), ("trainer", "1", "2"), ("evaler", "0", "2"), ("evaler", "1", "2")], seen
 
 
 def test_a_node_whose_clock_is_200_s_ahead_joins_and_the_job_runs(workdir, launch) -> None:

@@ -26,7 +26,20 @@ def group_spec(body: dict[str, Any], s: AgentSettings) -> GroupSpec:
                      master_addr=body["master_addr"] or s.rdzv_host, master_port=body["master_port"],
                      restore_step=body.get("restore_step"), inject=injected(body, s),
                      restore_note=body.get("restore_note", ""),
-                     node_ids=frozenset(str(n[0]) for n in body.get("nodes", ()) if isinstance(n, list) and n))
+                     node_ids=frozenset(str(n[0]) for n in body.get("nodes", ()) if isinstance(n, list) and n),
+                     **role_ranks(body))
+
+
+def role_ranks(body: dict[str, Any]) -> dict[str, int]:
+    """Where this node's workers stand among the workers of their ``--role`` (``assign``'s
+    ``roles``, one per node in node-rank order), as torchrun gives ROLE_RANK and ROLE_WORLD_SIZE:
+    the workers of nodes of the same role before it, and all of them (acceptance 25B F1: the
+    global rank and world size, whatever the roles). Empty when the coordinator sent none."""
+    roles, sizes, me = body.get("roles"), body["local_world_sizes"], body["node_rank"]
+    if not isinstance(roles, list) or len(roles) != len(sizes) or not 0 <= me < len(sizes):
+        return {}
+    mine = [i for i, role in enumerate(roles) if role == roles[me]]
+    return {"role_offset": sum(sizes[i] for i in mine if i < me), "role_world_size": sum(sizes[i] for i in mine)}
 
 
 class EarlierAttempts:
@@ -82,7 +95,9 @@ def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, st
     def env_for(local_rank: int, rank: int, error_file: str) -> dict[str, str]:
         env = dict(s.worker_env(local_rank=local_rank, rank=rank, world_size=spec.world_size,
                                 group_rank=spec.node_rank, group_world_size=spec.nnodes,
-                                local_world_size=nproc, role_rank=rank, role_world_size=spec.world_size,
+                                local_world_size=nproc,
+                                role_rank=rank if spec.role_offset is None else spec.role_offset + local_rank,
+                                role_world_size=spec.role_world_size or spec.world_size,
                                 master_addr=spec.master_addr, master_port=spec.master_port,
                                 restart_count=spec.restart_count, error_file=error_file))
         env.update({"UNICRON_AGENT_ADDR": agent_addr, "UNICRON_STACK_DIR": stack_dir,

@@ -180,7 +180,7 @@ def join_body(s: AgentSettings, node_id: str, host: str, pid: int, extra: dict[s
             "join_timeout_s": s.join_timeout_s,
             "stop_timeout_s": 2 * s.grace_s + STACK_STOP_MARGIN_S, "hang": hang_settings(s),
             # its --inject: the job's first attempt injects every node's (a RANK is global)
-            **({"inject": s.inject} if s.inject else {}), **extra}
+            **({"inject": s.inject} if s.inject else {}), "role": s.role, **extra}
 
 
 def hang_settings(s: AgentSettings) -> dict[str, float]:

@@ -104,6 +104,10 @@ class GroupSpec:
     inject: str
     restore_note: str = ""  # why nothing is restored though snapshots were kept ("" otherwise)
     node_ids: frozenset[str] = frozenset()  # every node of the attempt (a replaced node is a new id)
+    # ROLE_RANK of this node's first worker and ROLE_WORLD_SIZE: its ranks among the workers of
+    # its --role, as torchrun numbers them (None: every node has one role, the global ones)
+    role_offset: int | None = None
+    role_world_size: int | None = None
 
 
 def median(values: list[float]) -> float | None:

@@ -21,12 +21,15 @@ class Placed(Protocol):
 def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restarts_used: int,
                      master_addr: str, master_port: int, restore_step: int | None,
                      restore_note: str = "", why: str = "", started_at: float | None = None,
-                     restarts: Sequence[dict[str, Any]] = (), inject: str = "") -> list[Out]:
+                     restarts: Sequence[dict[str, Any]] = (), inject: str = "",
+                     roles: Sequence[str] = ()) -> list[Out]:
     """The event that opens attempt ``number`` on ``nodes`` (in node-rank order), then one
     ``assign`` per node: its node rank, the global rank of its first worker, the world's sizes,
     the store, the step every rank restores, ``why`` (the decision that led to it, for the
     console of every node: only the one hosting the coordinator sees its events), and the
-    faults the first attempt injects (``inject``: those of every node, see ``merged_injects``)."""
+    faults the first attempt injects (``inject``: those of every node, see ``merged_injects``),
+    and each node's ``--role`` (``roles``, in node-rank order: its workers' ROLE_RANK counts
+    within it, as torchrun's do)."""
     sizes = [n.nproc for n in nodes]
     world = sum(sizes)
     note: dict[str, Any] = {"restore_note": restore_note} if restore_note else {}
@@ -47,7 +50,7 @@ def attempt_messages(number: int, nodes: Sequence[Placed], *, epoch: int, restar
             **({"why": why} if why else {}),
             # faults are injected into the first attempt only (a restart must be able to heal)
             "inject": number == 0, **({"inject_faults": inject} if inject and number == 0 else {}),
-            "restarts_used": restarts_used,
+            "restarts_used": restarts_used, **({"roles": list(roles)} if len(roles) == len(nodes) else {}),
             "nodes": [[n.node_id, n.host] for n in nodes],
             **({"started_at": started_at} if started_at is not None else {}),
             "restarts": list(restarts)}))

@@ -59,6 +59,7 @@ class JobCore:
         self._refused: dict[str, str] = {}  # node -> why its last join was refused (logged once)
         self.awaiting_resume: set[str] = set()  # nodes of an attempt taken back, not heard resuming yet
         self.injects: dict[str, str] = {}  # node -> its --inject (UNICRON_INJECT form), as it joined
+        self.roles: dict[str, str] = {}  # node -> its --role, as it joined
         # node -> what its resume said of the attempt's store (unicron.coord.resume.store_after_resume)
         self.store_said: dict[str, str] = {}
         # (attempt, port): an attempt taken back whose store was opened again
@@ -80,6 +81,7 @@ class JobCore:
             return take_back(self, node_id, body, now)  # its coordinator restarted
         known = self.members.is_active(node_id)
         self.injects[node_id] = body.get("inject", "")
+        self.roles[node_id] = body.get("role", "")
         result = self.members.join(node_id, body["host"], body["nproc"], body.get("node_rank"), now)
         if not result.accepted:
             return self.refuse(node_id, body["host"], result.reason, waits=result.transient)
@@ -332,6 +334,7 @@ class JobCore:
         why, self.why_next = self.why_next, ""
         return attempt_messages(number, nodes, epoch=self.members.epoch, restarts_used=self.restarts_used,
                                 inject=merged_injects(self.injects.get(n.node_id, "") for n in nodes),
+                                roles=[self.roles.get(n.node_id, "") for n in nodes],
                                 master_addr=master_addr, master_port=master_port,
                                 restore_step=self.restore_step, restore_note=self.restore_note, why=why,
                                 started_at=self.created_at, restarts=self.restarts[-MAX_HISTORY:])

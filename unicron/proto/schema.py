@@ -18,7 +18,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "join": {"node_id": str, "host": str, "nproc": int, "node_rank?": OPT_INT, "pid": int,
              "weight?": NUM, "min_nodes": int, "max_nodes": int, "max_restarts": int,
              "last_call_s": NUM, "heartbeat_timeout_s": NUM, "join_timeout_s": NUM,
-             "stop_timeout_s": NUM, "heartbeat_interval_s?": NUM, "hang?": dict, "inject?": str,
+             "stop_timeout_s": NUM, "heartbeat_interval_s?": NUM, "hang?": dict, "inject?": str, "role?": str,
              # a fenced node re-joining: the attempt it was lost from and the snapshots it kept
              "attempt?": int, "snapshots?": dict, "snapshot_bytes?": dict,
              # a member whose coordinator restarted: the attempt it runs (unicron.coord.resume)
@@ -42,7 +42,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
                "restore_note?": str,  # why nothing is restored though snapshots were kept
                "why?": str,  # the decision this attempt carries out, as the console says it
-               "inject": bool, "inject_faults?": str,
+               "inject": bool, "inject_faults?": str, "roles?": list,
                # every node of the attempt in node-rank order ([node id, host]) and the restarts
                # spent: what a restarted coordinator needs to take the attempt back
                "nodes": list, "restarts_used": int,
