@@ -342,6 +342,25 @@ def test_raw_streams_of_two_ranks_never_splice_a_line(tmp_path: Path) -> None:
     assert not bad and len(lines) == 40000, bad[:3]
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["untouched", "teed"])
+def test_lines_of_hundreds_of_kb_from_two_ranks_reach_the_console_whole(tmp_path: Path, raw: bool) -> None:
+    """Acceptance 25B F2: a config printed as one JSON line of 200 KB by two ranks at once came
+    out spliced, each cut at 64 KiB, rank 1's inside rank 0's."""
+    console = io.BytesIO()
+    tee = ConsoleTee(stderr=console, interval_s=0.01)
+    lines = {name: name.encode() * 300_000 for name in "ab"}
+    writers = {name: open(tmp_path / f"{name}.log", "wb", buffering=0) for name in "ab"}
+    finishes = [tee.follow(str(tmp_path / f"{name}.log"), "", stream="stderr", raw=raw) for name in "ab"]
+    for name in "ab":  # one write each, as a print does; the tee reads them 64 KiB at a time, in turns
+        writers[name].write(lines[name] + b"\n")
+        writers[name].close()
+    wait_until(lambda: console.getvalue().count(b"\n") >= 2, timeout_s=30, what="both lines on the console")
+    for finish in finishes:
+        finish()
+    tee.close(timeout_s=60)
+    assert sorted(console.getvalue().split(b"\n")) == [b"", lines["a"], lines["b"]]
+
+
 def test_slow_console_does_not_block_the_worker(tmp_path: Path, workers: list[WorkerProcess]) -> None:
     release = threading.Event()
 

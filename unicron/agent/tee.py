@@ -22,6 +22,12 @@ from unicron.consoleline import note_echoed
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
+# The longest line held back until its end comes; a longer one is shown in pieces, which another
+# rank's lines may then split. A config or a metrics dict printed as one JSON line runs to
+# hundreds of KB (acceptance 25B F2: cut at 64 KiB, two ranks' lines spliced); torchrun's ranks
+# write to the console directly, in one piece. A rank holds at most this much per stream.
+MAX_LINE_BYTES = 8 << 20
+
 class Console(Protocol):
     """Where teed lines go: a text stream (sys.stdout) or a binary one."""
 
@@ -77,7 +83,7 @@ class ConsoleTee:
         stderr: Console | None = None,
         *,
         interval_s: float = 0.1,  # torchrun's tail interval: lines show as soon as under torchrun
-        max_line_bytes: int = 64 * 1024,
+        max_line_bytes: int = MAX_LINE_BYTES,
     ) -> None:
         self._stdout = stdout
         self._stderr = stderr
