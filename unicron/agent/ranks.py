@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,20 @@ class GroupSpec:
     # its --role, as torchrun numbers them (None: every node has one role, the global ones)
     role_offset: int | None = None
     role_world_size: int | None = None
+
+
+def all_past_init(ranks: Iterable[RankState]) -> bool:
+    """No rank is known to be still before or in ``init_process_group`` (so to need the
+    attempt's store): each got past it, ended, or reports nothing (no hooks: unknown, taken as
+    past it, as before this was asked)."""
+    return all(r.ready_at is not None or r.last_step_at is not None or r.exitcode is not None or not r.hooked
+               for r in ranks)  # a first step may come before "ready" is sent
+
+
+def store_untouched(ranks: Iterable[RankState]) -> bool:
+    """No rank has called ``init_process_group`` yet (so none has used the attempt's store):
+    each reports through its hooks and none said it joined or is ready."""
+    return all(r.hooked and not r.joining and r.ready_at is None for r in ranks)
 
 
 def median(values: list[float]) -> float | None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from unicron.agent.joining import JoinState, Rejoin, Resume, resume_fields
 from unicron.agent.link import CoordinatorLink
+from unicron.agent.ranks import all_past_init, store_untouched
 from unicron.agent.shm import scan_snapshots
 from unicron.agent.workers import WorkerGroup
 from unicron.errors import RendezvousError
@@ -63,7 +64,7 @@ class Rejoiner:
             state, untouched = "running", True  # its workers start as soon as the zygote is ready
         elif group is not None and assign is not None and group.spec.attempt == assign["attempt"]:
             state = "finished" if group.finished_reported else "running"
-            started, untouched = group.all_ready(), group.store_untouched()
+            started, untouched = all_past_init(group.ranks.values()), store_untouched(group.ranks.values())
         snapshots, sizes = scan_snapshots(self.shm_dir) if state == "stopped" else ({}, {})
         return resume_fields(assign, epoch=epoch, state=state, faults=faults, snapshots=snapshots,
                              snapshot_bytes=sizes, started=started or state != "running",

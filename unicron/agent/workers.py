@@ -372,18 +372,6 @@ class WorkerGroup:
         """What every fault of this attempt says of its progress, for the restart policy."""
         return {"progress": self.progress(now), "trained": self.trained(now), **self.reach()}
 
-    def all_ready(self) -> bool:
-        """No rank is known to be still before or in ``init_process_group`` (so to need the
-        attempt's store): each got past it, ended, or reports nothing (no hooks: unknown, taken
-        as past it, as before this was asked)."""
-        return all(r.ready_at is not None or r.last_step_at is not None or r.exitcode is not None or not r.hooked
-                   for r in self.ranks.values())  # a first step may come before "ready" is sent
-
-    def store_untouched(self) -> bool:
-        """No rank has called ``init_process_group`` yet (so none has used the attempt's store):
-        each reports through its hooks and none said it joined or is ready."""
-        return all(r.hooked and not r.joining and r.ready_at is None for r in self.ranks.values())
-
     def trained(self, now: float) -> bool:
         """Some rank ran long past ``init_process_group`` (``ran_past_startup``): with no step
         reports, its progress is unknown, but it trained; not a rank that loaded for long before
