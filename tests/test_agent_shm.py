@@ -8,7 +8,7 @@ import sys
 
 import psutil
 
-from unicron.agent.shm import OWNER_FILE, remove_orphaned_shm
+from unicron.agent.shm import OWNER_FILE, newest_snapshot, remove_orphaned_shm
 
 
 def _owned(base, name: str, pid: int, created: float) -> str:
@@ -106,3 +106,19 @@ def test_a_live_agent_in_another_pid_namespace_keeps_its_directory(tmp_path) -> 
         holder.communicate(input="", timeout=30)  # end of input: it exits, and its lock goes with it
     remove_orphaned_shm(str(tmp_path))
     assert not os.path.exists(path)
+
+
+def test_the_newest_snapshot_of_a_rank_counts_only_those_made_since_the_attempt_began(tmp_path) -> None:
+    """Acceptance 20B F3: a SIGKILL lost a rank's last step reports, not its snapshots: the
+    exit line named step 957 and the restore step 960. An earlier attempt's snapshots (ahead of
+    a restore) do not count."""
+    rank = tmp_path / "rank1"
+    rank.mkdir()
+    for step in (12, 13, 20):
+        (rank / f"step{step}.pt").write_text("{}")
+    os.utime(rank / "step20.pt", (1000.0, 1000.0))  # the attempt before's
+    (rank / "step14.pt.tmp").write_text("{}")  # not complete
+    began = os.stat(rank / "step12.pt").st_mtime
+    assert newest_snapshot(str(tmp_path), 1, since=began) == 13
+    assert newest_snapshot(str(tmp_path), 1, since=0) == 20
+    assert newest_snapshot(str(tmp_path), 0, since=0) == 0  # no directory

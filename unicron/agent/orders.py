@@ -200,7 +200,7 @@ class AgentOrders:
         group = WorkerGroup(spec, cmd=list(self.s.cmd), env_for=env_for, run_logs=self.run_logs,
                             tee=self.tee, host=self.host, hang=hang,
                             role=self.s.role, stack_dir=self.stack_dir, pool=self.pool,
-                            expect_steps=self.earlier.steps_seen)
+                            expect_steps=self.earlier.steps_seen, shm_dir=self.shm_dir)
         self.group = group
         newcomer = self.last_attempt is None  # the decision was made before this node came
         self.last_attempt = spec.attempt

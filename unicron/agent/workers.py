@@ -20,6 +20,7 @@ from unicron.agent.proctree import is_exiting, process_state
 from unicron.agent.ranks import GroupSpec, RankState, median
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.sendqueues import SendQueueWatch
+from unicron.agent.shm import newest_snapshot
 from unicron.agent.stackdump import dump_stacks, keep_dumps
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.terminate import terminate_all
@@ -37,7 +38,7 @@ LINGER_S = 30.0  # a process this long past its script's clean end is named once
 class WorkerGroup:
     def __init__(self, spec: GroupSpec, *, cmd: list[str], env_for: Any, run_logs: RunLogDir, tee: ConsoleTee,
                  host: str, hang: HangDetector, role: str, stack_dir: str, pool: WarmPool | None = None,
-                 expect_steps: bool = False) -> None:
+                 expect_steps: bool = False, shm_dir: str = "") -> None:
         self.spec = spec
         self.cmd = cmd
         self.env_for = env_for
@@ -47,6 +48,7 @@ class WorkerGroup:
         self.hang = hang
         self.role = role
         self.stack_dir = stack_dir
+        self.shm_dir = shm_dir  # the ranks' snapshots (steps_completed)
         self.pool = pool
         self.warm_starts = 0
         # Hang detection needs step reports. A script that never steps (no torch.optim, no
@@ -396,6 +398,10 @@ class WorkerGroup:
         fails mid-run is not taken for one failing at start-up."""
         if not r.hooked or (r.step == 0 and self.ran_past_startup(r, now)):
             return None
+        if r.stateful and self.shm_dir:
+            # A SIGKILL loses the step reports still queued in the rank's socket, not the
+            # snapshots it completed: "exit at step 957" then "restoring step 960" (20B F3).
+            return max(r.step, newest_snapshot(self.shm_dir, r.rank, since=self.started_at))
         return r.step
 
     def ran_past_startup(self, r: RankState, now: float) -> bool:
