@@ -190,6 +190,45 @@ def test_a_store_that_cannot_be_opened_again_re_forms_the_job() -> None:
     assert "port 4321 (address already in use)" in core.attempt.stop_reason
 
 
+STORE_LOST = {"kind": "exception", "rank": 2, "ts": 99.0, "error_type": "torch.distributed.DistNetworkError",
+              "message": "Failed to recv, got 0 bytes. Connection was likely closed."}
+
+
+@pytest.mark.parametrize("how", ["in-the-resume", "reported-after"])
+def test_ranks_that_lost_the_store_with_the_old_coordinator_re_form_the_job_on_no_budget(how: str) -> None:
+    """Acceptance 26A F1: ranks in init_process_group do not wait for the dead store, they fail
+    on it at once (DistNetworkError). That was handled as the job's own fault: a restart of the
+    budget spent, or the job ended with --max-restarts 0. It is the coordinator's doing."""
+    assigns = first_assigns()
+    decider = ScriptedDecider(RESTART)
+    core = JobCore(spec(), decider, now=100)
+    core.on_join("a", resumed_join("a", assigns["a"]), 100)
+    if how == "in-the-resume":
+        outs = core.on_join("b", resumed_join("b", assigns["b"], faults=[STORE_LOST]), 100.2)
+    else:
+        core.on_join("b", resumed_join("b", assigns["b"]), 100.2)
+        outs = core.on_fault("b", {"attempt": 3, "fault": STORE_LOST}, 101)
+    assert set(sends(outs, "stop")) == {"a", "b"} and "lost the attempt's store" in core.attempt.stop_reason
+    assert [o.fields.get("store_gone") for o in outs if isinstance(o, Emit) and o.kind == "fault"] == [True]
+    victim = {"kind": "exit", "rank": 0, "ts": 101.5, "exitcode": 1, "message": "Connection closed by peer"}
+    core.on_fault("a", {"attempt": 3, "fault": victim}, 101.5)  # the stop's own doing
+    core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
+    core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
+    assert decider.seen == [] and core.restarts_used == 2
+    assert {a["attempt"] for a in next_assigns(core, 102.1).values()} == {4}
+
+
+def test_a_store_error_in_an_attempt_this_coordinator_started_is_the_jobs_own_fault() -> None:
+    core, assigns = taken_back(RESTART)
+    core.on_join("b", resumed_join("b", assigns["b"]), 100.2)
+    core.on_fault("a", {"attempt": 3, "fault": dict(FAULT, rank=0)}, 101)
+    core.on_stopped("a", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
+    core.on_stopped("b", {"attempt": 3, "snapshots": {}, "stacks": {}}, 102)
+    next_assigns(core, 102.1)  # attempt 4: its store opened by this coordinator
+    core.on_fault("b", {"attempt": 4, "fault": STORE_LOST}, 103)
+    assert core.attempt.faults and not core.attempt.planned
+
+
 def test_every_node_finished_while_the_coordinator_was_away_ends_the_job() -> None:
     assigns = first_assigns()
     core = JobCore(spec(), ScriptedDecider(), now=100)

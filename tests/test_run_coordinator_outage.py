@@ -312,3 +312,53 @@ def test_a_coordinator_stopped_with_end_jobs_on_exit_ends_its_jobs_and_says_so(w
     assert code == 0 and "stopped by SIGTERM; 1 job(s) ended (endme): their nodes exit 1" in err, err
     code, _, err = job.wait(60)
     assert code == 1 and "the coordinator was stopped by SIGTERM" in err, err
+
+
+IN_INIT_OR_LOADING = """
+import os, sys, time
+import torch, torch.distributed as dist
+
+here = sys.argv[1]
+if os.environ["GROUP_RANK"] == "1":  # loads a model first: node 0's ranks wait in init_process_group
+    with open(os.path.join(here, f"loading.{os.environ['RANK']}.{os.getpid()}"), "w"):
+        pass
+    while not os.path.exists(os.path.join(here, "go")):
+        time.sleep(0.05)
+dist.init_process_group("gloo")
+total = torch.tensor([1.0])
+dist.all_reduce(total)
+with open(os.path.join(here, f"sum.{dist.get_rank()}"), "w") as fh:
+    fh.write(str(int(total.item())))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_in_init_process_group_that_lose_the_store_with_the_coordinator_cost_no_restart(workdir, launch) -> None:
+    """Acceptance 26A F1: node 0's ranks waited in init_process_group, node 1's still loaded,
+    when the standalone coordinator was killed. Node 0's ranks failed at once on the lost store
+    (DistNetworkError), and that was taken for the job's fault: with --max-restarts 0 the job
+    failed. It re-forms with a fresh store, spending nothing."""
+    (workdir / "mixed.py").write_text(IN_INIT_OR_LOADING)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET, UNICRON_RUNS_DIR=str(workdir / "runs"))
+    first = _coordinator(launch, workdir, port, "coord1", env)
+    nodes = [launch(["run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                     "--coordinator", f"127.0.0.1:{port}", "--rdzv-id", "mixedjob", "--max-restarts", "0",
+                     "--log-dir", str(workdir / f"logs{rank}"), str(workdir / "mixed.py"), str(workdir)],
+                    workdir, env) for rank in (0, 1)]
+    wait_for(lambda: list(workdir.glob("loading.*")), 90, "node 1's rank to load")
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait(20)
+    wait_for(lambda: [e for e in read_events(workdir / "logs0") if e["kind"] == "fault"], 60,
+             "node 0's rank to fail on the lost store")
+    second = _coordinator(launch, workdir, port, "coord2", env)
+    wait_for(lambda: [e for e in read_events(workdir / "coord2") if e["kind"] == "decision"], 60, "the re-form")
+    (workdir / "go").touch()
+    for node in nodes:
+        code, out, err = node.wait(120)
+        assert code == 0, out + err
+    assert [(workdir / f"sum.{r}").read_text() for r in (0, 1)] == ["2", "2"]
+    decisions = [e for e in read_events(workdir / "coord2") if e["kind"] == "decision"]
+    assert [(d["severity"], d["action"]) for d in decisions] == [("INFO", "restart")], decisions
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.wait(20)[0] == 0

@@ -73,7 +73,7 @@ def failures(attempt: Attempt) -> list[dict[str, Any]]:
     the stop out late reports that as its ranks' fault: a victim reported after the stop went
     out is the stop's doing, not a failure (no budget is spent on a planned re-form)."""
     sent = attempt.stop_sent_at
-    if not attempt.scale_up or sent is None:
+    if not (attempt.scale_up or attempt.planned) or sent is None:
         return attempt.faults
     return [f for f in attempt.faults if not (_reported_at(f) >= sent and reports_a_victim(f))]
 

@@ -21,7 +21,7 @@ from unicron.coord.membership import Membership, NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.records import Attempt, JobSpec, Phase
 from unicron.coord.restore import Holdings, choose_restore
-from unicron.coord.resume import MAX_HISTORY, rejoined, take_back
+from unicron.coord.resume import MAX_HISTORY, rejoined, store_casualties, store_casualty, take_back
 from unicron.coord.stopping import after_stop, all_stopped, node_gone, stop_attempt, stop_the_rest, unacked
 from unicron.coord.view import describe_fault, fault_fields, job_view
 from unicron.detect.activity import Activity
@@ -64,6 +64,7 @@ class JobCore:
         self.store_said: dict[str, str] = {}
         # (attempt, port): an attempt taken back whose store was opened again
         self.store_reopened: tuple[int, int] | None = None
+        self.taken_back: int | None = None  # the attempt a resume took back (its store died before)
         self.pinned: set[str] = set()  # nodes never left out: the one whose agent hosts this coordinator
         # node -> not declared lost before then, silent or not (unicron.coord.hearing: a link that
         # is back, whose connections retransmit); dropped when the node is heard
@@ -182,6 +183,8 @@ class JobCore:
             return [Emit("fault_stale", {"node_id": node_id, "attempt": body["attempt"]})]
         self.members.heartbeat(node_id, now)  # any message is a sign of life
         fault = dict(body["fault"], node_id=node_id, reported_at=now)
+        if store_casualty(self, fault):
+            return store_casualties(self, node_id, [fault], now)
         if fault.get("kind") == "hang" and self.past_last_step():  # a tail, sent before the agent knew
             return [Emit("hang_ignored", {"node_id": node_id, "attempt": attempt.number,
                                           "why": "a rank of another node is past its last step"})]

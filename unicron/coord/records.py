@@ -57,6 +57,7 @@ class Attempt:
     stop_waits_for: str | None = None
     stop_body: dict[str, Any] = field(default_factory=dict)
     scale_up: bool = False  # stopped to grow: a late joiner, not a failure
+    planned: bool = False  # stopped for no fault of its own (its store gone with a coordinator): a re-form
     restore_step: int = 0  # the step its ranks restored (0: a fresh start)
     silence_ended_at: float | None = None  # a silent node of this attempt was heard again then
     node_set: frozenset[str] = field(init=False, repr=False, compare=False)  # ``nodes``, to ask without a scan

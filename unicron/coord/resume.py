@@ -171,8 +171,12 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
     seen = {fault_key(f) for f in attempt.faults}
     new = [dict(f, node_id=node_id, reported_at=now) for f in resumed.faults if fault_key(f) not in seen]
     core.awaiting_resume.discard(node_id)
+    casualties = [f for f in new if store_casualty(core, f, resumed=True)]
+    new = [f for f in new if f not in casualties]
     attempt.faults += new
     out += [Emit("fault", fault_fields(f)) for f in new]
+    if casualties and not new:
+        out += store_casualties(core, node_id, casualties, now)
     if resumed.state == "finished":
         out += core.on_finished(node_id, {"attempt": attempt.number}, now)
     elif resumed.state == "stopped" and core.phase is Phase.STOPPING:
@@ -216,6 +220,7 @@ def store_after_resume(core: JobCore, node_id: str, resumed: ResumedAttempt, now
                   f"init_process_group and others had: the attempt's store is gone with it")
     elif said == "untouched" and core.store_reopened is None:
         if not resumed.master_port:
+            attempt.planned = True
             return stop_attempt(core, "the coordinator restarted before the attempt's ranks called "
                                       "init_process_group, and no node said where their store was", now, want_stacks=False)
         core.store_reopened = (attempt.number, resumed.master_port)
@@ -223,7 +228,37 @@ def store_after_resume(core: JobCore, node_id: str, resumed: ResumedAttempt, now
                 Emit("store_reopening", {"attempt": attempt.number, "port": resumed.master_port})]
     else:
         return []
+    attempt.planned = True  # for no fault of the job's: its ranks' peers failing on the stop are its doing
     return stop_attempt(core, reason, now, want_stacks=False)
+
+
+# What a rank raises when the TCPStore it talks to goes away (torch's c10d socket errors): in an
+# attempt taken back, that store died with the coordinator that opened it.
+STORE_ERRORS = ("DistNetworkError", "DistStoreError")
+
+
+def store_casualty(core: JobCore, fault: dict[str, Any], *, resumed: bool = False) -> bool:
+    """``fault`` is a rank's loss of the attempt's store, which died with the old coordinator:
+    the coordinator's doing, not the job's (acceptance 26A F1: ranks in ``init_process_group``
+    fail at once on it, and the restart spent the budget). One a resume carries happened while
+    no coordinator listened; one reported since, only while the store was not opened again."""
+    attempt = core.attempt
+    if attempt is None or core.taken_back != attempt.number or (core.store_reopened is not None and not resumed):
+        return False
+    text = " ".join(str(fault.get(k) or "") for k in ("error_type", "message", "summary"))
+    return any(name in text for name in STORE_ERRORS)
+
+
+def store_casualties(core: JobCore, node_id: str, faults: list[dict[str, Any]], now: float) -> list[Out]:
+    """Ranks of ``node_id`` lost the store of an attempt taken back: logged, not counted; the
+    job re-forms with a fresh store, spending no restart (as ``store_after_resume``)."""
+    out: list[Out] = [Emit("fault", dict(fault_fields(f), store_gone=True)) for f in faults]
+    if core.phase is Phase.RUNNING and core.attempt is not None:
+        core.attempt.planned = True
+        out += stop_attempt(core, f"the coordinator restarted, and ranks on node {core.members.nodes[node_id].host} "
+                                  f"lost the attempt's store with it ({describe_fault(faults[0])})", now,
+                            want_stacks=False)
+    return out
 
 
 def store_opened_again(core: JobCore, attempt: int, port: int, error: str, now: float) -> list[Out]:
@@ -232,6 +267,7 @@ def store_opened_again(core: JobCore, attempt: int, port: int, error: str, now: 
     if core.attempt is None or core.attempt.number != attempt or core.phase is not Phase.RUNNING:
         return []
     if error:
+        core.attempt.planned = True
         return stop_attempt(core, f"the coordinator restarted before the attempt's ranks called "
                                   f"init_process_group, and their store could not be opened again on port {port} "
                                   f"({error})", now, want_stacks=False)
@@ -268,6 +304,7 @@ def _adopt(core: JobCore, resumed: ResumedAttempt, now: float) -> list[Out]:
     if not core.restarts:
         core.restarts = [dict(r) for r in resumed.restarts]
     core.phase = Phase.RUNNING
+    core.taken_back = attempt.number
     core.awaiting_resume = set(resumed.node_ids)
     out: list[Out] = [Emit("job_resumed", {"attempt": attempt.number, "nnodes": len(attempt.nodes),
                                            "world_size": attempt.world_size, "restarts_used": core.restarts_used,
