@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 GONE_NODES_SHOWN = 8  # the newest nodes that left or were lost, in a status reply
-ENDED = ("failed", "exited")  # a rank's states that its node's end does not change
+ENDED = ("failed", "exited", "stopped")  # a rank's states that its node's end does not change
 
 
 def job_view(core: JobCore) -> dict[str, Any]:
