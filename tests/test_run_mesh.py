@@ -761,6 +761,48 @@ def test_the_nodes_told_of_a_stop_after_the_raising_rank_exits_call_no_hang_mean
     assert len(decisions) == 1 and "rank 1 fails" in decisions[0]["reason"], decisions
 
 
+RAISES_THROUGH_A_SLOW_FINALLY = """
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    for step in range(40):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        time.sleep(0.05)
+        if step == 6 and rank == 1:
+            raise ValueError("bad batch on rank 1")
+finally:
+    dist.destroy_process_group()
+    if rank == 1:
+        time.sleep(8)  # wandb.finish(), an upload: longer than the grace period
+"""
+
+
+def test_a_rank_whose_finally_cleans_up_after_destroying_its_group_is_still_the_root_cause(workdir, launch) -> None:
+    """Acceptance 26A F2: the peer's lost connection stopped the attempt; the stop waited 1 s
+    for the raising rank's report, then stopped it in its cleanup, and the victim was the cause."""
+    (workdir / "slow_finally.py").write_text(RAISES_THROUGH_A_SLOW_FINALLY)
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "slowfinally", "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
+            str(workdir / "slow_finally.py")]
+    nodes = [launch(args, workdir, env) for _ in range(2)]
+    for node in nodes:
+        code, _, err = node.wait(120)
+        assert code == 1, err
+        assert "last cause: rank 1 on" in err and "raised ValueError: bad batch on rank 1" in err, err
+
+
 def test_a_spare_node_waiting_for_a_place_ends_with_the_job(workdir, launch) -> None:
     """A third agent for a full 2-node job waits for a place; when the job ends it is told so
     and exits at once with one line (it used to wait silently for the 600 s join timeout)."""

@@ -109,7 +109,7 @@ class WorkerGroup:
         # Ranks whose script raised or called sys.exit are exiting already: left to finish, the
         # others stopped after them (``exiting_first``: a fault's stop) or at once (an interrupt).
         exiting = [r.proc.pid for r in self.ranks.values()
-                   if (r.exception is not None and r.exception_fatal) or r.exiting_code is not None]
+                   if (r.exception is not None and r.exception_fatal) or r.exiting_code is not None or r.closed_raising]
         report = terminate_all([r.proc for r in self.ranks.values()], grace_s, sig=sig, adopted=adopted, abort=abort,
                                exiting=exiting, exiting_s=grace_s, exiting_first=exiting_first,
                                lingering=lingering and (lambda pids: lingering(sorted(

@@ -195,6 +195,12 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
             err = sys.exc_info()[1]
             raising = err is not None and not (isinstance(err, SystemExit) and err.code in (0, None))
             channel.get().emit("closed", **({"raising": True} if raising else {}))
+            # Reported now: its cleanup after this may outlast the stop that its peers' failures
+            # on the destroyed group bring (acceptance 26A F2: it was never said).
+            if isinstance(err, SystemExit) and raising:
+                exiting(err.code)
+            elif raising and err is not None:
+                report_exception(type(err), err, err.__traceback__)
         try:
             return destroy(group, *args, **kwargs)
         except BaseException:
