@@ -29,3 +29,18 @@ def test_a_restart_on_the_same_nodes_keeps_the_startup_a_replaced_node_does_not(
     assert earlier.startup_hint(group_spec(assign(["a", "b"]), s)) == 4.0  # type: ignore[arg-type]
     assert earlier.startup_hint(group_spec(assign(["a", "c"]), s)) is None  # type: ignore[arg-type]
     assert earlier.startup_hint(group_spec(assign(["a", "b", "c"]), s)) is None  # type: ignore[arg-type]
+
+
+def test_another_nodes_inject_for_a_rank_of_a_node_without_hooks_is_said_never_to_fire() -> None:
+    """Acceptance 26A F3: node 1 ran --no-inject, node 0 gave --inject kill@2:5 (rank 2 on
+    node 1): the merged fault could not fire there, and nothing said so."""
+    from unicron.agent.attempt import inject_warnings
+
+    s = SimpleNamespace(rdzv_host="h", inject="")
+    body = dict(assign(["a", "b"], 0), node_rank=1, rank_offset=2, world_size=4, local_world_sizes=[2, 2],
+                inject=True, inject_faults="kill@2:5;exit=3@0:4")
+    spec = group_spec(body, s)  # type: ignore[arg-type]
+    assert inject_warnings(spec, hooked=False) == [
+        "--inject kill@2:5 never fires on rank(s) 2: this node starts its workers without unicron's hooks "
+        "(--no-inject)"]
+    assert inject_warnings(spec, hooked=True) == []

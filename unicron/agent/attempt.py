@@ -124,13 +124,22 @@ def attempt_line(spec: GroupSpec, ranks: list[int]) -> str:
     return what
 
 
-def inject_warnings(spec: GroupSpec) -> list[str]:
-    """``--inject`` faults aimed at ranks the job does not have: they would never fire. Said on
-    node 0 only (once per job), now that the world size is known."""
-    if not spec.inject or spec.node_rank != 0:
+def inject_warnings(spec: GroupSpec, *, hooked: bool = True) -> list[str]:
+    """``--inject`` faults that would never fire: aimed at ranks the job does not have (said on
+    node 0 only, once per job, now that the world size is known), or at this node's ranks when
+    it starts them without unicron's hooks (``hooked`` False: --no-inject; another node's
+    --inject named them, acceptance 26A F3)."""
+    if not spec.inject:
         return []
-    return [f"--inject {fault}: rank {fault.rank} does not exist (world size {spec.world_size}); it never fires"
-            for fault in parse_inject_spec(spec.inject) if fault.rank is not None and fault.rank >= spec.world_size]
+    faults = parse_inject_spec(spec.inject)
+    out = [f"--inject {fault}: rank {fault.rank} does not exist (world size {spec.world_size}); it never fires"
+           for fault in faults if spec.node_rank == 0 and fault.rank is not None and fault.rank >= spec.world_size]
+    mine = range(spec.rank_offset, spec.rank_offset + spec.local_world_sizes[spec.node_rank])
+    for fault in faults if not hooked else ():
+        if ranks := [r for r in mine if fault.applies_to(r)]:
+            out.append(f"--inject {fault} never fires on rank(s) {', '.join(map(str, ranks))}: this node starts "
+                       "its workers without unicron's hooks (--no-inject)")
+    return out
 
 
 def unfired_injects(spec: GroupSpec, steps: dict[int, int], faulted: set[int | None]) -> list[str]:

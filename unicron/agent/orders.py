@@ -40,6 +40,7 @@ from unicron.agent.shm import scan_snapshots
 from unicron.agent.tee import ConsoleTee
 from unicron.agent.terminate import LINGER_NOTICE_S
 from unicron.agent.warm import READY_WAIT_S, WarmPool
+from unicron.agent.warmspec import BOOT_MODULE
 from unicron.agent.workers import WorkerGroup
 from unicron.detect.activity import Activity
 from unicron.errors import FatalUserError, ProtocolError, WorkerFailedError
@@ -224,7 +225,7 @@ class AgentOrders:
                          ranks=sorted(group.ranks), world_size=spec.world_size,
                          restore_step=spec.restore_step, master_port=spec.master_port, warm=group.warm_starts,
                          first_step_allowance_s=round(group.hang.first_step_allowance_s(), 3))
-        for warning in inject_warnings(spec):
+        for warning in inject_warnings(spec, hooked=BOOT_MODULE in self.s.cmd):
             self.ui.warn(warning)
 
     def _on_stop(self, body: dict[str, Any]) -> None:
