@@ -105,3 +105,17 @@ def test_a_rank_that_execs_or_never_initialises_distributed_has_unknown_progress
         group.stop(2.0)
         tee.close()
     group.poll(time.time())
+
+
+def test_a_rank_that_raised_is_shown_failed_before_it_is_reaped(tmp_path: Path) -> None:
+    """Acceptance 26A F5: during the stop that waits for it to exit, status showed it running."""
+    group, tee = sleeping_group(tmp_path, 2)
+    group.start(time.time())
+    try:
+        group.on_message({"t": "hello", "rank": 1, "ts": time.time()}, time.time())
+        group.on_message({"t": "exc", "rank": 1, "type": "ValueError", "msg": "bad", "tb": "", "ts": time.time()},
+                         time.time())
+        assert [w["state"] for w in group.summary()] == ["running", "failed"]
+    finally:
+        group.stop(2.0)
+        tee.close()

@@ -130,3 +130,18 @@ def median(values: list[float]) -> float | None:
         return None
     s = sorted(values)
     return round(s[len(s) // 2], 5)
+
+
+def status_rows(ranks: Iterable[RankState]) -> list[dict[str, Any]]:
+    """Each rank as heartbeats carry it to ``unicron status``, in rank order."""
+    out = []
+    for r in sorted(ranks, key=lambda x: x.rank):
+        times = list(r.iter_times)
+        # One that raised (or called sys.exit with an error) is failing, though not reaped yet:
+        # the stop waits for it to exit (acceptance 26A F5: shown running meanwhile).
+        failing = r.state == "running" and (r.exception_fatal or r.exiting_code is not None)
+        out.append({"rank": r.rank, "local_rank": r.local_rank, "pid": r.proc.pid,
+                    "state": "failed" if failing else r.state,
+                    "step": r.step, "iter_time_s": median(times), "iter_times": [round(t, 4) for t in times],
+                    "last_step_at": r.last_step_at, "snapshot_step": r.snapshot_step})
+    return out

@@ -17,7 +17,7 @@ from typing import Any
 from unicron.agent.logs import RunLogDir, capture_stderr, full_copy_note
 from unicron.agent.procs import start_worker
 from unicron.agent.proctree import is_exiting, process_state
-from unicron.agent.ranks import GroupSpec, RankState, median
+from unicron.agent.ranks import GroupSpec, RankState, status_rows
 from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.sendqueues import SendQueueWatch
 from unicron.agent.shm import newest_snapshot
@@ -423,13 +423,7 @@ class WorkerGroup:
         return now - r.ready_at >= max(RAN_FOR_S, r.ready_at - self.started_at)
 
     def summary(self) -> list[dict[str, Any]]:
-        out = []
-        for r in sorted(self.ranks.values(), key=lambda x: x.rank):
-            times = list(r.iter_times)
-            out.append({"rank": r.rank, "local_rank": r.local_rank, "pid": r.proc.pid, "state": r.state,
-                        "step": r.step, "iter_time_s": median(times), "iter_times": [round(t, 4) for t in times],
-                        "last_step_at": r.last_step_at, "snapshot_step": r.snapshot_step})
-        return out
+        return status_rows(self.ranks.values())
 
     def _exit_fault(self, r: RankState, now: float) -> dict[str, Any]:
         failure = build_failure(rank=r.rank, local_rank=r.local_rank, pid=r.proc.pid, exitcode=r.exitcode or 0,
