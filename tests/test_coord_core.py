@@ -134,17 +134,23 @@ def test_all_finished_ends_the_job() -> None:
     assert finish == [Finish(0, "all workers finished successfully")] and core.phase is Phase.DONE
 
 
+def _b_finished() -> JobCore:
+    """Nodes a and b running attempt 0; b's workers all exited 0 at 2."""
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_finished("b", {"attempt": 0}, 2)
+    return core
+
+
 def test_a_node_whose_workers_all_finished_is_not_lost_for_its_silence_while_the_others_train() -> None:
     """Acceptance 23A F3: node b's ranks all exited 0, then its launcher stalled past the
     heartbeat timeout. The others' training was killed to "restart on the same nodes", and the
     job waited the join timeout for b, which exited 0 when it ran again. It did its part: as
     under torchrun, its silence costs nothing. Once the attempt stops for another reason, a
     restart needs it again, and its silence is judged."""
-    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
-    core.on_join("a", join("a"), 0)
-    core.on_join("b", join("b"), 0)
-    started(core, 1)
-    core.on_finished("b", {"attempt": 0}, 2)
+    core = _b_finished()
     for t in (3.0, 5.0, 7.0, 9.0):  # b silent since 2, a heartbeats on
         core.on_heartbeat("a", {"workers": [], "health": {}, "attempt": 0}, t)
         assert not [o for o in core.tick(t + 0.5) if isinstance(o, Emit) and o.kind == "node_lost"]
@@ -153,11 +159,7 @@ def test_a_node_whose_workers_all_finished_is_not_lost_for_its_silence_while_the
     assert [o for o in core.on_finished("a", {"attempt": 0}, 10) if isinstance(o, Finish)] == [
         Finish(0, "all workers finished successfully")]
     # The same silence, then a fault on a: the restart needs b, whose silence counts again.
-    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
-    core.on_join("a", join("a"), 0)
-    core.on_join("b", join("b"), 0)
-    started(core, 1)
-    core.on_finished("b", {"attempt": 0}, 2)
+    core = _b_finished()
     core.on_heartbeat("a", {"workers": [], "health": {}, "attempt": 0}, 8)
     core.on_fault("a", {"attempt": 0, "fault": {"kind": "exception", "rank": 0, "ts": 8}}, 8)
     assert core.phase is Phase.STOPPING
@@ -169,11 +171,7 @@ def test_a_node_whose_workers_all_finished_may_leave_while_the_others_train() ->
     """Acceptance 25A F2: SIGTERM (or Ctrl-C) to node b's launcher after its ranks all exited 0
     stopped a's training and waited the join timeout for b. As its silence (above), b's leaving
     costs nothing: a trains on and the job ends when a finishes."""
-    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
-    core.on_join("a", join("a"), 0)
-    core.on_join("b", join("b"), 0)
-    started(core, 1)
-    core.on_finished("b", {"attempt": 0}, 2)
+    core = _b_finished()
     outs = core.on_leave("b", {"node_id": "b", "reason": "interrupted by SIGTERM"}, 3)
     assert core.phase is Phase.RUNNING and not sends(outs, "stop")
     assert [o for o in core.on_finished("a", {"attempt": 0}, 10) if isinstance(o, Finish)] == [

@@ -32,6 +32,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _pair(workdir, launch, script: str, text: str, job: str, *extra: str) -> list:
+    """Two one-worker nodes on loopback running ``text`` (saved as ``script``), with ``extra`` flags."""
+    (workdir / script).write_text(text)
+    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--rdzv-id", job, *extra, "--log-dir", str(workdir / "logs"), str(workdir / script)]
+    return [launch(args, workdir, clean_env(UNICRON_SECRET=SECRET)) for _ in range(2)]
+
+
 def agent_args(workdir, port: int, nnodes: str, *extra: str, steps: int = 30, sleep: float = 0.05,
                rdzv_conf: str = "last_call_timeout=1") -> list[str]:
     return ["run", "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -650,13 +658,7 @@ def test_an_idle_tail_on_one_node_after_a_rank_of_another_finished_is_not_a_hang
 def test_a_rank_waiting_at_the_end_for_another_nodes_rank_that_trains_on_is_not_hung(workdir, launch) -> None:
     """The uneven end across nodes: the coordinator sees one rank two or more steps ahead of
     another and still stepping, and tells every agent that the job is working."""
-    (workdir / "uneven_end.py").write_text(UNEVEN_END)
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "unevenjob", "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
-            str(workdir / "uneven_end.py")]
-    nodes = [launch(args, workdir, env) for _ in range(2)]
+    nodes = _pair(workdir, launch, "uneven_end.py", UNEVEN_END, "unevenjob", "--max-restarts", "0")
     for node in nodes:
         code, out, err = node.wait(90)
         assert code == 0, err
@@ -743,13 +745,8 @@ dist.destroy_process_group()
 def test_the_nodes_told_of_a_stop_after_the_raising_rank_exits_call_no_hang_meanwhile(workdir, launch) -> None:
     """Acceptance 25A F4: while the stop waited for the raising rank's node (its rank exiting
     for 4 s), the other node's rank, waiting on it in a collective, was called hung."""
-    (workdir / "slow_exit.py").write_text(RAISES_WITH_A_SLOW_EXIT)
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "slowexit", "--max-restarts", "1", "--grace-period", "8", "--log-dir", str(workdir / "logs"),
-            str(workdir / "slow_exit.py")]
-    nodes = [launch(args, workdir, env) for _ in range(2)]
+    nodes = _pair(workdir, launch, "slow_exit.py", RAISES_WITH_A_SLOW_EXIT, "slowexit", "--max-restarts", "1",
+                  "--grace-period", "8")
     for node in nodes:
         code, _, err = node.wait(120)
         assert code == 0, err
@@ -790,13 +787,8 @@ finally:
 def test_a_rank_whose_finally_cleans_up_after_destroying_its_group_is_still_the_root_cause(workdir, launch) -> None:
     """Acceptance 26A F2: the peer's lost connection stopped the attempt; the stop waited 1 s
     for the raising rank's report, then stopped it in its cleanup, and the victim was the cause."""
-    (workdir / "slow_finally.py").write_text(RAISES_THROUGH_A_SLOW_FINALLY)
-    port = free_port()
-    env = clean_env(UNICRON_SECRET=SECRET)
-    args = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "slowfinally", "--max-restarts", "0", "--log-dir", str(workdir / "logs"),
-            str(workdir / "slow_finally.py")]
-    nodes = [launch(args, workdir, env) for _ in range(2)]
+    nodes = _pair(workdir, launch, "slow_finally.py", RAISES_THROUGH_A_SLOW_FINALLY, "slowfinally",
+                  "--max-restarts", "0")
     for node in nodes:
         code, _, err = node.wait(120)
         assert code == 1, err

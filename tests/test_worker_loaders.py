@@ -18,6 +18,7 @@ def _clean() -> None:
     loaders._latest.clear()
     loaders._first.clear()
     loaders._epochs.clear()
+    loaders._generators.clear()
 
 
 def _epoch(persistent: bool = False, workers: int = 0) -> DataLoader[torch.Tensor]:
@@ -63,6 +64,24 @@ def test_a_loader_with_its_own_generator_replays_its_shuffle_and_ends_where_it_d
     again = iter(DataLoader(torch.arange(32.0), batch_size=4, shuffle=True, generator=fresh))
     assert all(torch.equal(a, b) for a, b in zip(first, [next(again) for _ in range(2)], strict=True))
     assert torch.equal(fresh.get_state(), after_draws)  # as in the run before the fault
+
+
+def test_a_loader_with_its_own_generator_restored_at_an_epoch_end_shuffles_the_next_epoch_anew() -> None:
+    """Acceptance 26B F2: restored right after an epoch, a loader whose generator is not in the
+    State shuffled the next epoch as the first (the generator was back at its seed)."""
+    gen = torch.Generator().manual_seed(7)
+    loader = DataLoader(torch.arange(32.0), batch_size=4, shuffle=True, generator=gen)
+    for _ in loader:  # the epoch the snapshot comes after
+        pass
+    records = loaders.mid_epoch()
+    assert len(records) == 1 and "generator" in records[0]
+    second = list(loader)  # the uninterrupted run's next epoch
+
+    loaders.arm(records)
+    fresh = torch.Generator().manual_seed(7)  # the restarted script's own, at the script's start
+    again = list(DataLoader(torch.arange(32.0), batch_size=4, shuffle=True, generator=fresh))
+    assert all(torch.equal(a, b) for a, b in zip(second, again, strict=True))
+    assert torch.equal(fresh.get_state(), gen.get_state())
 
 
 def test_exhausted_or_unstarted_iterators_are_not_recorded() -> None:

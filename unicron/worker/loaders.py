@@ -30,7 +30,9 @@ makes new workers every epoch, as the restored run does, and is bit-exact). A
 generator) gets the first epoch's order after a restore in a later one. A loader given its own
 ``generator=`` draws the seed and the shuffle from it: its state before the iterator is recorded
 and replayed too, and the generator is left where the replayed draws leave it, as it was in the
-run before the fault. Where the batches of the epoch come from
+run before the fault; once its iterator is done (an epoch's end), the generator's state at the
+commit is recorded, which the next epoch's iterator draws from (acceptance 26B F2: restored at an
+epoch's end, a generator left out of the State shuffled the next epoch as the first). Where the batches of the epoch come from
 is the script's business (it skips what it consumed, e.g. with a batch index in
 ``State(extra=...)``); a ``num_workers=0`` loader whose dataset draws random numbers in the
 training process draws them again as the script skips, and is not bit-exact after a restore.
@@ -51,6 +53,7 @@ _latest: dict[int, tuple[weakref.ref[Any], Draws, list[Any]]] = {}  # loader -> 
 _first: dict[int, Draws] = {}  # loader -> the RNG states before its first iterator
 _armed: list[tuple[Draws, list[Any], int]] = []  # restored: (RNG states, fingerprint, epochs)
 _epochs: dict[int, int] = {}  # loader -> iterators made (a persistent loader's: epochs begun)
+_generators: dict[int, weakref.ref[torch.Generator]] = {}  # loader -> its own ``generator=``
 _count = 0
 _installed = False
 
@@ -115,6 +118,8 @@ def install() -> None:
             _latest[key] = (weakref.ref(it), first if mark[-1] else made_under, mark)  # mark[-1]: persistent
         except TypeError:  # an iterator without weak references (a subclass's own): not recorded
             pass
+        if gen is not None:
+            _generators[key] = weakref.ref(gen)
         return it
 
     __iter__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -161,22 +166,27 @@ def _warn_persistent(epoch: int) -> None:
 
 def mid_epoch() -> list[dict[str, Any]]:
     """For a snapshot: the loaders whose latest iterator has yielded and is not exhausted,
-    every persistent loader's, and the restored records not replayed yet."""
+    every persistent loader's, the next iterator of those with their own generator, and the
+    restored records not replayed yet."""
     out = []
     for key in sorted(_latest):
         ref, state, mark = _latest[key]
         it = ref()
-        if it is None:
-            continue
-        yielded = getattr(it, "_num_yielded", 0)
+        gen = _generators[key]() if key in _generators else None
+        yielded = getattr(it, "_num_yielded", 0) if it is not None else 0
         try:
-            total: int | None = len(it)
+            total: int | None = len(it) if it is not None else 0
         except Exception:  # noqa: BLE001 - as in fingerprint
             total = None
         # A persistent loader's iterator is made once in a run without faults: any iterator a
         # restored worker makes is one more, whatever the epoch.
-        if mark[-1] or (yielded > 0 and (total is None or yielded < total)):
+        if it is not None and (mark[-1] or (yielded > 0 and (total is None or yielded < total))):
             out.append(_record(state, mark, _epochs.get(key, 1)))
+        elif gen is not None and (it is None or yielded > 0):
+            # Done with (exhausted, or dropped): its next iterator draws its shuffle from its own
+            # generator as it is now. A restored script's generator, left out of the State, is
+            # back at its seed and would shuffle the next epoch as the first (acceptance 26B F2).
+            out.append(_record((torch.get_rng_state(), gen.get_state()), mark, _epochs.get(key, 1) + 1))
     # Restored records whose loader has not made its iterator yet (a commit came first): the
     # next restore still owes it that draw.
     out.extend(_record(state, mark, epochs) for state, mark, epochs in _armed)
