@@ -254,6 +254,25 @@ def test_a_state_misuse_stops_the_job_without_a_restart(workdir) -> None:
     assert [d["severity"] for d in events if d["kind"] == "decision"] == ["FATAL"]
 
 
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "no-inject"])
+def test_a_ddp_model_built_without_the_worker_hooks_is_said_not_to_restore_bit_for_bit(workdir, hooks: bool) -> None:
+    """Acceptance 26B F1: under --no-inject a restored DDP model ends with other parameters than
+    the run without the fault (its bucket order is not restored), and nothing said so."""
+    (workdir / "ddp.py").write_text(
+        "import torch, torch.distributed as dist, unicron\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "dist.init_process_group('gloo')\n"
+        "m = DDP(torch.nn.Linear(2, 2)); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "state = unicron.State(model=m, optimizer=opt); start = state.restore()\n"
+        "for step in range(start, 3):\n"
+        "    opt.zero_grad(); m(torch.ones(1, 2)).sum().backward(); opt.step(); state.commit(step + 1)\n")
+    code, _, err = run_unicron(["run", *COMMON, *([] if hooks else ["--no-inject"]), str(workdir / "ddp.py")],
+                               workdir, timeout=60)
+    assert code == 0, err
+    said = err.count("unicron: the DistributedDataParallel 'model' was built without unicron's worker hooks")
+    assert said == (0 if hooks else 1), err  # rank 0's, once
+
+
 def _run_dying(workdir, dying_rank: str) -> tuple[int, str, int]:
     """Run a job whose rank ``dying_rank`` (a Python expression) exits 3 right after joining,
     before any step; return the exit code, stderr and the number of attempts."""

@@ -49,6 +49,11 @@ def install(ddp_module: ModuleType) -> None:
     cls.__init__ = __init__
 
 
+def tracked(model: Any) -> bool:
+    """``model`` was built under the wrapper (``install``): its layout goes into snapshots."""
+    return any(ref() is model for ref in _instances)
+
+
 def current_layouts() -> list[Layout | None]:
     """Each DDP's rebuilt layout (None before its rebuild), for the snapshot."""
     out: list[Layout | None] = []

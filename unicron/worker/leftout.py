@@ -12,7 +12,7 @@ which the warning allows for).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -54,3 +54,16 @@ def optimizers_left_out(objects: Mapping[str, Any], built: Iterable[Any]) -> lis
 
 
 _INNER = ("optim", "optimizer", "_optimizer")  # how a wrapper names the optimizer it wraps
+
+
+def ddp_without_hooks(objects: Mapping[str, Any], tracked: Callable[[Any], bool]) -> list[str]:
+    """Warnings, one per DistributedDataParallel in ``objects`` built without unicron's worker
+    hooks (``--no-inject``, ``--no-python``: ``tracked`` says which were): its parameters come
+    back, but not the bucket order DDP rebuilt after its first step, so the run after a restore
+    is not bit for bit the one without the fault (acceptance 26B F1: said nowhere)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [f"unicron: the DistributedDataParallel {name!r} was built without unicron's worker hooks (--no-inject "
+            f"or --no-python): a restore brings its parameters back but not its gradient buckets' order, so the "
+            f"run after a restore is not bit for bit the run without the fault; run without --no-inject for that"
+            for name, obj in objects.items() if isinstance(obj, DistributedDataParallel) and not tracked(obj)]

@@ -268,7 +268,8 @@ class State:
         self._take_directory(taking_over=False)
         if not self._checked and self._rank == 0:  # said once per job, not by every rank
             for warning in (leftout.schedulers_left_out(self._objects)
-                            + leftout.optimizers_left_out(self._objects, hooks.built_optimizers())):
+                            + leftout.optimizers_left_out(self._objects, hooks.built_optimizers())
+                            + leftout.ddp_without_hooks(self._objects, ddplayout.tracked)):
                 print(warning, file=sys.stderr, flush=True)
         self._checked = True
         if ddplayout.rebuild_pending():  # after a DDP's first iteration: no exact restore possible yet
