@@ -218,6 +218,16 @@ def test_ranks_that_lost_the_store_with_the_old_coordinator_re_form_the_job_on_n
     assert {a["attempt"] for a in next_assigns(core, 102.1).values()} == {4}
 
 
+def test_a_real_fault_beside_store_losses_in_a_resume_is_the_cause_and_both_are_logged() -> None:
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=100)
+    core.on_join("a", resumed_join("a", assigns["a"]), 100)
+    outs = core.on_join("b", resumed_join("b", assigns["b"], faults=[STORE_LOST, dict(FAULT, rank=3)]), 100.2)
+    logged = [o.fields for o in outs if isinstance(o, Emit) and o.kind == "fault"]
+    assert sorted(f["rank"] for f in logged) == [2, 3] and [f.get("store_gone") for f in logged].count(True) == 1
+    assert "rank 3" in core.attempt.stop_reason and [f["rank"] for f in core.attempt.faults] == [3]
+
+
 def test_a_store_error_in_an_attempt_this_coordinator_started_is_the_jobs_own_fault() -> None:
     core, assigns = taken_back(RESTART)
     core.on_join("b", resumed_join("b", assigns["b"]), 100.2)

@@ -175,8 +175,8 @@ def take_back(core: JobCore, node_id: str, body: dict[str, Any], now: float) -> 
     new = [f for f in new if f not in casualties]
     attempt.faults += new
     out += [Emit("fault", fault_fields(f)) for f in new]
-    if casualties and not new:
-        out += store_casualties(core, node_id, casualties, now)
+    if casualties:  # a real fault beside them stops the attempt below, as its own cause
+        out += store_casualties(core, node_id, casualties, now, stop=not new)
     if resumed.state == "finished":
         out += core.on_finished(node_id, {"attempt": attempt.number}, now)
     elif resumed.state == "stopped" and core.phase is Phase.STOPPING:
@@ -249,11 +249,13 @@ def store_casualty(core: JobCore, fault: dict[str, Any], *, resumed: bool = Fals
     return any(name in text for name in STORE_ERRORS)
 
 
-def store_casualties(core: JobCore, node_id: str, faults: list[dict[str, Any]], now: float) -> list[Out]:
+def store_casualties(core: JobCore, node_id: str, faults: list[dict[str, Any]], now: float, *,
+                     stop: bool = True) -> list[Out]:
     """Ranks of ``node_id`` lost the store of an attempt taken back: logged, not counted; the
-    job re-forms with a fresh store, spending no restart (as ``store_after_resume``)."""
+    job re-forms with a fresh store, spending no restart (as ``store_after_resume``), unless
+    not to ``stop`` (a real fault came with them)."""
     out: list[Out] = [Emit("fault", dict(fault_fields(f), store_gone=True)) for f in faults]
-    if core.phase is Phase.RUNNING and core.attempt is not None:
+    if stop and core.phase is Phase.RUNNING and core.attempt is not None:
         core.attempt.planned = True
         out += stop_attempt(core, f"the coordinator restarted, and ranks on node {core.members.nodes[node_id].host} "
                                   f"lost the attempt's store with it ({describe_fault(faults[0])})", now,
