@@ -191,12 +191,12 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
         if default:  # said first: the peers' collectives fail on it before it returns
             _rt.closed = True
             # In a ``finally`` on an exception's way out (``try: train() finally:
-            # destroy_process_group()``): not a clean end, the exception's report follows.
+            # destroy_process_group()``): not a clean end. The exception is reported now: the
+            # cleanup after this may outlast the stop that its peers' failures on the destroyed
+            # group bring (acceptance 25A F1, 26A F2: it was never said).
             err = sys.exc_info()[1]
             raising = err is not None and not (isinstance(err, SystemExit) and err.code in (0, None))
             channel.get().emit("closed", **({"raising": True} if raising else {}))
-            # Reported now: its cleanup after this may outlast the stop that its peers' failures
-            # on the destroyed group bring (acceptance 26A F2: it was never said).
             if isinstance(err, SystemExit) and raising:
                 exiting(err.code)
             elif raising and err is not None:
