@@ -319,6 +319,10 @@ import os, sys, time
 import torch, torch.distributed as dist
 
 here = sys.argv[1]
+if os.environ["GROUP_RANK"] == "0":  # the test waits for its connection to the store
+    with open(os.path.join(here, "joining.tmp"), "w") as fh:
+        fh.write(f"{os.getpid()} {os.environ['MASTER_PORT']}")
+    os.replace(os.path.join(here, "joining.tmp"), os.path.join(here, "joining"))
 if os.environ["GROUP_RANK"] == "1":  # loads a model first: node 0's ranks wait in init_process_group
     with open(os.path.join(here, f"loading.{os.environ['RANK']}.{os.getpid()}"), "w"):
         pass
@@ -347,6 +351,13 @@ def test_ranks_in_init_process_group_that_lose_the_store_with_the_coordinator_co
                      "--log-dir", str(workdir / f"logs{rank}"), str(workdir / "mixed.py"), str(workdir)],
                     workdir, env) for rank in (0, 1)]
     wait_for(lambda: list(workdir.glob("loading.*")), 90, "node 1's rank to load")
+    # Node 0's rank in init_process_group, connected to the store: one not connected yet only
+    # retries its connect when the store goes (and is re-formed all the same, with no fault).
+    pid, store_port = map(int, wait_for(lambda: (workdir / "joining").exists() and (workdir / "joining").read_text(),
+                                        60, "node 0's rank to start").split())
+    wait_for(lambda: [c for c in psutil.Process(pid).net_connections("tcp")
+                      if c.raddr and c.raddr.port == store_port and c.status == psutil.CONN_ESTABLISHED],
+             60, "node 0's rank to connect to the store")
     first.proc.send_signal(signal.SIGKILL)
     first.wait(20)
     wait_for(lambda: [e for e in read_events(workdir / "logs0") if e["kind"] == "fault"], 60,

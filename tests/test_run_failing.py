@@ -61,6 +61,7 @@ def test_a_rank_that_breaks_its_peers_before_it_throws_is_the_root_cause(workdir
 
 
 FINALLY_DESTROY = r"""
+import os, time
 import torch
 import torch.distributed as dist
 

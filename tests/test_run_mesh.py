@@ -11,6 +11,7 @@ import time
 
 import pytest
 from e2e import clean_env, read_events, run_unicron, wait_for
+from test_run_failing import FINALLY_DESTROY
 from test_run_stepless import TRAINED_THEN, UNEVEN_END
 
 pytestmark = pytest.mark.slow
@@ -758,29 +759,10 @@ def test_the_nodes_told_of_a_stop_after_the_raising_rank_exits_call_no_hang_mean
     assert len(decisions) == 1 and "rank 1 fails" in decisions[0]["reason"], decisions
 
 
-RAISES_THROUGH_A_SLOW_FINALLY = """
-import time
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-try:
-    for step in range(40):
-        opt.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-        opt.step()
-        time.sleep(0.05)
-        if step == 6 and rank == 1:
-            raise ValueError("bad batch on rank 1")
-finally:
-    dist.destroy_process_group()
-    if rank == 1:
-        time.sleep(8)  # wandb.finish(), an upload: longer than the grace period
+# A cleanup after the destroy (wandb.finish(), an upload), longer than the grace period.
+RAISES_THROUGH_A_SLOW_FINALLY = FINALLY_DESTROY + """\
+    if os.environ["RANK"] == "1":
+        time.sleep(8)
 """
 
 
@@ -792,7 +774,7 @@ def test_a_rank_whose_finally_cleans_up_after_destroying_its_group_is_still_the_
     for node in nodes:
         code, _, err = node.wait(120)
         assert code == 1, err
-        assert "last cause: rank 1 on" in err and "raised ValueError: bad batch on rank 1" in err, err
+        assert "last cause: rank 1 on" in err and "raised KeyError: 'missing_key_in_batch'" in err, err
 
 
 def test_a_spare_node_waiting_for_a_place_ends_with_the_job(workdir, launch) -> None:
