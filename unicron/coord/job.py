@@ -149,7 +149,7 @@ class JobCore:
             # Every agent judges a hang by the whole job's activity: a node whose ranks wait in
             # a barrier while another node's rank evaluates must hear of it before its short
             # idle threshold runs out, not at its next heartbeat; likewise that a rank finished.
-            return self._ack_all(level)
+            return self.ack_all(level)
         return [Send(node_id, "ack", self._ack(level))]
 
     def _ack(self, level: Activity) -> dict[str, Any]:
@@ -160,16 +160,14 @@ class JobCore:
             ack["stopping"] = self.attempt.number  # its stop may come later (stopping.stop_attempt)
         return ack
 
-    def ack_all(self, now: float, skip: str | None = None) -> list[Out]:
-        """An ``ack`` to every active node but ``skip``, now (what the job is doing changed)."""
-        ack = self._ack(self.job_activity(now))
-        return [Send(n.node_id, "ack", ack) for n in self.members.active() if n.node_id != skip]
 
     def past_last_step(self) -> bool:
         return past_last_step(self.phase, self.attempt)  # see unicron.coord.evidence
 
-    def _ack_all(self, level: Activity) -> list[Out]:
-        return [Send(n.node_id, "ack", self._ack(level)) for n in self.members.active()]
+    def ack_all(self, level: Activity, skip: str | None = None) -> list[Out]:
+        """An ``ack`` to every active node but ``skip``, now (what the job is doing changed)."""
+        ack = self._ack(level)
+        return [Send(n.node_id, "ack", ack) for n in self.members.active() if n.node_id != skip]
 
     def job_activity(self, now: float | None = None) -> Activity:
         return job_activity(self.spec, self.members, self.phase, self.attempt, now)  # see coord.evidence
@@ -208,7 +206,7 @@ class JobCore:
         if len(attempt.finished) >= len(attempt.nodes) and attempt.node_set <= attempt.finished:
             out += self.finish(0, "all workers finished successfully", now)
         elif not was_done:  # the others' ranks are in their tails now: no hang to call there
-            out += self._ack_all(self.job_activity(now))
+            out += self.ack_all(self.job_activity(now))
         return out
 
     def on_stopped(self, node_id: str, body: dict[str, Any], now: float) -> list[Out]:
@@ -251,7 +249,7 @@ class JobCore:
             stopping = frozenset(n for n in unacked(self) if self.members.nodes[n].last_heartbeat >= sent)
         silent = self._silent(now)
         if silent - self._told_silent:  # say so at once: the others' idle thresholds are short
-            out += self._ack_all(self.job_activity(now))
+            out += self.ack_all(self.job_activity(now))
         self._told_silent = silent
         if self.loss_deferred:
             self.loss_deferred = {n: until for n, until in self.loss_deferred.items() if until > now}

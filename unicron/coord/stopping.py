@@ -69,7 +69,7 @@ def stop_attempt(core: JobCore, reason: str, now: float, *, want_stacks: bool, v
         attempt.stop_waits_for, attempt.stop_body = first, body
         # The others are told the stop is coming: their ranks wait on the one that raised, and
         # called that a hang before their own stop came (acceptance 25A F4, 25C F4).
-        out += core.ack_all(now, skip=first)
+        out += core.ack_all(core.job_activity(now), skip=first)
         nodes = [first]
     out += [Send(node_id, "stop", body) for node_id in nodes]
     if all_stopped(core):
