@@ -9,6 +9,7 @@ import sys
 import psutil
 
 from unicron.agent.shm import OWNER_FILE, newest_snapshot, remove_orphaned_shm
+from unicron.worker.snapshot import snapshot_name
 
 
 def _owned(base, name: str, pid: int, created: float) -> str:
@@ -115,10 +116,10 @@ def test_the_newest_snapshot_of_a_rank_counts_only_those_made_since_the_attempt_
     rank = tmp_path / "rank1"
     rank.mkdir()
     for step in (12, 13, 20):
-        (rank / f"step{step}.pt").write_text("{}")
-    os.utime(rank / "step20.pt", (1000.0, 1000.0))  # the attempt before's
-    (rank / "step14.pt.tmp").write_text("{}")  # not complete
-    began = os.stat(rank / "step12.pt").st_mtime
+        (rank / snapshot_name(step)).write_text("{}")
+    os.utime(rank / snapshot_name(20), (1000.0, 1000.0))  # the attempt before's
+    (rank / f"{snapshot_name(14)}.tmp").write_text("{}")  # not complete
+    began = os.stat(rank / snapshot_name(12)).st_mtime
     assert newest_snapshot(str(tmp_path), 1, since=began) == 13
     assert newest_snapshot(str(tmp_path), 1, since=0) == 20
     assert newest_snapshot(str(tmp_path), 0, since=0) == 0  # no directory

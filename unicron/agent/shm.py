@@ -17,25 +17,19 @@ from collections.abc import Callable
 from typing import IO
 
 from unicron.errors import UsageError
+from unicron.worker import snapshot
 
 
 def newest_snapshot(root: str, rank: int, since: float) -> int:
     """The newest step of ``rank`` with a complete snapshot made at ``since`` (wall clock) or
     later (an earlier attempt's may be ahead of a restore); 0 when there is none."""
-    directory = os.path.join(root, f"rank{rank}")
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    newest = 0
-    for name in names:
-        if name.startswith("step") and name.endswith(".pt") and name[4:-3].isdigit() and int(name[4:-3]) > newest:
-            try:
-                if os.stat(os.path.join(directory, name)).st_mtime >= since:
-                    newest = int(name[4:-3])
-            except OSError:
-                continue  # dropped meanwhile: a newer one replaced it
-    return newest
+    for step in reversed(snapshot.list_steps(snapshot.rank_dir(root, rank))):
+        try:
+            if os.stat(snapshot.snapshot_path(root, rank, step)).st_mtime >= since:
+                return step
+        except OSError:
+            continue  # dropped meanwhile: a newer one replaced it
+    return 0
 
 
 def scan_snapshots(root: str) -> tuple[dict[str, list[int]], dict[str, int]]:
