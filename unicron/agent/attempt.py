@@ -174,6 +174,5 @@ def stop_answer(group: WorkerGroup, want_stacks: bool) -> tuple[list[dict[str, A
     # does one that destroyed its process group (``closed``), which its peers' collectives
     # fail on before it even gets to its exit.
     finished = [{"rank": r.rank, "step": r.step} for r in group.ranks.values()
-                if r.exitcode == 0 or (r.exitcode is None and (r.bye_at is not None
-                                                               or (r.closed and not r.closed_raising)))]
+                if r.exitcode == 0 or (r.exitcode is None and (r.bye_at is not None or r.closed_cleanly))]
     return faults, finished, group.dump_stacks() if want_stacks else {}

@@ -43,6 +43,11 @@ class RankState:
     closed_raising: bool = False  # ... with an exception on its way out (in a ``finally``): not an end
     lingering_named: bool = False  # said to have outlived its script (WorkerGroup.lingering_notices)
 
+    @property
+    def closed_cleanly(self) -> bool:
+        """Destroyed its default process group at its end (not on an exception's way out)."""
+        return self.closed and not self.closed_raising
+
     def note(self, t: Any, msg: dict[str, Any], at: float) -> bool:
         """Apply what a channel message of type ``t`` says of this rank, sent at ``at`` (the
         worker's clock). True when it completed a step."""

@@ -264,7 +264,7 @@ class WorkerGroup:
         ``wandb.finish()``) cannot be told from a pause between steps, and re-arming the verdicts
         called those tails hangs (acceptance 24A F3/F6); a hang after an uneven end waits for the
         collective's timeout, as under torchrun (23C F3, a documented limit)."""
-        return any(r.bye_at is not None or r.exitcode == 0 or (r.closed and not r.closed_raising)
+        return any(r.bye_at is not None or r.exitcode == 0 or r.closed_cleanly
                    for r in self.ranks.values())
 
     def next_check_s(self, mono: float) -> float:
