@@ -95,6 +95,55 @@ def test_a_rank_that_raises_through_a_finally_that_destroys_its_group_is_the_roo
     assert "exited with code 0" not in err, err
 
 
+CAUGHT_DESTROY = r"""
+import sys
+import torch
+import torch.distributed as dist
+
+
+class EarlyStop(Exception):
+    pass
+
+
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    for step in range(40):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        if step == 5:  # every rank: the loss converged
+            raise EarlyStop(f"converged at step {step}")
+except EarlyStop as e:
+    print(f"rank {dist.get_rank()}: {e}; cleaning up", flush=True)
+    dist.destroy_process_group()  # with the exception in hand, though caught
+    if sys.argv[1:] == ["fail"] and dist.is_initialized() is False and __import__("os").environ["RANK"] == "1":
+        sys.exit(3)  # the except block ends the rank after all
+print("exiting normally", flush=True)
+"""
+
+
+def test_an_exception_caught_in_an_except_that_destroys_the_group_is_no_failure(workdir) -> None:
+    """Acceptance 27A F1: ``except EarlyStop: destroy_process_group()`` (the exception caught,
+    every rank exiting 0) was reported as rank 1's failure and restarted until the budget was
+    spent: the destroy's report of the exception in hand cannot tell an ``except`` from a
+    ``finally``. The rank's exit decides; and an ``except`` that exits non-zero still fails."""
+    (workdir / "caught_destroy.py").write_text(CAUGHT_DESTROY)
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                                  str(workdir / "caught_destroy.py")], workdir, timeout=150)
+    assert code == 0, err
+    assert out.count("exiting normally") == 2, out
+    assert "EarlyStop" not in err and "restart" not in err, err
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                                  str(workdir / "caught_destroy.py"), "fail"], workdir, timeout=150)
+    assert code == 1, err
+    assert "last cause: rank 1 on" in err and "exited with code 3" in err.split("last cause:")[1], err
+    assert "EarlyStop" not in err, err  # caught: the sys.exit that followed is the cause
+
+
 THREAD_THEN_KILL = r"""
 import os, signal, threading
 import torch

@@ -252,6 +252,8 @@ class AgentOrders:
         self.ui.warn(f"stopping attempt {body['attempt']} (first report: {body['reason']})")
         if group is not None and group.spec.attempt == body["attempt"]:
             self._stop_group(reason=body["reason"])
+            for fault in group.confirmed_pending(time.time()):
+                self.reporter.report(fault, group)  # of its attempt: self.group is gone
             self._heartbeat(at_once=True)  # the ranks as they ended, before the job may end with the stop
         snapshots, sizes = scan_snapshots(self.shm_dir)
         self._send("stopped", {"node_id": self.node_id, "attempt": body["attempt"],

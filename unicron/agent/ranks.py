@@ -41,12 +41,23 @@ class RankState:
     bye_at: float | None = None  # (monotonic) its script ended cleanly; the interpreter may still tear down
     closed: bool = False  # destroyed its default process group (since its last step): past its collectives
     closed_raising: bool = False  # ... with an exception on its way out (in a ``finally``): not an end
+    # The exception (or exit code) it had in hand as it destroyed its group: on its way out in a
+    # ``finally``, or already caught in an ``except`` that cleans up and goes on. Only its exit
+    # tells (acceptance 27A F1): non-zero confirms it, a clean end drops it (see caught).
+    fault_pending: bool = False
     lingering_named: bool = False  # said to have outlived its script (WorkerGroup.lingering_notices)
 
     @property
     def closed_cleanly(self) -> bool:
         """Destroyed its default process group at its end (not on an exception's way out)."""
         return self.closed and not self.closed_raising
+
+    def caught(self) -> None:
+        """The script went on after the destroy that a pending fault came with (it stepped, made a
+        new group, or ended cleanly): the exception was caught, and was no failure."""
+        if self.fault_pending:
+            self.fault_pending = self.closed_raising = False
+            self.exception, self.exception_fatal, self.exiting_code, self.exiting_at = None, False, None, None
 
     def note(self, t: Any, msg: dict[str, Any], at: float) -> bool:
         """Apply what a channel message of type ``t`` says of this rank, sent at ``at`` (the
@@ -67,10 +78,17 @@ class RankState:
         elif t in ("closed", "opened"):
             self.closed = t == "closed"
             self.closed_raising = self.closed and msg.get("raising") is True
+            if t == "opened":
+                self.caught()
         elif t == "bye":
             self.bye_at = time.monotonic()
+            self.caught()
         elif t == "exiting" and isinstance(msg.get("code"), int):
+            pending = msg.get("pending") is True
+            if not pending:
+                self.caught()  # a sys.exit after the destroy: the exception in hand was caught
             self.exiting_code, self.exiting_at = (msg["code"] or None), at
+            self.fault_pending = pending
             if msg.get("ready") is True:
                 self.ready_at = self.ready_at or at
         elif t == "exc":
@@ -79,6 +97,7 @@ class RankState:
                 # The worker's text, whatever it sent (a script can write to the channel): strings only.
                 self.exception = {k: v if isinstance(v := msg.get(k), str) else "" for k in ("type", "msg", "tb")}
                 self.exception_fatal, self.exception_step = fatal, self.step
+                self.fault_pending = fatal and msg.get("pending") is True
             if msg.get("ready") is True:
                 self.ready_at = self.ready_at or at
         elif t == "step" and isinstance(msg.get("step"), int):
@@ -89,6 +108,7 @@ class RankState:
             self.step = msg["step"]
             self.last_step_at = at
             self.closed = self.closed_raising = False  # a new process group after all
+            self.caught()
             if isinstance(msg.get("snap"), int):
                 self.snapshot_step = msg["snap"]
             return True
@@ -144,7 +164,7 @@ def status_rows(ranks: Iterable[RankState]) -> list[dict[str, Any]]:
         times = list(r.iter_times)
         # One that raised (or called sys.exit with an error) is failing, though not reaped yet:
         # the stop waits for it to exit (acceptance 26A F5: shown running meanwhile).
-        failing = r.state == "running" and (r.exception_fatal or r.exiting_code is not None)
+        failing = r.state == "running" and not r.fault_pending and (r.exception_fatal or r.exiting_code is not None)
         out.append({"rank": r.rank, "local_rank": r.local_rank, "pid": r.proc.pid,
                     "state": "failed" if failing else r.state,
                     "step": r.step, "iter_time_s": median(times), "iter_times": [round(t, 4) for t in times],

@@ -150,14 +150,12 @@ class WorkerGroup:
         if t == "bye":
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for
         elif t == "exc" and r.exception is not None:
-            if msg.get("fatal") is False:
-                return None  # a background thread died; the process goes on (kept for its exit)
+            if msg.get("fatal") is False or r.fault_pending:
+                return None  # a background thread died (kept for its exit), or see confirmed_pending
             if r.rank not in self.reported_exc:
                 self.reported_exc.add(r.rank)
                 latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
-                return self._fault(r, "exception", now, at=at,
-                                   message=r.exception["msg"] + full_copy_note(r.logs, str(r.exception["msg"])),
-                                   error_type=r.exception["type"], traceback=r.exception["tb"], latency_s=latency)
+                return self._exception_fault(r, r.exception, now, at=at, latency_s=latency)
         elif t == "moved":
             self.activity.moved(r.rank, at_m)
         elif t == "data":
@@ -176,8 +174,10 @@ class WorkerGroup:
             r.exitcode, r.exited_at = code, now
             r.state = "exited" if code == 0 else "failed"
             if code != 0:
+                r.fault_pending = False  # its exception (kept on the rank) explains the exit
                 faults.append(self._exit_fault(r, now))
             else:
+                r.caught()
                 self.hang.remove(r.rank)
         done = all(r.exitcode == 0 for r in self.ranks.values())
         return faults, done
@@ -199,7 +199,8 @@ class WorkerGroup:
         while True:
             faults += self.poll(time.time())[0]
             dying = [r for r in self.ranks.values()
-                     if r.exitcode is None and (r.exiting_code is not None or is_exiting(r.proc.pid))]
+                     if r.exitcode is None and ((r.exiting_code is not None and not r.fault_pending)
+                                                or is_exiting(r.proc.pid))]
             if not dying:
                 return faults
             if time.monotonic() > deadline:
@@ -209,6 +210,32 @@ class WorkerGroup:
                         faults.append(self._exit_fault(r, r.exited_at))
                 return faults
             time.sleep(0.005)
+
+    def confirmed_pending(self, now: float) -> list[dict[str, Any]]:
+        """After a stop: the faults of ranks that had an exception in hand as they destroyed their
+        group and then did not end cleanly (they were spared as raising ranks, and ended non-zero
+        or were killed at the end of the grace period). Reported before the node says it stopped,
+        so the decision names them, not their peers that lost them (acceptance 25A F1)."""
+        faults = []
+        for r in self.ranks.values():
+            if not r.fault_pending or r.exitcode is None:
+                continue
+            r.fault_pending = False
+            if r.exitcode == 0:
+                continue
+            self.reported_exc.add(r.rank)
+            if r.exitcode > 0:  # it ended by itself: its exit, which its exception explains
+                faults.append(self._exit_fault(r, now))
+            elif r.exception is not None:  # the stop's signal ended its cleanup: its exception
+                faults.append(self._exception_fault(r, r.exception, now))
+            elif r.exiting_code is not None:  # ... or the sys.exit code it was on its way out with
+                r.exitcode = r.exiting_code
+                faults.append(self._exit_fault(r, now))
+        return faults
+
+    def _exception_fault(self, r: RankState, exc: dict[str, str], now: float, **fields: Any) -> dict[str, Any]:
+        return self._fault(r, "exception", now, message=exc["msg"] + full_copy_note(r.logs, str(exc["msg"])),
+                           error_type=exc["type"], traceback=exc["tb"], **fields)
 
     def sample_activity(self, mono: float) -> Activity:
         """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns what

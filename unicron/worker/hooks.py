@@ -196,11 +196,13 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
             # group bring (acceptance 25A F1, 26A F2: it was never said).
             err = sys.exc_info()[1]
             raising = err is not None and not (isinstance(err, SystemExit) and err.code in (0, None))
+            # But inside an ``except`` that caught it and cleans up (an early stop: acceptance 27A
+            # F1) the same is true: so it is sent as pending, which the rank's exit decides.
             channel.get().emit("closed", **({"raising": True} if raising else {}))
             if isinstance(err, SystemExit) and raising:
-                exiting(err.code)
+                exiting(err.code, pending=True)
             elif raising and err is not None:
-                report_exception(type(err), err, err.__traceback__)
+                report_exception(type(err), err, err.__traceback__, pending=True)
         try:
             return destroy(group, *args, **kwargs)
         except BaseException:
@@ -255,29 +257,35 @@ def exception_message(exc: BaseException) -> str:
 
 
 def report_exception(
-    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None, *, fatal: bool = True
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None, *, fatal: bool = True,
+    pending: bool = False,
 ) -> None:
     """Send ``exc{rank,type,msg,tb,fatal,ts}`` for this exception, once. ``fatal`` is False for
     an exception that ended only a background thread: the agent records it but does not stop
-    the job for it."""
+    the job for it. ``pending``: it may yet be caught (see ``_announce_destroy``); sent again
+    unpending if it ends the script."""
     if id(exc) in _rt.reported:
         return
-    _rt.reported.add(id(exc))
+    if not pending:
+        _rt.reported.add(id(exc))
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     message = exception_message(exc)
     # Bounded: the agent's channel drops a message over 1 MiB, and this one must arrive.
     channel.get().emit("exc", type=clip(exception_type_name(exc_type), FAULT_FIELD_LIMITS["error_type"]),
                        msg=clip(message, FAULT_FIELD_LIMITS["message"]),
-                       tb=clip(text, FAULT_FIELD_LIMITS["traceback"]), fatal=fatal, ready=distributed_ready())
+                       tb=clip(text, FAULT_FIELD_LIMITS["traceback"]), fatal=fatal, ready=distributed_ready(),
+                       **({"pending": True} if pending else {}))
 
 
-def exiting(code: object) -> None:
+def exiting(code: object, *, pending: bool = False) -> None:
     """Announce a non-zero ``SystemExit`` before the interpreter tears down: the exit code is
-    the root cause, and peers may fail on this rank's closed sockets before the agent can reap it."""
-    _rt.frames.stop()
+    the root cause, and peers may fail on this rank's closed sockets before the agent can reap it.
+    ``pending``: it may yet be caught (see ``_announce_destroy``): the script goes on for now."""
+    if not pending:
+        _rt.frames.stop()
     # The status the process will have: sys.exit(-1) is 255, sys.exit(256) is 0.
     status = (int(code) if isinstance(code, int) else 1) & 0xFF
-    channel.get().emit("exiting", code=status, ready=distributed_ready())
+    channel.get().emit("exiting", code=status, ready=distributed_ready(), **({"pending": True} if pending else {}))
 
 
 # -- start-up ---------------------------------------------------------------------------------
