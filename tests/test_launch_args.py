@@ -556,3 +556,23 @@ def test_a_date_in_a_config_file_is_taken_as_the_text_written(script: str, tmp_p
     (tmp_path / "c.toml").write_text("rdzv_id = 2024-06-01\n")
     assert parse(["--config", str(tmp_path / "c.yaml"), script]).rdzv_id == "2024-06-01"
     assert parse(["--config", str(tmp_path / "c.toml"), script]).rdzv_id == "2024-06-01"
+
+
+def test_counts_past_64_bits_are_taken_as_unlimited_and_huge_seconds_refused(script: str, tmp_path: Path) -> None:
+    """Acceptance 27C F1/F3/F9/F11: torchrun takes --max-restarts 2**63 (and --log-dir ''); under
+    unicron the first made every join be dropped by the node's own coordinator (the mesh carries
+    64-bit numbers), --grace-period 1e308 made an infinite stop timeout (an internal error), and
+    --heartbeat-interval 1e-9 spun the agent."""
+    from unicron.launch.values import INT_CAP
+
+    assert parse(["--max-restarts", str(2**63), script]).max_restarts == INT_CAP
+    assert parse(["--hang-warmup-steps", str(2**64 - 1), script]).hang_warmup_steps == INT_CAP
+    (tmp_path / "c.json").write_text(json.dumps({"max-restarts": 2**63}))
+    assert parse(["--config", str(tmp_path / "c.json"), script]).max_restarts == INT_CAP
+    assert parse(["--max-restarts", "5", script]).max_restarts == 5
+    for flag in ("--grace-period", "--hang-floor", "--heartbeat-timeout", "--weight"):
+        with pytest.raises(UsageError, match=rf"{flag}: must be at most 1e\+09, got 1e308"):
+            parse([flag, "1e308", script])
+    with pytest.raises(UsageError, match=r"--heartbeat-interval: must be >= 0.01, got 1e-9"):
+        parse(["--heartbeat-interval", "1e-9", script])
+    assert parse(["--log-dir", "", script]).log_dir is None

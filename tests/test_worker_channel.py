@@ -82,3 +82,22 @@ def test_the_agent_drops_a_datagram_whose_numbers_no_coordinator_could_sign(tmp_
     finally:
         push.close(0)
         inbox.close()
+
+
+def test_worker_messages_of_the_wrong_shape_are_dropped_not_applied() -> None:
+    """Acceptance 27C F4: an ``exc`` with ``"fatal": "yes"`` and numbers for its text, written
+    on the channel by a script, failed a job whose workers all exited 0."""
+    from unicron.agent.inbox import well_formed
+
+    good = [{"t": "exc", "type": "KeyError", "msg": "'k'", "tb": "", "fatal": True, "ready": False},
+            {"t": "exc", "type": "E", "msg": "", "tb": "", "fatal": False, "pending": True},
+            {"t": "step", "step": 3, "snap": None}, {"t": "step", "step": 3, "snap": 2},
+            {"t": "exiting", "code": 3, "pending": True}, {"t": "closed"}, {"t": "closed", "raising": True},
+            {"t": "hello", "anything": [1]}]
+    bad = [{"t": "exc", "rank": 0, "type": 5, "msg": [1], "tb": {}, "fatal": "yes"},
+           {"t": "exc", "type": "E", "msg": "m", "tb": "t", "fatal": "yes"},
+           {"t": "exc", "type": "E", "msg": "m"}, {"t": "step"}, {"t": "step", "step": True},
+           {"t": "step", "step": -4}, {"t": "step", "step": 1.5}, {"t": "step", "step": 2, "snap": "2"},
+           {"t": "exiting", "code": "3"}, {"t": "exiting"}, {"t": "closed", "raising": 1}]
+    assert all(well_formed(m) for m in good)
+    assert not any(well_formed(m) for m in bad)

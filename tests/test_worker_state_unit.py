@@ -452,3 +452,47 @@ def test_optimizers_left_out_are_the_ones_that_stepped_outside_the_state_and_its
             self.optim, self.state = inner, {"x": 1}
 
     assert optimizers_left_out({"optimizer": opt, "critic": critic}, [Wrapper(critic)]) == []
+
+
+def test_steps_that_are_not_whole_numbers_of_64_bits_are_state_errors(snap_env: Path, monkeypatch) -> None:
+    """Acceptance 27C F2/F10: commit(10**20) broke the stop that followed any fault (the mesh
+    carries 64-bit integers), and commit("x") or commit(nan) raised a plain ValueError that was
+    restarted. Each is the script's mistake: a StateError, under torchrun too."""
+    model, _ = _model_and_opt()
+    for env in (True, False):
+        if not env:
+            monkeypatch.delenv("UNICRON_SNAPSHOT_DIR")
+        state = State(model=model)
+        for bad in (10**20, 2**63, -1, "3", float("nan"), 2.5, None, True, torch.tensor(1.5)):
+            with pytest.raises(StateError, match=r"the step must be"):
+                state.commit(bad)  # type: ignore[arg-type]
+        state.commit(np.int64(2))
+        state.commit(torch.tensor(3))
+        state.commit(4.0)  # type: ignore[arg-type]
+        state.commit(2**63 - 1)
+
+
+def test_a_state_holding_itself_is_refused_as_a_snapshot_type_error(snap_env: Path) -> None:
+    """27C F10: a self-referential extra raised RecursionError, which was restarted."""
+    extra: dict = {"a": 1}
+    extra["me"] = extra
+    state = State(model=_model_and_opt()[0], extra=extra)
+    with pytest.raises(SnapshotTypeError, match="hold themselves"):
+        state.commit(1)
+
+
+def test_restore_after_a_commit_is_refused_not_a_silent_fresh_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """27C F6: commit() then restore() in a restarted attempt let the announced snapshot go at
+    the commit, and restore() then said "no snapshot; starting fresh": all progress redone."""
+    snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
+    model, _ = _model_and_opt()
+    first = State(model=model)
+    first.restore()
+    first.commit(3)
+    first.flush()
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    late = State(model=model)
+    late.commit(1)
+    with pytest.raises(StateError, match=r"restore\(\) after commit\(1\): call restore\(\) before the first"):
+        late.restore()

@@ -57,7 +57,7 @@ class WorkerInbox:
                 msg = strict_loads(raw)  # what reaches the coordinator must be JSON it can sign
             except (ValueError, RecursionError):  # RecursionError: nested deeper than json parses
                 msg = None
-            if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or sink is None:
+            if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or sink is None or not well_formed(msg):
                 self.dropped += 1
                 continue
             try:
@@ -82,3 +82,32 @@ class WorkerInbox:
     def close(self) -> None:
         self.pull.close(0)
         self.bell.close(0)
+
+
+# The fields of the messages that can fail a job or move its clocks, with their types: one of
+# another shape is a script's garbage on the channel, dropped (acceptance 27C F4: an ``exc`` with
+# ``"fatal": "yes"`` and numbers for its text failed a job whose workers all exited 0).
+_REQUIRED: dict[str, tuple[str, ...]] = {"exc": ("type", "msg", "tb"), "step": ("step",), "exiting": ("code",)}
+_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "exc": {"type": (str,), "msg": (str,), "tb": (str,), "fatal": (bool,), "pending": (bool,), "ready": (bool,)},
+    "step": {"step": (int,), "snap": (int, type(None))},
+    "exiting": {"code": (int,), "pending": (bool,), "ready": (bool,)},
+    "closed": {"raising": (bool,)},
+}
+
+
+def well_formed(msg: dict[str, Any]) -> bool:
+    """Whether a worker message has the fields its kind needs, of their types (a kind not
+    listed needs none)."""
+    kind = msg["t"]
+    if any(name not in msg for name in _REQUIRED.get(kind, ())):
+        return False
+    for name, types in _TYPES.get(kind, {}).items():
+        if name not in msg:
+            continue
+        value = msg[name]
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            return False
+        if type(value) is int and value < 0:  # steps and exit statuses (0-255) are never negative
+            return False
+    return True

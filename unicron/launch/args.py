@@ -20,6 +20,7 @@ from unicron.launch.values import (  # noqa: F401 - InjectSpec, RdzvConf, StdSpe
     float_at_least,
     int_at_least,
     nonempty,
+    path_or_none,
     split_endpoint,
     to_backend,
     to_comma_list,
@@ -112,7 +113,7 @@ OPTIONS: tuple[Option, ...] = (
     _t("module", "Run the script as a module, like `python -m`.", short="-m"),
     _t("no-python", "Run the script directly, without `python` in front."),
     _t("run-path", "Run the script with runpy.run_path (takes precedence over --no-python)."),
-    _t("log-dir", "Base directory for per-rank logs (torchrun's layout).", nonempty, None, metavar="DIR"),
+    _t("log-dir", "Base directory for per-rank logs (torchrun's layout).", path_or_none, None, metavar="DIR"),
     _t("redirects", "Redirect std streams to log files: 0 none, 1 stdout, 2 stderr, 3 both; or per local "
        "rank, e.g. 0:1,1:2.", to_std, "0", short="-r", metavar="SPEC"),
     _t("tee", "Tee std streams to log files and the console (same SPEC as --redirects).", to_std, "0",
@@ -155,7 +156,8 @@ OPTIONS: tuple[Option, ...] = (
     _u("hang-warmup-steps", "Steps before the median is trusted.", int_at_least(0), "3", metavar="N"),
     _u("first-step-timeout", "Seconds allowed before and during the first steps.", float_above(0.0),
        "300", metavar="SEC"),
-    _u("heartbeat-interval", "Seconds between agent heartbeats.", float_above(0.0), "0.5", metavar="SEC"),
+    # At least 10 ms: each heartbeat wakes the agent, on the cores the ranks train on (27C F11).
+    _u("heartbeat-interval", "Seconds between agent heartbeats.", float_at_least(0.01), "0.5", metavar="SEC"),
     _u("heartbeat-timeout", "A node is lost after this many seconds without a heartbeat.",
        float_above(0.0), "3.0", metavar="SEC"),
     _u("secret-file", "File holding the per-job HMAC secret (else UNICRON_SECRET).", nonempty, None,

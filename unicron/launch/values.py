@@ -68,6 +68,15 @@ class RdzvConf:
     extra: tuple[tuple[str, str], ...] = ()
 
 
+# A count this large means "no limit" and is taken as this: what a JSON number carries exactly,
+# and under the mesh's 64-bit bound (acceptance 27C F1: --max-restarts 2**63, which torchrun
+# takes, made every join be dropped, and the node waited 600 s for its own coordinator).
+INT_CAP = 2**53 - 1
+# Seconds, factors and weights beyond this are no one's intent, and sums of them overflow
+# (27C F3: --grace-period 1e308 made the stop timeout inf, which no message can carry).
+FLOAT_CAP = 1e9
+
+
 def _int(text: str) -> int:
     try:
         return int(text.strip())
@@ -82,6 +91,8 @@ def _float(text: str) -> float:
         raise ValueError(f"not a number: {text!r}") from None
     if not math.isfinite(value):
         raise ValueError(f"not a finite number: {text!r}")
+    if abs(value) > FLOAT_CAP:
+        raise ValueError(f"must be at most {FLOAT_CAP:g}, got {text.strip()}")
     return value
 
 
@@ -90,7 +101,7 @@ def int_at_least(low: int) -> Callable[[str], int]:
         value = _int(text)
         if value < low:
             raise ValueError(f"must be >= {low}, got {value}")
-        return value
+        return min(value, INT_CAP)
     return convert
 
 
@@ -118,6 +129,11 @@ def choice(*names: str) -> Callable[[str], str]:
             raise ValueError(f"must be one of {', '.join(names)}; got {text!r}")
         return text
     return convert
+
+
+def path_or_none(text: str) -> str | None:
+    """A directory, or none when empty: torchrun takes ``--log-dir ''`` as not given (27C F9)."""
+    return text if text.strip() else None
 
 
 def nonempty(text: str) -> str:

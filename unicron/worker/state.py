@@ -101,6 +101,7 @@ a restored worker creates (``unicron.worker.loaders``, which says where that is 
 from __future__ import annotations
 
 import atexit
+import operator
 import sys
 import weakref
 from pathlib import Path
@@ -181,6 +182,7 @@ class State:
         self._background = background
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
         self._wrote = False  # has restored or committed into its rank directory
+        self._unrestored: int | None = None  # the first commit's step, when restore() did not come first
         self._checked = False  # objects left out of this State: looked for at the first commit
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
@@ -216,6 +218,9 @@ class State:
         self._writer.wait()
         if self._root is None:
             return 0
+        if self._unrestored is not None:  # the snapshot to restore was let go at that commit (27C F6)
+            raise StateError(f"unicron.State.restore() after commit({self._unrestored}): call restore() "
+                             "before the first commit(), which starts from what it restored")
         self._take_directory(taking_over=True)
         step = self._restore_step or 0  # unset, or nothing completed yet: a fresh start
         path = snapshot.snapshot_path(self._root, self._rank, step)
@@ -256,7 +261,7 @@ class State:
         hooks.set_completed_steps(step)
 
     def commit(self, step: int) -> None:
-        step = int(step)
+        step = _step_number(step)
         if step < self._step:  # the agent restores the newest step: a smaller one would be lost
             raise StateError(f"unicron.State.commit({step}) after step {self._step}: the step must not go back; "
                              "pass the steps completed over the whole run, not within an epoch")
@@ -275,16 +280,21 @@ class State:
         if ddplayout.rebuild_pending():  # after a DDP's first iteration: no exact restore possible yet
             return
         encoder = snapcodec.Encoder(self._memo)  # refuses what it cannot give back, with its path
-        tree = {
-            "rank": self._rank,
-            "objects": {n: encoder.encode(o.state_dict(), n) for n, o in self._objects.items()},
-            "extra": encoder.encode(self._extra, "extra"),
-            "rng": encoder.encode(capture_rng(), "rng"),
-            # Where each data loader's epoch began: its iterator, re-created after a restore, draws the same.
-            "loaders": encoder.encode(loaders.mid_epoch(), "loaders"),
-            # Each DDP's gradient-bucket layout: a restored DDP starts with it (bit-exact sums).
-            "ddp": ddplayout.current_layouts(),
-        }
+        try:
+            tree = {
+                "rank": self._rank,
+                "objects": {n: encoder.encode(o.state_dict(), n) for n, o in self._objects.items()},
+                "extra": encoder.encode(self._extra, "extra"),
+                "rng": encoder.encode(capture_rng(), "rng"),
+                # Where each data loader's epoch began: its iterator, re-created after a restore, draws the same.
+                "loaders": encoder.encode(loaders.mid_epoch(), "loaders"),
+                # Each DDP's gradient-bucket layout: a restored DDP starts with it (bit-exact sums).
+                "ddp": ddplayout.current_layouts(),
+            }
+        except RecursionError:  # the script's mistake, as any refused type: not a restart's (27C F10)
+            raise SnapshotTypeError("unicron.State cannot snapshot its objects or extra: they hold themselves (a "
+                                    "cycle) or are nested too deep; use tensors, python scalars/strings, and "
+                                    "lists/tuples/dicts of them") from None
         background = self._background
         if background is None:  # see "Synchronous on CPU" in the module docstring
             background = any(t.is_cuda for t in encoder.tensors)
@@ -303,6 +313,7 @@ class State:
                           f"{self._restore_step} was in memory, this run started from the script's own start",
                           file=sys.stderr, flush=True)
                 self._store.prepare(newest_kept=0)
+                self._unrestored = step
             pending = self._store.stage(step, tree, encoder, later)
             if self._store.notice:
                 print(f"unicron: rank {self._rank}: {self._store.notice}", file=sys.stderr, flush=True)
@@ -370,3 +381,28 @@ class State:
             self._report_failure()
         return done
 
+
+MAX_STEP = 2**63 - 1  # what the mesh's messages carry (27C F2: commit(10**20) broke the stop)
+
+
+def _step_number(step: object) -> int:
+    """``commit``'s step as an int (a 0-d tensor or numpy integer too); anything else, a step
+    that is not whole, or one past 64 bits, is the script's mistake, said at once."""
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+        if isinstance(step, float) and step.is_integer():
+            value = int(step)
+        elif hasattr(step, "item") and not isinstance(step, (str, bytes)):  # a 0-d tensor
+            try:
+                item = step.item()
+            except (RuntimeError, ValueError, TypeError):
+                item = None
+            if isinstance(item, int) or (isinstance(item, float) and item.is_integer()):
+                value = int(item)
+    if value is None or isinstance(step, bool):
+        raise StateError(f"unicron.State.commit({step!r}): the step must be a whole number (the steps completed)")
+    if not 0 <= value <= MAX_STEP:
+        raise StateError(f"unicron.State.commit({value}): the step must be between 0 and 2**63 - 1")
+    return value
