@@ -529,3 +529,15 @@ def test_watching_a_local_run_that_does_not_answer_yet_waits_for_it(runs_dir: Pa
     code, out = invoke(["status", "--watch", "--interval", "0.05", "--timeout", "0.3"])
     assert code == 0 and out.splitlines()[-1] == "run gpt-demo ended (done)", out
     assert out.startswith(f"waiting for {c.endpoint}… (no answer for"), out
+
+
+def test_a_fifo_or_dev_zero_among_the_run_entries_is_skipped_not_read(tmp_path: Path, runs_dir: Path) -> None:
+    """Acceptance 27C F7: a FIFO named *.json in the runs directory hung `unicron status`, and
+    a link to /dev/zero filled memory; each is skipped, and the real run is still found."""
+    from unicron.runs import list_runs
+
+    register_local(tmp_path, "127.0.0.1:1001", os.getpid())
+    os.mkfifo(runs_dir / "fifo.json")
+    (runs_dir / "zero.json").symlink_to("/dev/zero")
+    (runs_dir / "big.json").write_bytes(b" " * (1 << 20))
+    assert [r.endpoint for r in list_runs() if r.job == JOB] == ["127.0.0.1:1001"]

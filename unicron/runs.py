@@ -21,6 +21,7 @@ import psutil
 from unicron.errors import ConfigError
 from unicron.smallfile import NotReadable, read_regular
 
+RUN_ENTRY_MAX_BYTES = 64 * 1024  # an entry is a few hundred bytes (paths, a job id)
 
 @dataclass(frozen=True)
 class RunInfo:
@@ -129,7 +130,8 @@ def list_runs() -> list[RunInfo]:
     found: list[RunInfo] = []
     for path in runs_dir(create=False).glob("*.json"):
         try:
-            info = RunInfo(**json.loads(path.read_text()))
+            # Bounded and regular only: a FIFO there hung `unicron status`, /dev/zero filled memory (27C F7)
+            info = RunInfo(**json.loads(read_regular(path, RUN_ENTRY_MAX_BYTES).decode()))
         except (OSError, ValueError, TypeError):
             continue
         if not _well_formed(info):  # a hand edit, another version's: one such entry hid every run (21C F6)
