@@ -126,3 +126,15 @@ def test_real_command_line(tmp_path: Path) -> None:
                         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["assignment"]["b"]
+
+
+def test_simulate_refuses_a_plot_path_that_is_no_image_file_before_simulating(app: typer.Typer, tmp_path: Path) -> None:
+    """Acceptance 27C F8: ``--plot x.txt`` was an internal error, and ``--plot DIR`` or a path
+    without a suffix silently wrote DIR.png."""
+    args = ["simulate", "--input", str(EXAMPLES / "small.json"), "--trace", str(EXAMPLES / "trace-synthetic.json")]
+    for path, said in ((tmp_path / "x.txt", "does not end in a suffix of an image format (."),
+                       (tmp_path / "pd", "does not end in a suffix"), (tmp_path, "is a directory")):
+        result = CliRunner().invoke(app, [*args, "--plot", str(path)])
+        assert isinstance(result.exception, UsageError), result.output
+        assert str(result.exception).startswith(f"--plot: {path} {said}"), result.exception
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

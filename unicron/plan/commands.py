@@ -110,6 +110,10 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--redundancy-overhead: must be in [0, 1)")
         if checkpoint_interval_s <= 0 or min(detect_s, restart_s, setup_s, redundancy_recovery_s) < 0:
             raise UsageError("times must be >= 0 and --checkpoint-interval-s > 0")
+        if plot is not None:
+            from unicron.plan.plot import check_plot_path
+
+            check_plot_path(plot)  # before a simulation that may take minutes
         inp = load_plan_input(input_file)
         trace = Trace.from_dict(load_document(trace_file, "--trace"), {n.name for n in inp.nodes})
         params = SimParams(detect_s=detect_s, restart_s=restart_s, setup_s=setup_s,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from unicron.errors import UsageError
 from unicron.plan.simulate import SimResult
 
 
-def plot_simulation(result: SimResult, path: Path, title: str = "") -> None:
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -17,6 +18,26 @@ def plot_simulation(result: SimResult, path: Path, title: str = "") -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise UsageError("--plot needs matplotlib (pip install 'unicron[plot]')") from exc
+    return plt
+
+
+def check_plot_path(path: Path) -> None:
+    """Before a simulation runs: ``path`` is a file to be, with a suffix naming a format
+    matplotlib writes (27C F8: "x.txt" was an internal error after the whole simulation, and
+    "/tmp" or "pd" silently became "/tmp.png", "pd.png")."""
+    plt = _pyplot()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if path.is_dir():
+        raise UsageError(f"--plot: {path} is a directory")
+    if path.suffix.lower().lstrip(".") not in formats:
+        raise UsageError(f"--plot: {path} does not end in a suffix of an image format "
+                         f"({', '.join('.' + f for f in sorted(formats))})")
+
+
+def plot_simulation(result: SimResult, path: Path, title: str = "") -> None:
+    check_plot_path(path)
+    plt = _pyplot()
     hours = 3600.0
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([0, result.duration_s / hours], [0, result.bound], color="grey", linestyle=":", label="upper bound")

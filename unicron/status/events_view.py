@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -36,9 +37,13 @@ def parse_time(text: str, now: float) -> float:
     if match and (value.startswith("-") or value.lower().endswith("ago")):
         return now - float(match.group(1)) * _UNIT_S[match.group(2).lower()]
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if math.isfinite(seconds):
+            return seconds
+        raise UsageError(f"bad time {text!r}: use {TIME_HELP}")  # nan, inf, 1e400 (27C F12)
     try:
         moment = datetime.fromisoformat(value.replace("Z", "+00:00") if value.endswith("Z") else value)
     except ValueError:
