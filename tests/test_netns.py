@@ -62,12 +62,13 @@ def _free_port_in(ns: str) -> int:
 
 
 def _agent(ns: str, addr: str, endpoint: str, workdir, nnodes: str, steps: int, logs: str,
-           *script_args: str) -> subprocess.Popen[str]:
+           *script_args: str, join_timeout: int = 600, state: bool = False) -> subprocess.Popen[str]:
     cmd = ["ip", "netns", "exec", ns, *unicron_cmd(
         "run", "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "nsjob",
-        "--local-addr", addr, "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "2", "--grace-period", "2",
-        "--log-dir", str(workdir / logs), str(workdir / "train_state.py"), "--no-state", "--steps", str(steps),
-        "--sleep", "0.05", "--out", str(workdir / "out.txt"), *script_args)]
+        "--local-addr", addr, "--rdzv-conf", f"last_call_timeout=1,join_timeout={join_timeout}",
+        "--max-restarts", "2", "--grace-period", "2",
+        "--log-dir", str(workdir / logs), str(workdir / "train_state.py"), *([] if state else ["--no-state"]),
+        "--steps", str(steps), "--sleep", "0.05", "--out", str(workdir / "out.txt"), *script_args)]
     # As with torchrun, gloo must be told which interface reaches the other hosts.
     env = clean_env(UNICRON_SECRET="netns-secret", GLOO_SOCKET_IFNAME=f"{ns[:-1]}v{ns[-1]}")
     return subprocess.Popen(cmd, cwd=workdir, env=env,
@@ -151,7 +152,7 @@ def test_partition_leaves_one_job_going_forward(two_hosts, workdir) -> None:
     ns_a, ns_b, addr_a, addr_b = two_hosts
     endpoint = f"{addr_a}:{_free_port_in(ns_a)}"
     a = _agent(ns_a, addr_a, endpoint, workdir, "1:2", 100000, "logs_a")
-    b = _agent(ns_b, addr_b, endpoint, workdir, "1:2", 100000, "logs_b")
+    b = _agent(ns_b, addr_b, endpoint, workdir, "1:2", 100000, "logs_b", join_timeout=10)
     logs = workdir / "logs_a"
     try:
         wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start" and e["nnodes"] == 2],
@@ -161,14 +162,20 @@ def test_partition_leaves_one_job_going_forward(two_hosts, workdir) -> None:
         wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "node_lost"], 30, "node b declared lost")
         wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start"
                           and e["ts"] > cut_at and e["nnodes"] == 1], 60, "the job to go on with node a alone")
-        # The cut-off node must stop on its own: it cannot see the coordinator, so it cannot go on.
-        # Its connection is not closed by a partition (no peer kernel says so), but a's host does
-        # not accept a connection either: 15 s of silence, not the 4 x 15 s of a stopped process.
-        b.wait(45)
+        # The cut-off node must stop its workers on its own: it cannot see the coordinator, so it
+        # cannot go on. Its connection is not closed by a partition (no peer kernel says so), but
+        # a's host does not accept a connection either: 15 s of silence, not the 4 x 15 s of a
+        # stopped process. It then tries to join again up to the join timeout (here 10 s), since
+        # the other side may wait for it (27B F1), and ends when that passes.
+        wait_for(lambda: [e for e in read_events(workdir / "logs_b") if e["kind"] == "workers_stopped"
+                          and e["reason"].startswith("cut off: ")], 45, "node b to stop its worker")
+        b.wait(30)
         _, err_b = b.communicate()
         assert b.returncode != 0
         assert "lost the coordinator" in err_b and "no answer for 15 s" in err_b, err_b
         assert "host unreachable" in err_b, err_b
+        assert "stopping this node's workers, keeping their snapshots, and joining again for up to 10 s" in err_b, err_b
+        assert "and it did not answer again within 10 s" in err_b, err_b
         assert a.poll() is None  # the job goes on, once, on node a
     finally:
         _reap(a, b)
@@ -201,5 +208,38 @@ def test_a_healed_partition_lets_the_cut_off_node_join_again(two_hosts, workdir)
         starts = [e for e in read_events(logs) if e["kind"] == "attempt_start"]
         assert [s["nnodes"] for s in starts] == [2, 2]
         assert [e["rejoin_attempt"] for e in read_events(logs) if e["kind"] == "join" and "rejoin_attempt" in e] == [0]
+    finally:
+        _reap(a, b)
+
+
+def test_a_partition_that_outlasts_the_nodes_patience_heals_from_memory(two_hosts, workdir) -> None:
+    """Acceptance 27B F1: a fixed-size job, node b cut off for longer than the 15 s after which
+    a node gives its coordinator up. b exited (4), its snapshots gone, while the coordinator
+    waited for it to join again; started by hand, the job went back to its first step. Now b
+    stops its workers, keeps their snapshots and joins again when the link is back: the job
+    re-forms and restores from memory."""
+    ns_a, ns_b, addr_a, addr_b = two_hosts
+    endpoint = f"{addr_a}:{_free_port_in(ns_a)}"
+    a = _agent(ns_a, addr_a, endpoint, workdir, "2", 400, "logs_a", state=True)
+    b = _agent(ns_b, addr_b, endpoint, workdir, "2", 400, "logs_b", state=True)
+    logs = workdir / "logs_a"
+    link = f"{ns_b[:-1]}vb"
+    try:
+        wait_for(lambda: [e for e in read_events(workdir / "logs_b") if e["kind"] == "workers_started"], 90,
+                 "node b's worker")
+        wait_for(lambda: min(_steps(ns_a, endpoint) or [0]) >= 5, 60, "a few steps")
+        _ip("-n", ns_b, "link", "set", link, "down")  # the partition
+        try:
+            wait_for(lambda: [e for e in read_events(workdir / "logs_b") if e["kind"] == "fenced" and e.get("cut_off")],
+                     45, "node b to give the coordinator up")
+        finally:
+            _ip("-n", ns_b, "link", "set", link, "up")
+        out_a, err_a = a.communicate(timeout=120)
+        out_b, err_b = b.communicate(timeout=30)
+        assert a.returncode == 0, err_a
+        assert b.returncode == 0, err_b
+        assert "joined the job again; it re-forms with this node" in err_b, err_b
+        starts = [e for e in read_events(logs) if e["kind"] == "attempt_start"]
+        assert [s["nnodes"] for s in starts] == [2, 2] and starts[1]["restore_step"] >= 5, starts
     finally:
         _reap(a, b)

@@ -186,7 +186,10 @@ class Agent(AgentOrders):
                 probe.want(self.link.probing(now_m))  # silent over an open connection: is its host up?
                 self.link.host_answered(probe.answered_at)
                 if self.joining.welcomed and self.link.lost(now_m, stepped, done=done):
-                    return self.rejoiner.lost(done)
+                    why = self.rejoiner.unreachable(done)
+                    if why is None:
+                        return self.rejoiner.lost(done)
+                    self._fenced(why, cut_off=True)
         except (Interrupted, UnicronError) as err:
             # Told first, since stopping the workers may take the grace period, longer than the
             # heartbeat timeout, and this node would be judged lost meanwhile: another node's

@@ -87,6 +87,8 @@ class JoinState:
         self.gone_after_s = gone_after_s
         self.heard_at: float | None = None
         self.join_timeout_s = join_timeout_s
+        self.full_timeout_s = join_timeout_s  # the first join's: a cut-off node waits as long (see fenced)
+        self.cut_off: str | None = None  # why this node joins again after losing the coordinator
         self.welcomed = False
         self.started = now
         self.last_sent: float | None = None
@@ -122,6 +124,8 @@ class JoinState:
             if self.refused is not None:
                 raise RendezvousError(f"the coordinator refused this node for {self.join_timeout_s:g} s: "
                                       f"{self.refused}")
+            if self.cut_off is not None:
+                raise RendezvousError(f"{self.cut_off}, and it did not answer again within {self.join_timeout_s:g} s")
             raise RendezvousError(f"no coordinator answered at {self.endpoint} within {self.join_timeout_s:g} s "
                                   "(a coordinator drops, unanswered, what is signed with another UNICRON_SECRET)")
         self.last_sent = now
@@ -133,7 +137,7 @@ class JoinState:
 
     def on_welcome(self) -> Rejoin | Resume | None:
         """Now a member; returns the re-join this ends, if it was one."""
-        ended, self.welcomed, self.rejoin, self.refused = self.rejoin, True, None, None
+        ended, self.welcomed, self.rejoin, self.refused, self.cut_off = self.rejoin, True, None, None, None
         return ended
 
     def on_reject(self, body: dict[str, Any]) -> Refusal:
@@ -158,14 +162,15 @@ class JoinState:
         return (f"the coordinator has no place for this node yet ({reason}); asking again every "
                 f"{JOIN_RETRY_S:g} s until a member is lost, for up to {self.join_timeout_s:g} s")
 
-    def fenced(self, rejoin: Rejoin | Resume, now: float, timeout_s: float) -> None:
+    def fenced(self, rejoin: Rejoin | Resume, now: float, timeout_s: float, *, cut_off: str | None = None) -> None:
         """Join again at once, carrying ``rejoin`` (fenced) or a ``Resume`` (the coordinator lost
         the job), for at most ``timeout_s``: the coordinator that just answered answers a join
         at once, so a long silence now means it is gone (it is not the start of a job, when
-        nodes may come minutes apart)."""
-        self.welcomed, self.rejoin = False, rejoin
+        nodes may come minutes apart). ``cut_off``: no coordinator answered (why, in words); it
+        may be cut off by a partition that lasts, and waits for this node as long."""
+        self.welcomed, self.rejoin, self.cut_off = False, rejoin, cut_off
         self.started, self.last_sent = now, None
-        self.join_timeout_s = min(self.join_timeout_s, timeout_s)
+        self.join_timeout_s = min(self.full_timeout_s, timeout_s)
 
     def join_fields(self) -> dict[str, Any]:
         return self.rejoin.fields() if self.rejoin is not None else {}

@@ -156,17 +156,23 @@ class AgentOrders:
                 elif refusal is Refusal.WAIT and (notice := self.joining.waiting_notice(body["reason"])):
                     self.ui.warn(notice)
 
-    def _fenced(self, reason: str) -> None:
-        """The coordinator no longer counts this node (see ``unicron.agent.joining``). Its
-        workers' peers are gone: stop them, keep their snapshots, and join again. A job that is
-        over, or full, refuses the join, and the agent ends as before."""
+    def _fenced(self, reason: str, *, cut_off: bool = False) -> None:
+        """The coordinator no longer counts this node (see ``unicron.agent.joining``), or is cut
+        off from it (``cut_off``: ``Rejoiner.unreachable``). Its workers' peers are gone: stop
+        them, keep their snapshots, and join again. A job that is over, or full, refuses the
+        join, and the agent ends as before."""
         attempt = self.group.spec.attempt if self.group is not None else self.last_attempt
         if self.pending_assign is not None:  # assigned, its workers not started yet: lost from that one
             attempt = self.pending_assign["attempt"]
-        workers = "stopping this node's workers and " if self.group is not None or self.pending_assign else ""
-        self.ui.warn(f"fenced by the coordinator ({reason}); {workers}joining again")
-        self._stop_group(reason="fenced: " + reason)
-        self.rejoiner.fenced(reason, attempt)
+        working = self.group is not None or self.pending_assign
+        if cut_off:
+            workers = "stopping this node's workers, keeping their snapshots, and " if working else ""
+            self.ui.warn(f"{reason}; {workers}joining again for up to {self.joining.full_timeout_s:g} s")
+        else:
+            workers = "stopping this node's workers and " if working else ""
+            self.ui.warn(f"fenced by the coordinator ({reason}); {workers}joining again")
+        self._stop_group(reason=("cut off: " if cut_off else "fenced: ") + reason)
+        self.rejoiner.fenced(reason, attempt, cut_off=cut_off)
 
     def _resume_fields(self) -> dict[str, Any]:
         return self.rejoiner.resume_fields(self.group, self.assignment, pending=self.pending_assign is not None,

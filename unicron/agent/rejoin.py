@@ -35,12 +35,16 @@ class Rejoiner:
             self.events.emit("rejoined", epoch=epoch, attempt=ended.attempt)
             self.ui.info("joined the job again; it re-forms with this node")
 
-    def fenced(self, reason: str, attempt: int | None) -> None:
+    def fenced(self, reason: str, attempt: int | None, *, cut_off: bool = False) -> None:
         """The coordinator no longer counts this node, and its workers (of ``attempt``) were
-        stopped: their peers went on without them. Join again, telling what they left in memory."""
+        stopped: their peers went on without them. Join again, telling what they left in memory.
+        ``cut_off``: no coordinator answered (``unreachable``); it counts this node lost and
+        waits for it up to the join timeout, and so long this node tries."""
         snapshots, sizes = scan_snapshots(self.shm_dir)
-        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(), self.link.lost_after_s)
-        self.events.emit("fenced", reason=reason, attempt=attempt)
+        self.joining.fenced(Rejoin(attempt, snapshots, sizes), time.monotonic(),
+                            self.joining.full_timeout_s if cut_off else self.link.lost_after_s,
+                            cut_off=reason if cut_off else None)
+        self.events.emit("fenced", reason=reason, attempt=attempt, **({"cut_off": True} if cut_off else {}))
 
     def resume(self, reason: str, attempt: int | None, fields: Callable[[], dict[str, Any]], *,
                finished: bool = False) -> None:
@@ -80,6 +84,23 @@ class Rejoiner:
         self.ui.warn(f"{what}; this node's workers all exited 0")
         self.events.emit("coordinator_lost", finished=True, **fields)
         return 0
+
+    def unreachable(self, finished: bool) -> str | None:
+        """Why the silent coordinator is taken for one cut off from this node, not gone: its
+        connection is open but its host does not answer (a partition; or the host is down or
+        frozen whole). None otherwise (``lost`` ends the node).
+
+        A partition that outlasts the heartbeat timeout got this node declared lost on the
+        other side, whose job waits for it to join again (up to the join timeout); so this node
+        stops its workers, keeping their snapshots, and joins again as a fenced one does, for
+        as long. Acceptance 27B F1: it exited after 15 s, its snapshots gone, and the job went
+        back to its first step. A closed connection (the coordinator's process died) or a live
+        host whose coordinator does not answer still ends the node (``lost``)."""
+        now = time.monotonic()
+        if finished or not self.link.open or self.link.lives_unheard(now):
+            return None
+        return (f"lost the coordinator at {self.endpoint}: no answer for {self.link.limit_s(now):g} s, its "
+                "connection open but its host unreachable (a partition, or the host is down)")
 
     def lost(self, finished: bool) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node
