@@ -49,14 +49,32 @@ print(json.dumps({"held": store.held_steps, "notices": notices, "error": error})
 """
 
 
-def _run_in_tmpfs(tmp_path: Path, size_k: int) -> dict[str, object]:
+TWO_RANKS = r"""
+import json, sys
+from pathlib import Path
+import torch
+from unicron.worker import snapcodec, snapslots
+tensor = torch.zeros(1 << 18)  # 1 MiB of float32
+out = {}
+for rank in (0, 1):  # rank 0 commits first, as a rank whose first steps came sooner
+    store = snapslots.SlotStore(Path(sys.argv[1]) / f"rank{rank}", keep=3, peers=1)
+    store.prepare(newest_kept=0)
+    for step in range(1, 5):
+        encoder = snapcodec.Encoder()
+        store.write(step, encoder.encode({"t": tensor}, "state"), encoder)
+    out[rank] = {"held": store.held_steps, "notice": store.notice}
+print(json.dumps(out))
+"""
+
+
+def _run_in_tmpfs(tmp_path: Path, size_k: int, child: str = CHILD) -> dict[str, object]:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) to mount a small tmpfs in a private mount namespace")
     mnt = tmp_path / "shm"
     mnt.mkdir()
     mount = f'mount -t tmpfs -o size={size_k}k tmpfs "$0" && exec "$1" -c "$2" "$0"'
     proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount,
-                           str(mnt), sys.executable, CHILD], capture_output=True, text=True, timeout=100)
+                           str(mnt), sys.executable, child], capture_output=True, text=True, timeout=100)
     if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr
@@ -80,6 +98,16 @@ def test_fewer_slots_when_shared_memory_is_short(tmp_path: Path, size_k: int, he
         notices = result["notices"]
         assert isinstance(notices, list) and len(notices) == 1, notices
         assert f"room for only {kept} of this rank's 3 snapshots (1.0 MB each): keeping {kept}" in notices[0]
+
+
+def test_two_ranks_short_of_room_keep_two_snapshots_each_not_three_and_one(tmp_path: Path) -> None:
+    """Acceptance 27B F2: in a /dev/shm with room for four slots, the rank that committed first
+    took three and its peer kept one, so a kill of that peer (a commit behind) left no step both
+    held, and the restart went back to the script's start, in half of the runs."""
+    result = _run_in_tmpfs(tmp_path, 6656, TWO_RANKS)  # 6.5 MiB: four 1 MiB slots and 2 MiB free
+    assert result["0"] == {"held": [3, 4], "notice": "shared memory has room for only 2 of this rank's 3 "
+                           "snapshots (1.0 MB each): keeping 2"}, result
+    assert result["1"]["held"] == [3, 4], result  # type: ignore[index]
 
 
 def test_no_room_for_one_snapshot_is_an_error(tmp_path: Path) -> None:

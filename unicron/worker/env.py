@@ -50,6 +50,10 @@ def local_rank(env: Mapping[str, str] | None = None) -> int:
     return _int(os.environ if env is None else env, "LOCAL_RANK", 0)
 
 
+def local_world_size(env: Mapping[str, str] | None = None) -> int:
+    return max(1, _int(os.environ if env is None else env, "LOCAL_WORLD_SIZE", 1))
+
+
 def restore_step(env: Mapping[str, str] | None = None) -> int | None:
     """``UNICRON_RESTORE_STEP`` as an int, or None when unset (fresh start)."""
     env = os.environ if env is None else env

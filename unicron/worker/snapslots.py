@@ -62,12 +62,17 @@ def read_marker(path: Path) -> dict[str, Any]:
     return marker
 
 
+FAIR_SLOTS = 2  # snapshots each rank of a node is left room for before any keeps more (``_map``)
+
+
 class SlotStore:
     """The writer side of one rank's snapshot directory."""
 
-    def __init__(self, directory: Path, keep: int) -> None:
+    def __init__(self, directory: Path, keep: int, *, peers: int = 0) -> None:
         self.directory = directory
         self.keep = keep
+        # The node's other ranks, whose snapshots share this shared memory (see ``_map``).
+        self.peers = peers
         self._held: dict[int, int] = {}  # slot -> step of the live marker pointing at it
         self._usable = list(range(keep))  # slots not given up for want of shared memory
         self.notice: str | None = None  # for the user, once: fewer snapshots kept than asked
@@ -164,6 +169,9 @@ class SlotStore:
                 self.notice = (f"shared memory has room for only {len(self._usable)} of this rank's "
                                f"{self.keep} snapshots ({layout.nbytes / 1e6:.1f} MB each): keeping "
                                f"{len(self._usable)}")
+                if len(self._usable) < FAIR_SLOTS:
+                    self.notice += (" (a restart restores from memory only where every rank holds the step "
+                                    "this one does; give /dev/shm more room: docker run --shm-size)")
 
     def _publish(self, step: int, slot: int, text: str) -> None:
         final = self.directory / snapshot.snapshot_name(step)
@@ -196,7 +204,13 @@ class SlotStore:
             if size > total:
                 os.ftruncate(fd, total)
             elif size < total:
-                check_headroom(os.fstatvfs(fd), total - size, total)
+                # Ranks in lockstep share a complete step once each keeps two snapshots (a kill
+                # lands at most one commit behind its peers); a slot beyond a rank's second is
+                # taken only where every other rank of the node still has room for two. Where
+                # the ranks took slots first come, one kept 3 and its peer 1, and half the
+                # restarts found no step every rank held (acceptance 27B F2).
+                fair = self.peers * FAIR_SLOTS * total if len(self._maps) >= FAIR_SLOTS else 0
+                check_headroom(os.fstatvfs(fd), total - size + fair, total)
             # reserve the pages now: a full tmpfs is then an OSError here, not a SIGBUS mid-copy
             os.posix_fallocate(fd, 0, total)
         finally:

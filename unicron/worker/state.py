@@ -177,7 +177,8 @@ class State:
         self._root = env.path_or_none(env.SNAPSHOT_DIR)
         self._restore_step = env.restore_step()
         self._step = 0
-        self._store = snapslots.SlotStore(snapshot.rank_dir(self._root or ".", self._rank), keep)
+        self._store = snapslots.SlotStore(snapshot.rank_dir(self._root or ".", self._rank), keep,
+                                          peers=env.local_world_size() - 1)
         self._last_error: str | None = None
         self._background = background
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
