@@ -496,3 +496,32 @@ def test_restore_after_a_commit_is_refused_not_a_silent_fresh_start(
     late.commit(1)
     with pytest.raises(StateError, match=r"restore\(\) after commit\(1\): call restore\(\) before the first"):
         late.restore()
+
+
+def test_a_commit_between_optimizer_steps_with_gradients_accumulated_is_warned_of_once(
+        snap_env: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Acceptance 27A F2: a commit per micro-batch of a gradient accumulation: the snapshot has
+    no .grad, so a restore from one mid-accumulation does not continue bit for bit, and nothing
+    said so. A loop that commits after each optimizer step (zero_grad before or after) is not
+    warned of."""
+    monkeypatch.setenv("RANK", "0")
+    model, opt = _model_and_opt()
+    state = State(model=model, optimizer=opt)
+    state.restore()
+    step = 0
+    for _ in range(3):  # commit once a step, gradients left in place after the step
+        _train_step(model, opt)
+        step += 1
+        state.commit(step)
+    state.commit(step)  # the same step again: no gradients accumulated since
+    assert "between optimizer steps" not in capsys.readouterr().err
+    for micro in range(8):  # accumulate 4 micro-batches a step, committing each
+        model(torch.randn(5, 3)).pow(2).mean().backward()
+        if micro % 4 == 3:
+            opt.step()
+            opt.zero_grad()
+        step += 1
+        state.commit(step)
+    err = capsys.readouterr().err
+    assert err.count(f"State.commit({step - 7}) came with no optimizer step since the last commit while the "
+                     "model holds gradients") == 1, err

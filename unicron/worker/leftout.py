@@ -67,3 +67,44 @@ def ddp_without_hooks(objects: Mapping[str, Any], tracked: Callable[[Any], bool]
             f"or --no-python): a restore brings its parameters back but not its gradient buckets' order, so the "
             f"run after a restore is not bit for bit the run without the fault; run without --no-inject for that"
             for name, obj in objects.items() if isinstance(obj, DistributedDataParallel) and not tracked(obj)]
+
+
+class AccumulationCheck:
+    """Commits that come between optimizer steps while the State's models hold gradients (a
+    commit per micro-batch of a gradient accumulation): a snapshot holds no ``.grad``, so a
+    restore from one loses what was accumulated, and the run does not continue bit for bit
+    (acceptance 27A F2: nothing said so). Said once. The optimizers' own step hooks count, not
+    the worker hooks (off with ``--no-inject``); gradients are looked at only on a commit with
+    no optimizer step since the last one, which a loop that commits once a step never makes."""
+
+    def __init__(self, objects: Mapping[str, Any]) -> None:
+        optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
+        self._modules = [o for o in objects.values() if isinstance(o, torch.nn.Module)]
+        self._steps = 0
+        self._last: int | None = None  # the step of the last commit
+        self.warned = not optimizers or not self._modules
+        for optimizer in optimizers:
+            optimizer.register_step_post_hook(self._stepped)
+
+    def _stepped(self, *_: Any) -> None:
+        self._steps += 1
+
+    def at_commit(self, step: int) -> str | None:
+        if step == self._last:  # the same step again (its snapshot replaced): nothing accumulated since
+            return None
+        stepped, self._steps, first, self._last = self._steps, 0, self._last is None, step
+        if self.warned or stepped or first:
+            return None
+        if not any(_nonzero(p.grad) for m in self._modules for p in m.parameters()):
+            return None
+        self.warned = True
+        return (f"unicron: State.commit({step}) came with no optimizer step since the last commit while the "
+                "model holds gradients: gradients accumulated between optimizer steps are not in a snapshot, so "
+                "a restore from it does not continue bit for bit; commit after optimizer.step()")
+
+
+def _nonzero(grad: torch.Tensor | None) -> bool:
+    if grad is None:
+        return False
+    to_local = getattr(grad, "to_local", None)  # a DTensor: this rank's shard, no collective
+    return bool((to_local() if callable(to_local) else grad).any())

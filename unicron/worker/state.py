@@ -184,6 +184,7 @@ class State:
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
         self._wrote = False  # has restored or committed into its rank directory
         self._unrestored: int | None = None  # the first commit's step, when restore() did not come first
+        self._accumulation = leftout.AccumulationCheck(self._objects)
         self._checked = False  # objects left out of this State: looked for at the first commit
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
@@ -272,6 +273,8 @@ class State:
         if self._root is None:
             return
         self._take_directory(taking_over=False)
+        if (said := self._accumulation.at_commit(step)) and self._rank == 0:
+            print(said, file=sys.stderr, flush=True)
         if not self._checked and self._rank == 0:  # said once per job, not by every rank
             for warning in (leftout.schedulers_left_out(self._objects)
                             + leftout.optimizers_left_out(self._objects, hooks.built_optimizers())
