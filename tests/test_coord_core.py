@@ -124,6 +124,23 @@ def test_fault_stops_everyone_then_restarts_with_restore_step() -> None:
     assert {a["why"] for a in assigns.values()} == {"SEV2 restart: restart it"}
 
 
+def test_every_node_is_told_a_decision_to_restart_as_it_is_taken_not_after_the_backoff() -> None:
+    """Acceptance 27B F4: the other nodes' consoles said the decision only with the next
+    attempt's assign, after the backoff (up to 30 s), and timed it then."""
+    core = JobCore(spec(), ScriptedDecider(Decision("restart", 4.0, "restart it", "SEV2", "test")), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 3, "exitcode": 1, "ts": 2}}, 2)
+    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+    outs = core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+    acks = sends(outs, "ack")
+    assert set(acks) == {"a", "b"} and {a["decided"] for a in acks.values()} == {"SEV2 restart: restart it"}
+    assert not [o for o in outs if isinstance(o, OpenStore)]  # backing off: no attempt yet
+    assert all(not schema_errors("ack", a) for a in acks.values())
+    assert not any("decided" in a for a in sends(core.on_heartbeat("a", {"workers": [], "health": {}}, 4), "ack").values())
+
+
 def test_all_finished_ends_the_job() -> None:
     core = JobCore(spec(), ScriptedDecider(), now=0)
     core.on_join("a", join("a"), 0)

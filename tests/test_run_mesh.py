@@ -977,3 +977,15 @@ def test_a_hang_in_a_job_of_two_nodes_names_whose_ranks_stalled_and_the_culprit(
     hangs = [e for e in events if e["kind"] == "fault" and e.get("fault_kind") == "hang"]
     assert hangs and all("by this node's rank(s)" in e["message"] for e in hangs), hangs
     assert next(e for e in events if e["kind"] == "decision")["culprits"] == [1]
+
+
+def test_ctrl_c_while_the_job_forms_says_no_worker_was_stopped(workdir, launch) -> None:
+    """Acceptance 27B F11: a Ctrl-C while the node waited for the other to join said
+    "interrupted by SIGINT; all workers stopped", though no worker had started."""
+    port = free_port()
+    a = launch(agent_args(workdir, port, "2", steps=5, sleep=0), workdir, clean_env(UNICRON_SECRET=SECRET))
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "join"], 60, "node a to join")
+    a.proc.send_signal(signal.SIGINT)
+    code, _, err = a.wait(60)
+    assert code == 130, err
+    assert err.rstrip().endswith("unicron: error: interrupted by SIGINT"), err

@@ -85,10 +85,11 @@ class RestartBudgetExceeded(WorkerFailedError):
 class Interrupted(UnicronError):
     """The launcher was stopped by SIGINT/SIGTERM; workers were stopped and reaped."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, *, workers: bool = True) -> None:
         import signal
 
         name = signal.Signals(signum).name
-        super().__init__(f"interrupted by {name}; all workers stopped")
+        # before any worker started (a Ctrl-C at rendezvous): nothing was stopped (27B F11)
+        super().__init__(f"interrupted by {name}; all workers stopped" if workers else f"interrupted by {name}")
         self.signum = signum
         self.exit_code = 128 + signum

@@ -65,6 +65,7 @@ class Agent(AgentOrders):
                  ui: Any, signals: Any, hosts_coordinator: bool = False) -> None:
         self.s = s
         self.hosts_coordinator = hosts_coordinator  # its coordinator ends the job when this launcher stops
+        self.said_why = ""  # the decision to restart this console said (an ack told it before the assign)
         # Set by run_agent when it does: ends that coordinator's job (reason, exit code).
         self.end_own_job: Callable[[str, int], None] | None = None
         self.output_left_behind = False  # the console blocked: the rest of the workers' output is only in their files
@@ -126,7 +127,7 @@ class Agent(AgentOrders):
         try:
             while True:
                 now_m = time.monotonic()
-                self.signals.raise_if_received()
+                self.signals.raise_if_received(workers=self.last_attempt is not None)
                 if self.joining.join_due(now_m):
                     self._send("join", join_body(self.s, self.node_id, self.host, os.getpid(),
                                                  self.joining.join_fields()))

@@ -56,6 +56,7 @@ class AgentOrders:
 
     s: AgentSettings
     hosts_coordinator: bool
+    said_why: str
     node_id: str
     host: str
     codec: Codec
@@ -119,6 +120,10 @@ class AgentOrders:
                                                         if f.get("kind") != "hang"]
                     self.group.peers_done = told
                     self.group.stop_coming = body.get("stopping") == self.group.spec.attempt
+                if body.get("decided") and body["decided"] != self.said_why:
+                    self.said_why = body["decided"]
+                    if not self.hosts_coordinator:  # the host's console showed it as it was decided
+                        self.ui.warn(body["decided"])
             elif msg.kind == "assign":
                 self.reporter.ended_workers = []  # another attempt: its ranks come with its workers
                 self._start_attempt(body)
@@ -199,6 +204,9 @@ class AgentOrders:
             self._launch(body)
 
     def _launch(self, body: dict[str, Any]) -> None:
+        # A signal that came while this turn read the assign (a Ctrl-C as a backoff ended) stops
+        # the agent before any worker starts, not after (27B F5: they started, then were stopped).
+        self.signals.raise_if_received(workers=self.last_attempt is not None)
         spec = group_spec(body, self.s)
         check_room(spec.local_world_sizes[spec.node_rank])  # one clear line, not ZeroMQ's abort with ranks half started
         hang = hang_detector(self.s, self.earlier.startup_hint(spec))
@@ -214,9 +222,11 @@ class AgentOrders:
         self.link.new_attempt()
         self.pace.watch_now()
         # Said before the workers start: what they print (an ImportError's traceback) comes after.
-        if body.get("why") and not self.hosts_coordinator:  # the host's console showed it as it was decided
+        if body.get("why") and not self.hosts_coordinator and body["why"] != self.said_why:
+            # The host's console showed it as it was decided, and members were told then (ack)
             self.ui.warn(f"joining attempt {spec.attempt}, decided before this node came: {body['why']}"
                          if newcomer else body["why"])
+        self.said_why = ""
         nproc = spec.local_world_sizes[spec.node_rank]
         self.ui.info(attempt_line(spec, [spec.rank_offset + lr for lr in range(nproc)]))
         try:

@@ -162,6 +162,7 @@ class LauncherSignals:
         sig = self.signum if self.signum is not None else signal.SIGTERM
         return terminate_all(workers, grace_s, sig=sig, clock=clock, abort=lambda: self.escalated)
 
-    def raise_if_received(self) -> None:
+    def raise_if_received(self, *, workers: bool = True) -> None:
+        """``workers``: some were started (the message says they were stopped)."""
         if self.signum is not None:
-            raise Interrupted(self.signum)
+            raise Interrupted(self.signum, workers=workers)

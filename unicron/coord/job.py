@@ -164,9 +164,10 @@ class JobCore:
     def past_last_step(self) -> bool:
         return past_last_step(self.phase, self.attempt)  # see unicron.coord.evidence
 
-    def ack_all(self, level: Activity, skip: str | None = None) -> list[Out]:
-        """An ``ack`` to every active node but ``skip``, now (what the job is doing changed)."""
-        ack = self._ack(level)
+    def ack_all(self, level: Activity, skip: str | None = None, decided: str = "") -> list[Out]:
+        """An ``ack`` to every active node but ``skip``, now (what the job is doing changed;
+        ``decided``: the decision to restart just taken, for their consoles)."""
+        ack = {**self._ack(level), **({"decided": decided} if decided else {})}
         return [Send(n.node_id, "ack", ack) for n in self.members.active() if n.node_id != skip]
 
     def job_activity(self, now: float | None = None) -> Activity:

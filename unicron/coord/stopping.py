@@ -142,4 +142,7 @@ def after_stop(core: JobCore, now: float) -> list[Out]:
     if active < core.spec.min_nodes:  # say what the job waits for: it may be a long while
         out.append(Emit("waiting_for_nodes", {"have": active, "need": core.spec.min_nodes,
                                               "timeout_s": core.spec.join_timeout_s}))
+    # Every node's console says the decision now, not when the next attempt's assign comes after
+    # the backoff (up to 30 s) with it: acceptance 27B F4 (said late, and timed then).
+    out += core.ack_all(core.job_activity(now), decided=core.why_next)
     return out + core.tick(now)

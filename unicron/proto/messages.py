@@ -29,7 +29,8 @@ from unicron.proto.schema import schema_errors
 # 6: an ack says when the coordinator hears no node over the network (``deaf``). 7: a fenced
 # node's reject says whether this coordinator declared it lost (``lost``: its job wants it back).
 # 8: a resume says whether no rank of the node used the attempt's store yet, and its port.
-PROTOCOL_VERSION = 8
+# 9: an ack tells a decision to restart as it is taken (``decided``), not with the next assign.
+PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _ENVELOPE_KEYS = {"v", "kind", "job", "sender", "seq", "ts", "body", "mac"}
 

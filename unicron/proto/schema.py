@@ -36,7 +36,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # done: the attempt (its number) in which some rank is past its last step: no hang can be called
     # deaf: the coordinator hears none of the nodes it could hear over the network (its own
     # link is likelier cut than theirs, unicron.coord.hearing): no hang is called meanwhile
-    "ack": {"epoch": int, "state": str, "activity?": str, "done?": int, "deaf?": bool, "stopping?": int},
+    "ack": {"epoch": int, "state": str, "activity?": str, "done?": int, "deaf?": bool, "stopping?": int,
+            "decided?": str},  # a decision to restart, as the console says it, told as it is taken
     "assign": {"epoch": int, "attempt": int, "restart_count": int, "node_rank": int, "nnodes": int,
                "rank_offset": int, "world_size": int, "local_world_sizes": list,
                "master_addr": str, "master_port": int, "restore_step?": OPT_INT,
