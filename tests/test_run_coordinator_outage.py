@@ -373,3 +373,25 @@ def test_ranks_in_init_process_group_that_lose_the_store_with_the_coordinator_co
     assert [(d["severity"], d["action"]) for d in decisions] == [("INFO", "restart")], decisions
     second.proc.send_signal(signal.SIGTERM)
     assert second.wait(20)[0] == 0
+
+
+def test_a_fault_while_the_coordinator_is_gone_for_good_is_in_the_nodes_last_line(workdir, launch) -> None:
+    """Acceptance 27B F6: a rank failed while the standalone coordinator was down for good;
+    each node exited 4 with only "lost the coordinator", the rank's failure, which no decision
+    came for, nowhere in it."""
+    port = free_port()
+    env = clean_env(UNICRON_SECRET=SECRET)
+    coord = _coordinator(launch, workdir, port, "coord", env)
+    node = launch(["run", "--nproc-per-node", "2", "--coordinator", f"127.0.0.1:{port}", "--rdzv-id", "gone",
+                   "--grace-period", "2", "--log-dir", str(workdir / "logs"), str(workdir / "train_state.py"),
+                   "--no-state", "--steps", "100000", "--sleep", "0.05"], workdir, env)
+    wait_for(lambda: [e for e in read_events(workdir / "logs") if e["kind"] == "workers_started"], 90, "the workers")
+    coord.proc.send_signal(signal.SIGKILL)
+    coord.wait(20)
+    wait_for(lambda: len(_workers_of(node.proc.pid)) == 2, 30, "both workers")
+    _workers_of(node.proc.pid)[0].send_signal(signal.SIGKILL)
+    code, _, err = node.wait(90)
+    last = err.rstrip().splitlines()[-1]
+    assert code == 4, err
+    assert last.startswith(f"unicron: error: lost the coordinator at tcp://127.0.0.1:{port}"), last
+    assert "; before it, this node reported exit on rank " in last and "signal SIGKILL (9)" in last, last

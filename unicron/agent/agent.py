@@ -189,7 +189,7 @@ class Agent(AgentOrders):
                 if self.joining.welcomed and self.link.lost(now_m, stepped, done=done):
                     why = self.rejoiner.unreachable(done)
                     if why is None:
-                        return self.rejoiner.lost(done)
+                        return self.rejoiner.lost(done, self.reporter.attempt_faults)
                     self._fenced(why, cut_off=True)
         except (Interrupted, UnicronError) as err:
             # Told first, since stopping the workers may take the grace period, longer than the

@@ -6,13 +6,14 @@ coordinator is gone for good."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from unicron.agent.joining import JoinState, Rejoin, Resume, resume_fields
 from unicron.agent.link import CoordinatorLink
 from unicron.agent.ranks import all_past_init, store_untouched
 from unicron.agent.shm import scan_snapshots
+from unicron.agent.ui import fault_line
 from unicron.agent.workers import WorkerGroup
 from unicron.errors import RendezvousError
 from unicron.events import EventLog
@@ -102,9 +103,11 @@ class Rejoiner:
         return (f"lost the coordinator at {self.endpoint}: no answer for {self.link.limit_s(now):g} s, its "
                 "connection open but its host unreachable (a partition, or the host is down)")
 
-    def lost(self, finished: bool) -> int:
+    def lost(self, finished: bool, faults: Sequence[dict[str, Any]] = ()) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node
-        did its part: exit 0, as torchrun's agent does when its exit barrier fails."""
+        did its part: exit 0, as torchrun's agent does when its exit barrier fails. Else the
+        first of the ``faults`` this node reported in the attempt (no decision came for it) is
+        the job's root cause as far as this node knows: said after the loss (27B F6: lost)."""
         now = time.monotonic()
         if finished:
             return self._did_its_part(f"the coordinator at {self.endpoint} did not confirm the job's end (no "
@@ -115,5 +118,7 @@ class Rejoiner:
             how = "its connection open and its host up (its process stopped?)"
         else:
             how = "its connection open but its host unreachable (a partition, or the host is down)"
+        failed = next((f for f in faults if f.get("kind") in ("exit", "exception", "hang", "startup")), None)
+        after = f"; before it, this node reported {fault_line(failed, '')}" if failed is not None else ""
         raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
-                              f"{self.link.limit_s(now):g} s, {how}")
+                              f"{self.link.limit_s(now):g} s, {how}{after}")
