@@ -29,7 +29,7 @@ def invoke(args: list[str]) -> tuple[int, str]:
         return result.exception.exit_code, str(result.exception)
     if result.exception is not None:
         raise result.exception
-    return 0, result.output
+    return 0, result.stdout
 
 
 @pytest.fixture()
@@ -201,6 +201,11 @@ def test_a_line_no_clock_or_writer_of_ours_made_is_skipped_in_both_modes(tmp_pat
     assert code == 0 and [json.loads(line)["kind"] for line in out.splitlines()] == ["a", "b"], out
     code, out = invoke(["events", str(path)])
     assert code == 0 and "2 events" in out, out
+    app = typer.Typer()
+    register(app)
+    said = CliRunner().invoke(app, ["events", str(path), "--json"], standalone_mode=False).stderr
+    # acceptance 27B F8: skipped in silence
+    assert said == f"unicron: skipped 1 line(s) of {path} that are no unicron event (corrupt, or written by something else)\n"
 
 
 def test_a_long_log_is_printed_in_tables_that_read_as_one(tmp_path: Path) -> None:

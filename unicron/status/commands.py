@@ -117,6 +117,10 @@ def events(
         raise InputError(f"cannot read {source}: {err.strerror or err}") from None
     if counts["lines"] and not counts["events"]:
         raise InputError(f"{source}: not an event log (none of its {counts['lines']} line(s) is a unicron event)")
+    if counts["lines"] > counts["events"]:  # said, on stderr, not passed over in silence (27B F8)
+        skipped = counts["lines"] - counts["events"]
+        sys.stderr.write(f"unicron: skipped {skipped} line(s) of {source} that are no unicron event (corrupt, or "
+                         "written by something else)\n")
     if last is not None:
         found = found[-last:]
     if as_json:
