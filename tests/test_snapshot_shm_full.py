@@ -127,3 +127,8 @@ def test_snapshots_leave_a_quarter_of_shared_memory_and_two_slots_free() -> None
     with pytest.raises(OSError) as err:
         check_headroom(stat, 25 * MIB, 25 * MIB)  # 39 MiB left, 50 MiB kept
     assert err.value.errno == errno.ENOSPC and "--shm-size" in str(err.value)
+    assert "and 52 MB stay free for the job's own use" in str(err.value)
+    tiny = os.statvfs_result((4096, 4096, 2048, 2048, 2048, 0, 0, 0, 0, 255))  # 8 MiB, all free
+    with pytest.raises(OSError) as err:
+        check_headroom(tiny, 12 * MIB, 12 * MIB)  # 27B F9: "8 of 8 MB free, and 25 MB stay free"
+    assert "8 of 8 MB free, and a quarter of it, and at least two snapshots' worth, stays free" in str(err.value)

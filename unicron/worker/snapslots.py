@@ -252,9 +252,13 @@ def check_headroom(vfs: os.statvfs_result, growth: int, slot_bytes: int) -> None
     fs_bytes, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
     keep = headroom_bytes(fs_bytes, slot_bytes)
     if free - growth < keep:
+        # Where the room to leave is more than there is (27B F9: "8 of 8 MB free, and 25 MB stay
+        # free"), the rule is said as a rule.
+        left = (f"{keep / 1e6:.0f} MB stay free" if keep < fs_bytes else
+                "a quarter of it, and at least two snapshots' worth, stays free")
         raise OSError(errno.ENOSPC, f"shared memory too small for a {slot_bytes / 1e6:.1f} MB snapshot: "
-                                    f"{free / 1e6:.0f} of {fs_bytes / 1e6:.0f} MB free, and {keep / 1e6:.0f} MB "
-                                    "stay free for the job's own use (DataLoader workers, NCCL); give the "
+                                    f"{free / 1e6:.0f} of {fs_bytes / 1e6:.0f} MB free, and {left} "
+                                    "for the job's own use (DataLoader workers, NCCL); give the "
                                     "container more (docker run --shm-size, or --ipc=host)")
 
 
