@@ -561,6 +561,7 @@ def test_no_rank_is_shown_running_once_the_job_is_over(outcome: str, shown: str)
     view = core.snapshot(3)
     assert view["job"]["state"] == ("done" if outcome == "finished" else "failed")
     assert [[w["state"] for w in n["workers"]] for n in view["nodes"]] == [[shown, "failed"]] * 2
+    assert [n["state"] for n in view["nodes"]] == [shown] * 2  # not "healthy", its heartbeat ageing (27B F10)
     # Its nodes then leave (they exit with the job): their ranks keep how they ended (26A F4: "left").
     core.on_leave("a", {"node_id": "a", "reason": "the job ended"}, 4)
     core.on_leave("b", {"node_id": "b", "reason": "the job ended"}, 4)

@@ -35,7 +35,8 @@ def job_view(core: JobCore) -> dict[str, Any]:
         workers = [dict(w, state=over) if over and isinstance(w, dict) and w.get("state") in ("running", "hung")
                    else w for w in node.workers]
         nodes.append({"node_id": node.node_id, "node_rank": node.node_rank, "host": node.host,
-                      "state": node.state.value,
+                      # a member of a job that is over: not "healthy" with its heartbeat ageing (27B F10)
+                      "state": over if over and node.state is NodeState.ACTIVE else node.state.value,
                       "last_heartbeat": node.heard_at if node.heard_at is not None else node.last_heartbeat,
                       "activity": node.activity.name.lower(),
                       "health": node.health,

@@ -30,7 +30,7 @@ from unicron.status.fmt import (
 
 JOB_STATE_STYLE = {"running": "bold green", "waiting": "bold cyan", "restarting": "bold yellow",
                    "done": "bold blue", "failed": "bold red"}
-NODE_STATE_STYLE = {"healthy": "green", "lost": "bold red", "left": "dim"}
+NODE_STATE_STYLE = {"healthy": "green", "lost": "bold red", "left": "dim", "exited": "dim", "stopped": "dim"}
 WORKER_STATE_STYLE = {"running": "green", "exited": "dim", "failed": "bold red", "hung": "bold magenta"}
 SEVERITY_STYLE = {"SEV3": "cyan", "SEV2": "yellow", "SEV1": "bold yellow", "FATAL": "bold red"}
 
