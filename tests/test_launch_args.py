@@ -576,3 +576,16 @@ def test_counts_past_64_bits_are_taken_as_unlimited_and_huge_seconds_refused(scr
     with pytest.raises(UsageError, match=r"--heartbeat-interval: must be >= 0.01, got 1e-9"):
         parse(["--heartbeat-interval", "1e-9", script])
     assert parse(["--log-dir", "", script]).log_dir is None
+
+
+def test_small_parity_points_of_pass_27(script: str) -> None:
+    """Acceptance 27C F13: torchrun runs /dev/null (python does); a one-node job given only
+    --master-addr was told it is "only used by the static backend without --rdzv-endpoint",
+    which is the very setup: the reason is that it rendezvouses locally."""
+    assert parse(["/dev/null"]).script == "/dev/null"
+    cfg = parse(["--master-addr", "localhost", script])
+    assert list(cfg.warnings) == ["--master-addr is not used by a one-node job without --master-port: it rendezvouses "
+                            "on this host, as torchrun's does"], cfg.warnings
+    both = parse(["--master-addr", "localhost", "--master-port", "29600", "--rdzv-endpoint", "h:1", script])
+    assert list(both.warnings) == ["--master-addr and --master-port are only used by the static backend without "
+                             "--rdzv-endpoint"], both.warnings

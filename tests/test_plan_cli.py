@@ -138,3 +138,15 @@ def test_simulate_refuses_a_plot_path_that_is_no_image_file_before_simulating(ap
         assert isinstance(result.exception, UsageError), result.output
         assert str(result.exception).startswith(f"--plot: {path} {said}"), result.exception
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_simulate_names_the_flag_of_a_negative_time(app: typer.Typer) -> None:
+    args = ["simulate", "--input", str(EXAMPLES / "small.json"), "--trace", str(EXAMPLES / "trace-synthetic.json")]
+    result = CliRunner().invoke(app, [*args, "--detect-s", "-1"])
+    assert isinstance(result.exception, UsageError) and str(result.exception) == "--detect-s must be >= 0, got -1"
+
+
+def test_the_coordinator_says_an_ipv6_address_as_host_port_takes_it() -> None:
+    from unicron.coord.commands import _listening
+
+    assert _listening("::1", 42489) == "[::1]:42489" and _listening("10.0.0.1", 5) == "10.0.0.1:5"

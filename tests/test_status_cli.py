@@ -541,3 +541,8 @@ def test_a_fifo_or_dev_zero_among_the_run_entries_is_skipped_not_read(tmp_path: 
     (runs_dir / "zero.json").symlink_to("/dev/zero")
     (runs_dir / "big.json").write_bytes(b" " * (1 << 20))
     assert [r.endpoint for r in list_runs() if r.job == JOB] == ["127.0.0.1:1001"]
+
+
+def test_a_job_id_no_run_can_have_is_a_usage_error(runs_dir: Path) -> None:
+    """Acceptance 27C F13: --job a/b exited 5, the code of an endpoint that did not answer."""
+    assert invoke(["status", "--job", "a/b"]) == (2, "--job: must be letters, digits and . _ : @ + - only; got 'a/b'")

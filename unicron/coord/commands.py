@@ -140,4 +140,5 @@ def _listening(host: str, port: int, scheme: str = "", path: str = "") -> str:
     if host in ("*", "0.0.0.0", ""):
         name = socket.gethostname()
         return f"every interface, port {port} (nodes reach it at {scheme}{name}:{port}{path})"
-    return f"{scheme}{host}:{port}{path}"
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as HOST:PORT takes it (27C F13)
+    return f"{scheme}{shown}:{port}{path}"

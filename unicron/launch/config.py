@@ -123,7 +123,7 @@ def _check_script(script: str) -> None:
         # python runs a directory by its __main__ module (python DIR, like a zip application)
         if not any(os.path.isfile(os.path.join(script, f"__main__.{ext}")) for ext in ("py", "pyc")):
             raise UsageError(f"training script {script} is a directory without a __main__.py")
-    elif not os.path.isfile(script):
+    elif not os.path.exists(script):  # /dev/null or a FIFO runs too, as under torchrun (27C F13)
         raise UsageError(f"training script not found: {script}")
 
 
@@ -234,6 +234,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
 
     # Rendezvous, with torchrun's rewrites.
     backend, endpoint, rdzv_id = v["rdzv_backend"], v["rdzv_endpoint"].strip(), v["rdzv_id"]
+    one_node_static = False  # torchrun's default backend, one node, no --master-port: a local rendezvous
     if v["standalone"]:
         if min_nodes > 1:  # torchrun would wait for nodes that cannot come, until its join timeout
             raise UsageError(f"{label['standalone']} runs a single node; it contradicts "
@@ -246,9 +247,12 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
             if r.ranks[dest] != DEFAULT:
                 warnings.append(f"{label[dest]} is ignored with {label['standalone']} (as in torchrun)")
         backend, endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    elif backend == "static" and not endpoint and v["master_port"] is None and max_nodes == 1:
+    elif one_node_static := (backend == "static" and not endpoint and v["master_port"] is None and max_nodes == 1):
         backend, endpoint = "c10d", "localhost:0"  # torchrun: a one-node static job runs locally
         rdzv_id = rdzv_id if r.ranks["rdzv_id"] != DEFAULT else str(uuid.uuid4())
+        if r.ranks["master_addr"] != DEFAULT:  # the warning below would name the setup it is (27C F13)
+            warnings.append(f"{label['master_addr']} is not used by a one-node job without --master-port: "
+                            "it rendezvouses on this host, as torchrun's does")
     if slurm is not None and slurm.first_host and not endpoint and backend != "static":
         endpoint, label["rdzv_endpoint"] = slurm.first_host, slurm.source["first_host"]
     master_addr = v["master_addr"]
@@ -257,7 +261,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
     master_port = 29500 if v["master_port"] is None else v["master_port"]
     if backend == "static" and not endpoint:
         endpoint, label["rdzv_endpoint"] = f"{_bracketed(master_addr)}:{master_port}", label["master_addr"]
-    elif r.ranks["master_addr"] != DEFAULT or r.ranks["master_port"] != DEFAULT:
+    elif r.ranks["master_port"] != DEFAULT or (r.ranks["master_addr"] != DEFAULT and not one_node_static):
         given = [label[k] for k in ("master_addr", "master_port") if r.ranks[k] != DEFAULT]
         warnings.append(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} only used by the static "
                         "backend without --rdzv-endpoint")

@@ -108,8 +108,12 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"--policy: unknown policy {name!r} (known: {', '.join(POLICIES)})")
         if not 0 <= redundancy_overhead < 1:
             raise UsageError("--redundancy-overhead: must be in [0, 1)")
-        if checkpoint_interval_s <= 0 or min(detect_s, restart_s, setup_s, redundancy_recovery_s) < 0:
-            raise UsageError("times must be >= 0 and --checkpoint-interval-s > 0")
+        if checkpoint_interval_s <= 0:
+            raise UsageError("--checkpoint-interval-s must be > 0")
+        for flag, seconds in (("--detect-s", detect_s), ("--restart-s", restart_s), ("--setup-s", setup_s),
+                              ("--redundancy-recovery-s", redundancy_recovery_s)):
+            if seconds < 0:  # named (27C F13: "times must be >= 0")
+                raise UsageError(f"{flag} must be >= 0, got {seconds:g}")
         if plot is not None:
             from unicron.plan.plot import check_plot_path
 

@@ -19,6 +19,7 @@ import psutil
 from unicron import runs
 from unicron.errors import ConfigError, EndpointUnreachableError, UsageError
 from unicron.events import EVENTS_FILE, read_events
+from unicron.launch.values import to_rdzv_id
 from unicron.proto.client import request, tcp_endpoint
 
 ENDED_STATES = frozenset({"done", "failed"})
@@ -153,6 +154,11 @@ def resolve_targets(endpoint: str | None, job: str | None, secret_file: str | No
     Without: every run registered on this machine (only ``job`` when given).
     """
     env = os.environ if env is None else env
+    if job is not None:
+        try:  # no run can have it (exit 2, not 5: nothing was tried to reach; 27C F13)
+            to_rdzv_id(job)
+        except ValueError as err:
+            raise UsageError(f"--job: {err}") from None
     if endpoint is None:
         found = [r for r in runs.list_runs() if job is None or r.job == job]
         if not found:
