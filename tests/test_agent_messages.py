@@ -82,7 +82,7 @@ def test_a_rank_that_execs_or_never_initialises_distributed_has_unknown_progress
     handler; one that said hello but never initialised torch.distributed for NEVER_READY_S runs
     its trainer in a child process (a per-rank wrapper). Either way its failure is not "before
     its first step", which the crash-loop guard and the user-error rules would act on."""
-    from unicron.agent.workers import NEVER_READY_S
+    from unicron.agent.progress import NEVER_READY_S
 
     group, tee = sleeping_group(tmp_path, 2, sleep_s=60)
     start = time.time() - 100.0
