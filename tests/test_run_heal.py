@@ -97,7 +97,8 @@ def test_garbage_a_worker_writes_on_its_channel_is_survived_and_the_job_heals(wo
     """A script can reach its agent's channel: an ``exc`` with a number for its traceback and a
     dict for its message, JSON nested deeper than Python parses, integers no float holds. They
     used to end the coordinator's thread (the fault's types) and the agent (RecursionError,
-    OverflowError)."""
+    OverflowError); the ``exc`` of the wrong shape then failed the job (27C F4). Each is dropped,
+    and the real fault that follows heals."""
     (workdir / "garbage.py").write_text("""
 import json, os, sys, time
 import zmq
@@ -113,7 +114,8 @@ if dist.get_rank() == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     push.send(b'{"t": "step", "rank": 0, "step": 1' + b"0" * 400 + b', "ts": 1.0}')
     push.send(json.dumps({"t": "exc", "rank": 0, "type": 5, "msg": {"a": 1}, "tb": 7, "fatal": True,
                           "ts": time.time()}).encode())
-    time.sleep(60)  # stopped by the restart the fault asks for
+    time.sleep(1)  # all of it read (and dropped: 27C F4) before the real fault
+    raise RuntimeError("a real fault after the garbage")
 dist.barrier()
 print(f"rank {dist.get_rank()} done", flush=True)
 """)
@@ -128,6 +130,8 @@ print(f"rank {dist.get_rank()} done", flush=True)
     assert "Traceback" not in ours and "internal error" not in ours, err
     starts = [e for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
     assert len(starts) == 2
+    decisions = [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    assert len(decisions) == 1 and "a real fault after the garbage" in decisions[0]["reason"], decisions
 
 
 def test_a_temp_dir_too_long_for_a_unix_socket_still_heals(workdir, reference_hash) -> None:
