@@ -70,11 +70,11 @@ print(json.dumps(out))
 def _run_in_tmpfs(tmp_path: Path, size_k: int, child: str = CHILD) -> dict[str, object]:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) to mount a small tmpfs in a private mount namespace")
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    mount = f'mount -t tmpfs -o size={size_k}k tmpfs "$0" && exec "$1" -c "$2" "$0"'
+    # Over /dev/shm itself, as a container's --shm-size is, in a mount namespace of the child's
+    # own: the host's /dev/shm is untouched (the room left is kept on /dev/shm's file system only).
+    mount = 'mount -t tmpfs -o size="$0"k tmpfs /dev/shm && exec "$1" -c "$2" /dev/shm'
     proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount,
-                           str(mnt), sys.executable, child], capture_output=True, text=True, timeout=100)
+                           str(size_k), sys.executable, child], capture_output=True, text=True, timeout=100)
     if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr

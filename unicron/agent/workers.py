@@ -172,6 +172,8 @@ class WorkerGroup(GroupProgress):
             r.exitcode, r.exited_at = code, now
             r.state = "exited" if code == 0 else "failed"
             if code != 0:
+                if r.fault_pending and code < 0:  # a signal no stop of ours sent (the OOM killer):
+                    r.caught()  # it, not an exception that may have been caught, ended the rank (28A F3)
                 r.fault_pending = False  # its exception (kept on the rank) explains the exit
                 faults.append(self._exit_fault(r, now))
             else:
@@ -275,8 +277,13 @@ class WorkerGroup(GroupProgress):
         again), and what the ranks do in their tail (an upload, ``wandb.finish()``, a sleep) is
         not a hang. The same once a rank of another node is (``peers_done``), or once the
         coordinator stops the attempt (``stop_coming``: another node's rank raised, and this
-        node's stop comes once that rank has exited; its peers here wait on it meanwhile)."""
+        node's stop comes once that rank has exited; its peers here wait on it meanwhile). Nor
+        while a rank that destroyed its group with an exception in hand has not ended: it ends
+        the attempt (a failure, named by its exception) or went past its last step (caught),
+        and what it does meanwhile is its cleanup (acceptance 28A F1/F2: a hang was called on it)."""
         if self.failure_reported() or self.past_last_step() or self.peers_done or self.stop_coming:
+            return False
+        if any(r.fault_pending and r.exitcode is None for r in self.ranks.values()):
             return False
         # A rank that built an optimizer will report steps: before its first one the
         # first-step allowance applies, in the first attempt too (a rank stuck in its start-up

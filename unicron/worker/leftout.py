@@ -12,6 +12,8 @@ which the warning allows for).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -70,37 +72,80 @@ def ddp_without_hooks(objects: Mapping[str, Any], tracked: Callable[[Any], bool]
 
 
 class AccumulationCheck:
-    """Commits that come between optimizer steps while the State's models hold gradients (a
-    commit per micro-batch of a gradient accumulation): a snapshot holds no ``.grad``, so a
-    restore from one loses what was accumulated, and the run does not continue bit for bit
-    (acceptance 27A F2: nothing said so). Said once. The optimizers' own step hooks count, not
-    the worker hooks (off with ``--no-inject``); gradients are looked at only on a commit with
-    no optimizer step since the last one, which a loop that commits once a step never makes."""
+    """A commit that gradients accumulated across (a commit per micro-batch of a gradient
+    accumulation): a snapshot holds no ``.grad``, so a restore from it loses what the
+    micro-batches before it accumulated, and the run does not continue bit for bit (acceptance
+    27A F2: nothing said so). Said once, at the optimizer step that uses such gradients.
 
-    def __init__(self, objects: Mapping[str, Any]) -> None:
+    A commit with no optimizer step since the last one, while the State's models hold
+    gradients, leaves them in flight; only an optimizer step taken on them before any
+    ``zero_grad()`` proves they were accumulated across it. A step the script skipped (a
+    GradScaler's on an inf, a bad batch), or an evaluation between steps, leaves gradients that
+    the next ``zero_grad()`` drops (28A F4: those were warned of). The optimizers' own step
+    hooks count, not the worker hooks (off with ``--no-inject``), and any ``zero_grad()`` of an
+    optimizer or a module (watched on their classes: a wrapper on the instance would go into
+    ``torch.save(model)`` and ``copy.deepcopy``)."""
+
+    def __init__(self, objects: Mapping[str, Any], say: Callable[[str], None]) -> None:
         optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
-        self._modules = [o for o in objects.values() if isinstance(o, torch.nn.Module)]
-        self._steps = 0
+        # Weakly: the optimizers' hooks hold this, and must not keep the models (or the State,
+        # through ``say``: give a function of its own) alive once the script drops them.
+        self._modules = [weakref.ref(o) for o in objects.values() if isinstance(o, torch.nn.Module)]
+        self._say = say
+        self._steps = 0  # optimizer steps since the last commit
         self._last: int | None = None  # the step of the last commit
+        self.in_flight: int | None = None  # the commit that left gradients in flight
         self.warned = not optimizers or not self._modules
+        if self.warned:
+            return
         for optimizer in optimizers:
+            optimizer.register_step_pre_hook(self._stepping)
             optimizer.register_step_post_hook(self._stepped)
+        _watch_zero_grad()
+        _checks.add(self)
+
+    def _stepping(self, *_: Any) -> None:
+        if self.in_flight is not None and not self.warned:
+            self.warned = True
+            self._say(f"unicron: gradients were accumulated across State.commit({self.in_flight}) (no "
+                      "optimizer step since the commit before it): a snapshot holds no gradients, so a restore "
+                      "from it does not continue bit for bit; commit once an optimizer step is done")
+        self.in_flight = None
 
     def _stepped(self, *_: Any) -> None:
         self._steps += 1
 
-    def at_commit(self, step: int) -> str | None:
+    def at_commit(self, step: int) -> None:
         if step == self._last:  # the same step again (its snapshot replaced): nothing accumulated since
-            return None
+            return
         stepped, self._steps, first, self._last = self._steps, 0, self._last is None, step
         if self.warned or stepped or first:
-            return None
-        if not any(_nonzero(p.grad) for m in self._modules for p in m.parameters()):
-            return None
-        self.warned = True
-        return (f"unicron: State.commit({step}) came with no optimizer step since the last commit while the "
-                "model holds gradients: gradients accumulated between optimizer steps are not in a snapshot, so "
-                "a restore from it does not continue bit for bit; commit after optimizer.step()")
+            return
+        modules = [m for m in (ref() for ref in self._modules) if m is not None]
+        if self.in_flight is None and any(_nonzero(p.grad) for m in modules for p in m.parameters()):
+            self.in_flight = step  # the first commit they straddle
+
+
+_checks: weakref.WeakSet[AccumulationCheck] = weakref.WeakSet()
+
+
+def _watch_zero_grad() -> None:
+    """Make every ``zero_grad()`` of an optimizer or a module drop the gradients in flight of
+    every ``AccumulationCheck`` (once per process)."""
+    for cls in (torch.optim.Optimizer, torch.nn.Module):
+        original = cls.zero_grad
+        if getattr(original, "_unicron", False):
+            continue
+
+        def zero_grad(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            out = _original(self, *args, **kwargs)
+            for check in list(_checks):
+                check.in_flight = None
+            return out
+
+        zero_grad._unicron = True  # type: ignore[attr-defined]
+        functools.update_wrapper(zero_grad, original)
+        cls.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:

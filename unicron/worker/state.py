@@ -101,6 +101,7 @@ a restored worker creates (``unicron.worker.loaders``, which says where that is 
 from __future__ import annotations
 
 import atexit
+import functools
 import operator
 import sys
 import weakref
@@ -184,7 +185,9 @@ class State:
         self._memo: dict[Any, tuple[Any, Any]] = {}  # the encoder's, kept from commit to commit
         self._wrote = False  # has restored or committed into its rank directory
         self._unrestored: int | None = None  # the first commit's step, when restore() did not come first
-        self._accumulation = leftout.AccumulationCheck(self._objects)
+        # Under unicron only: it watches zero_grad() and the optimizers' steps
+        self._accumulation = leftout.AccumulationCheck(self._objects if self._root else {},
+                                                       say=functools.partial(_say_on_rank_0, self._rank))
         self._checked = False  # objects left out of this State: looked for at the first commit
         self._writer = snapwriter.Writer()
         snapwriter.install_fence()
@@ -273,8 +276,7 @@ class State:
         if self._root is None:
             return
         self._take_directory(taking_over=False)
-        if (said := self._accumulation.at_commit(step)) and self._rank == 0:
-            print(said, file=sys.stderr, flush=True)
+        self._accumulation.at_commit(step)
         if not self._checked and self._rank == 0:  # said once per job, not by every rank
             for warning in (leftout.schedulers_left_out(self._objects)
                             + leftout.optimizers_left_out(self._objects, hooks.built_optimizers())
@@ -386,6 +388,11 @@ class State:
         return done
 
 
+def _say_on_rank_0(rank: int, text: str) -> None:
+    if rank == 0:  # every rank sees the same: rank 0 says it
+        print(text, file=sys.stderr, flush=True)
+
+
 MAX_STEP = 2**63 - 1  # what the mesh's messages carry (27C F2: commit(10**20) broke the stop)
 
 
@@ -405,7 +412,9 @@ def _step_number(step: object) -> int:
                 item = None
             if isinstance(item, int) or (isinstance(item, float) and item.is_integer()):
                 value = int(item)
-    if value is None or isinstance(step, bool):
+    # Not a truth value (numpy's and torch's either), nor a tensor or array of one element (28A)
+    boolean = isinstance(step, bool) or "bool" in str(getattr(step, "dtype", ""))
+    if value is None or boolean or getattr(step, "ndim", 0) != 0:
         raise StateError(f"unicron.State.commit({step!r}): the step must be a whole number (the steps completed)")
     if not 0 <= value <= MAX_STEP:
         raise StateError(f"unicron.State.commit({value}): the step must be between 0 and 2**63 - 1")
