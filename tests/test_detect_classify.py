@@ -522,3 +522,14 @@ def test_a_web_clients_reset_is_the_ranks_own_failure_not_a_lost_peer(error_type
                           traceback='  File "/site-packages/torch/distributed/distributed_c10d.py", line 2806\n',
                           stderr_tail="WARNING urllib3.connectionpool: Retrying after connection broken\n"), ())
     assert gloo.rule == "peer-connection-lost", gloo
+
+
+def test_a_kill_that_unicron_injected_is_said_to_be_so() -> None:
+    """Acceptance 28C F3: every --inject kill (README's first command) was said to come "from
+    outside, or by the kernel OOM killer", and sent users looking for an OOM."""
+    from unicron.worker.inject import INJECTED_KILL
+
+    injected = classify(F(exitcode=-9, rank=1, stderr_tail=f"step 14\n{INJECTED_KILL}\n"), [])
+    assert injected.rule == "sigkill" and injected.reason.endswith("was killed by SIGKILL (injected by unicron)")
+    other = classify(F(exitcode=-9, rank=1, stderr_tail="step 14\n"), [])
+    assert other.reason.endswith("(from outside, or by the kernel OOM killer)")

@@ -120,7 +120,7 @@ def test_real_command_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "unicron", "plan", "--input", str(bad)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == InputError.exit_code
-    assert proc.stderr.strip() == "unicron: error: jobs[0].nodes[0]: unknown node 'n9'"
+    assert proc.stderr.strip() == f"unicron: error: {bad}: jobs[0].nodes[0]: unknown node 'n9'"
     assert "Traceback" not in proc.stdout + proc.stderr
     ok = subprocess.run([sys.executable, "-m", "unicron", "plan", "--input", str(EXAMPLES / "small.json"), "--json"],
                         cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -150,3 +150,12 @@ def test_the_coordinator_says_an_ipv6_address_as_host_port_takes_it() -> None:
     from unicron.coord.commands import _listening
 
     assert _listening("::1", 42489) == "[::1]:42489" and _listening("10.0.0.1", 5) == "10.0.0.1:5"
+
+
+def test_a_trace_given_to_plan_is_named_with_its_file_and_what_it_is(app: typer.Typer) -> None:
+    """Acceptance 28C F6: the error named a field of the file (duration_s), not the file."""
+    trace = EXAMPLES / "trace-synthetic.json"
+    result = CliRunner().invoke(app, ["plan", "--input", str(trace)])
+    assert isinstance(result.exception, InputError), result.output
+    assert str(result.exception).startswith(f"{trace}: ") and str(result.exception).endswith(
+        "(a failure trace: give it to `unicron simulate --trace`)"), result.exception

@@ -910,7 +910,7 @@ def test_two_nodes_given_the_same_node_rank_still_form_the_job(workdir, launch) 
     results = [item.wait(90) for item in agents]
     assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
     # said on the console of the node that got another rank (and on the coordinator's)
-    moved = next(err for _, _, err in results if "ranks 1-1 of 2" in err)
+    moved = next(err for _, _, err in results if "rank 1 of 2" in err)
     assert "--node-rank 0 is already taken" in moved, [err for _, _, err in results]
 
 

@@ -116,7 +116,8 @@ def worker_env_factory(s: AgentSettings, spec: GroupSpec, *, agent_addr: str, st
 
 def attempt_line(spec: GroupSpec, ranks: list[int]) -> str:
     """The user's line for an attempt whose workers start on this node."""
-    what = f"attempt {spec.attempt}: ranks {min(ranks)}-{max(ranks)} of {spec.world_size}"
+    span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {min(ranks)}-{max(ranks)}"  # not "ranks 0-0" (28C F10)
+    what = f"attempt {spec.attempt}: {span} of {spec.world_size}"
     if spec.restore_step is not None:
         what += f", restoring step {spec.restore_step} from memory"
     elif spec.restore_note:

@@ -71,8 +71,10 @@ class Holdings:
             return f"rank {rank}'s new node holds no snapshot of it"
         if any(n.steps.get(rank) for n in self.nodes.values()):
             return f"rank {rank} moved to a node that holds no snapshot of it"
-        # Not "yet": a script may make its State on some ranks only, and then it never will.
-        return f"rank {rank} committed no snapshot in that attempt (a restore needs every rank's unicron.State)"
+        # Not "yet": a script may make its State on some ranks only, and then it never will; nor
+        # only that: a State takes none before a DDP model's first rebuild (28C F1).
+        return (f"rank {rank} holds no snapshot of that attempt (a State takes none before a "
+                "DistributedDataParallel model's second iteration; and every rank must make one)")
 
     def restored_bytes(self, step: int, node_ids: Iterable[str]) -> int:
         """Bytes of ``step`` held on ``node_ids`` (those of the new layout)."""

@@ -23,6 +23,7 @@ from unicron.detect.evidence import (
     strip_prefixes,
 )
 from unicron.detect.faults import DEFAULT_ACTION, Classification, Fault, Severity
+from unicron.worker.inject import INJECTED_KILL
 
 # Xid codes that mean the GPU or its links are broken (NVIDIA's Xid catalogue): exclude the node.
 HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 94, 95, 119, 120, 140})
@@ -309,7 +310,9 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()}: a DataLoader worker was killed by the kernel OOM killer (out of memory: "
                        f"the host's, or its cgroup's limit; {error_summary(f, ev)})"),
     Rule("sigkill", Severity.SEV2, _signal_in(frozenset({_signal.SIGKILL})),
-         lambda f, _ev: f"{f.where()} was killed by SIGKILL (from outside, or by the kernel OOM killer)"),
+         lambda f, ev: f"{f.where()} was killed by SIGKILL ("
+                       + ("injected by unicron" if INJECTED_KILL in ev.text else "from outside, or by the kernel OOM killer")
+                       + ")"),
     # libzmq asserts ("Invalid argument (src/signaler.cpp:157)") when the descriptors of the
     # worker's channel to its agent were closed under it: a script's os.closerange(3, N).
     Rule("agent-channel-broken", Severity.SEV2, lambda f, ev: _failed_process(f) and ev.signal == _signal.SIGABRT

@@ -59,7 +59,13 @@ def _first_clause(exc: BaseException) -> str:
 
 
 def load_plan_input(path: Path) -> PlanInput:
-    return PlanInput.from_dict(load_document(path))
+    document = load_document(path)
+    try:
+        return PlanInput.from_dict(document)
+    except InputError as err:  # which file (28C F6: a trace given as --input named its field only)
+        hint = " (a failure trace: give it to `unicron simulate --trace`)" if isinstance(document, dict) \
+            and "events" in document and "nodes" not in document else ""
+        raise InputError(f"{path}: {err}{hint}") from None
 
 
 def run_plan(path: Path, as_json: bool, console: Console | None = None) -> dict[str, Any]:
@@ -119,7 +125,10 @@ def register(app: typer.Typer) -> None:
 
             check_plot_path(plot)  # before a simulation that may take minutes
         inp = load_plan_input(input_file)
-        trace = Trace.from_dict(load_document(trace_file, "--trace"), {n.name for n in inp.nodes})
+        try:
+            trace = Trace.from_dict(load_document(trace_file, "--trace"), {n.name for n in inp.nodes})
+        except InputError as err:
+            raise InputError(f"{trace_file}: {err}") from None
         params = SimParams(detect_s=detect_s, restart_s=restart_s, setup_s=setup_s,
                            checkpoint_interval_s=checkpoint_interval_s, redundancy_overhead=redundancy_overhead,
                            redundancy_recovery_s=redundancy_recovery_s)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ KINDS = ("kill", "hang", "freeze", "exception", "exit", "slow")
 DEFAULT_EXIT_CODE = 1
 DEFAULT_SLOW_S = 1.0
 INJECTED_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected by unicron)"
+INJECTED_KILL = "unicron: injected fault: SIGKILL to itself (--inject kill)"
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)(?:=(?P<value>[^@]*))?@(?P<rank>\*|\d+):(?P<step>\d+)$")
 _GRAMMAR = ("expected KIND@RANK:STEP (RANK a global rank or *) with KIND in kill, hang, freeze, exception, "
@@ -133,6 +135,9 @@ def fire(fault: Fault) -> None:
         from unicron.worker import channel
 
         channel.get().close()
+        # Said, so the decision can tell this kill from the OOM killer's (28C F3)
+        sys.stderr.write(f"{INJECTED_KILL}\n")
+        sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
         hang_forever()  # SIGKILL is delivered asynchronously; never run on past the fault
     elif fault.kind == "hang":
