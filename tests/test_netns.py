@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from e2e import clean_env, read_events, unicron_cmd, wait_for
@@ -83,6 +84,24 @@ def _steps(ns: str, endpoint: str) -> list[int]:
     if proc.returncode != 0:
         return []
     return [w.get("step") or 0 for n in json.loads(proc.stdout)["nodes"] for w in n["workers"]]
+
+
+def _partition_until(ns: str, link: str, done: Any, timeout: float, what: str) -> None:
+    """Take ``ns``'s link down until ``done()``, then up again (whatever happens meanwhile)."""
+    _ip("-n", ns, "link", "set", link, "down")
+    try:
+        wait_for(done, timeout, what)
+    finally:
+        _ip("-n", ns, "link", "set", link, "up")
+
+
+def _both_succeed(a: subprocess.Popen[str], b: subprocess.Popen[str], timeout: float) -> str:
+    """Wait for both nodes to exit 0; returns b's stderr."""
+    _, err_a = a.communicate(timeout=timeout)
+    _, err_b = b.communicate(timeout=30)
+    assert a.returncode == 0, err_a
+    assert b.returncode == 0, err_b
+    return err_b
 
 
 def _reap(*procs: subprocess.Popen[str]) -> None:
@@ -195,15 +214,9 @@ def test_a_healed_partition_lets_the_cut_off_node_join_again(two_hosts, workdir)
         wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "attempt_start"], 90, "the attempt")
         wait_for(lambda: [e for e in read_events(workdir / "logs_b") if e["kind"] == "workers_started"], 60,
                  "node b's worker")
-        _ip("-n", ns_b, "link", "set", link, "down")  # the partition
-        try:
-            wait_for(lambda: [e for e in read_events(logs) if e["kind"] == "node_lost"], 30, "node b declared lost")
-        finally:
-            _ip("-n", ns_b, "link", "set", link, "up")
-        out_a, err_a = a.communicate(timeout=90)
-        out_b, err_b = b.communicate(timeout=30)
-        assert a.returncode == 0, err_a
-        assert b.returncode == 0, err_b
+        _partition_until(ns_b, link, lambda: [e for e in read_events(logs) if e["kind"] == "node_lost"], 30,
+                         "node b declared lost")
+        err_b = _both_succeed(a, b, 90)
         assert "fenced by the coordinator" in err_b, err_b
         starts = [e for e in read_events(logs) if e["kind"] == "attempt_start"]
         assert [s["nnodes"] for s in starts] == [2, 2]
@@ -228,16 +241,10 @@ def test_a_partition_that_outlasts_the_nodes_patience_heals_from_memory(two_host
         wait_for(lambda: [e for e in read_events(workdir / "logs_b") if e["kind"] == "workers_started"], 90,
                  "node b's worker")
         wait_for(lambda: min(_steps(ns_a, endpoint) or [0]) >= 5, 60, "a few steps")
-        _ip("-n", ns_b, "link", "set", link, "down")  # the partition
-        try:
-            wait_for(lambda: [e for e in read_events(workdir / "logs_b") if e["kind"] == "fenced" and e.get("cut_off")],
-                     45, "node b to give the coordinator up")
-        finally:
-            _ip("-n", ns_b, "link", "set", link, "up")
-        out_a, err_a = a.communicate(timeout=120)
-        out_b, err_b = b.communicate(timeout=30)
-        assert a.returncode == 0, err_a
-        assert b.returncode == 0, err_b
+        _partition_until(ns_b, link, lambda: [e for e in read_events(workdir / "logs_b")
+                                               if e["kind"] == "fenced" and e.get("cut_off")],
+                         45, "node b to give the coordinator up")
+        err_b = _both_succeed(a, b, 120)
         assert "joined the job again; it re-forms with this node" in err_b, err_b
         starts = [e for e in read_events(logs) if e["kind"] == "attempt_start"]
         assert [s["nnodes"] for s in starts] == [2, 2] and starts[1]["restore_step"] >= 5, starts

@@ -380,10 +380,9 @@ def test_a_random_generator_in_extra_is_refused_with_the_way_to_pass_it(snap_env
         state.commit(1)
 
 
-def test_a_restart_that_never_calls_restore_says_it_started_from_the_scripts_start(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    """The console said "restoring step S from memory": a script that commits but never calls
-    restore() must be told it did not (rank 0 says it, once)."""
+def _restarting_at_step_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """A model whose rank 0 committed step 3, and this process as its restarted worker told to
+    restore step 3."""
     snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
     model, _ = _model_and_opt()
     first = State(model=model)
@@ -391,6 +390,14 @@ def test_a_restart_that_never_calls_restore_says_it_started_from_the_scripts_sta
     first.commit(3)
     first.flush()
     monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    return model
+
+
+def test_a_restart_that_never_calls_restore_says_it_started_from_the_scripts_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The console said "restoring step S from memory": a script that commits but never calls
+    restore() must be told it did not (rank 0 says it, once)."""
+    model = _restarting_at_step_3(tmp_path, monkeypatch)
     restored = State(model=model)
     assert restored.restore() == 3
     restored.commit(4)
@@ -486,13 +493,7 @@ def test_restore_after_a_commit_is_refused_not_a_silent_fresh_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """27C F6: commit() then restore() in a restarted attempt let the announced snapshot go at
     the commit, and restore() then said "no snapshot; starting fresh": all progress redone."""
-    snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
-    model, _ = _model_and_opt()
-    first = State(model=model)
-    first.restore()
-    first.commit(3)
-    first.flush()
-    monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    model = _restarting_at_step_3(tmp_path, monkeypatch)
     late = State(model=model)
     late.commit(1)
     with pytest.raises(StateError, match=r"restore\(\) after commit\(1\): call restore\(\) before the first"):
