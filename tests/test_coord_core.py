@@ -837,3 +837,19 @@ def test_the_status_view_shows_the_newest_gone_nodes_only() -> None:
     console = Console(width=200, record=True)
     console.print(render_nodes(view, 5.0))
     assert "2 earlier nodes that left or were lost not shown" in console.export_text()
+
+
+def test_a_node_leaving_during_a_restarts_backoff_is_said_with_what_the_job_waits_for() -> None:
+    """Acceptance 28B F1: a node that left (Ctrl-C) while a restart backed off left the
+    coordinator's console silent until the join timeout, 600 s later."""
+    core = JobCore(spec(), ScriptedDecider(Decision("restart", 8.0, "restart it", "SEV2", "test")), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 3, "exitcode": 1, "ts": 2}}, 2)
+    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+    core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+    assert core.phase is Phase.WAITING  # backing off 8 s
+    outs = core.on_leave("b", {"node_id": "b", "reason": "interrupted by SIGINT"}, 5)
+    waiting = [o.fields for o in outs if isinstance(o, Emit) and o.kind == "waiting_for_nodes"]
+    assert waiting == [{"have": 1, "need": 2, "timeout_s": 60, "left": "node h-b left: interrupted by SIGINT"}]

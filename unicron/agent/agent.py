@@ -58,6 +58,7 @@ from unicron.proto.messages import Codec
 from unicron.worker.env import AGENT_ADDR
 
 log = logging.getLogger(__name__)
+REDIAL_S = 2.0  # while cut off from the coordinator: a fresh connection this often (see run)
 
 
 class Agent(AgentOrders):
@@ -110,24 +111,43 @@ class Agent(AgentOrders):
         self.clock_told = False  # the coordinator said this machine's clock is off (once on the console)
 
     # ---- main loop -----------------------------------------------------------------
-    def run(self) -> int:
+    def _dial(self) -> tuple[zmq.Socket, ConnectionWatch]:
+        """A connection to the coordinator: a DEALER, and the watch on its sessions."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IPV6, 1)  # an IPv6 literal endpoint needs it; IPv4 ones are unaffected
         # Named after the node (the coordinator's console names peers so) with a part nobody can
         # guess: a peer without the secret that took the plain node id first, as a restarted
         # coordinator came up, shut the real node out (ZeroMQ keeps the first of two sockets of
-        # one name) and got the messages meant for it (acceptance 21C F7).
+        # one name) and got the messages meant for it (acceptance 21C F7). The coordinator
+        # answers a node on the connection of its latest message: a new one (see run) is used
+        # as soon as a join comes over it.
         dealer.setsockopt(zmq.IDENTITY, f"{self.node_id}{IDENTITY_MARK}{secrets.token_hex(8)}".encode())
         dealer.setsockopt(zmq.LINGER, 1000)
-        conn, probe = ConnectionWatch(dealer), HostProbe(self.endpoint)
+        conn = ConnectionWatch(dealer)
         dealer.connect(self.endpoint)
-        inbox = self.inbox = WorkerInbox(self.ctx, self.agent_addr)
         self.reporter.dealer = dealer
+        return dealer, conn
+
+    def run(self) -> int:
+        dealer, conn = self._dial()
+        probe = HostProbe(self.endpoint)
+        dialed_at = time.monotonic()
+        inbox = self.inbox = WorkerInbox(self.ctx, self.agent_addr)
         self.stalls = StallWatch(time.monotonic())
         try:
             while True:
                 now_m = time.monotonic()
                 self.signals.raise_if_received(workers=self.last_attempt is not None)
+                if self.joining.cut_off is not None and now_m - dialed_at >= REDIAL_S:
+                    # Cut off: the old connection's TCP backs its retransmissions off, and the
+                    # coordinator's answers came 7-23 s after the link was back (acceptance 28B
+                    # F3). A fresh connection, dialled anew every few seconds, gets through at once
+                    # (and what the old one still carried, an assign of an attempt long stopped,
+                    # is dropped with it: 28B F4).
+                    conn.close()
+                    dealer.close(linger=0)
+                    dealer, conn = self._dial()
+                    dialed_at = now_m
                 if self.joining.join_due(now_m):
                     self._send("join", join_body(self.s, self.node_id, self.host, os.getpid(),
                                                  self.joining.join_fields()))
@@ -187,7 +207,7 @@ class Agent(AgentOrders):
                 probe.want(self.link.probing(now_m))  # silent over an open connection: is its host up?
                 self.link.host_answered(probe.answered_at)
                 if self.joining.welcomed and self.link.lost(now_m, stepped, done=done):
-                    why = self.rejoiner.unreachable(done)
+                    why = self.rejoiner.unreachable(done, self.reporter.attempt_faults)
                     if why is None:
                         return self.rejoiner.lost(done, self.reporter.attempt_faults)
                     self._fenced(why, cut_off=True)

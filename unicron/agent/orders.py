@@ -124,6 +124,10 @@ class AgentOrders:
                     self.said_why = body["decided"]
                     if not self.hosts_coordinator:  # the host's console showed it as it was decided
                         self.ui.warn(body["decided"])
+            elif msg.kind == "assign" and not self.joining.welcomed:
+                # While this node joins again, an assign is an old one the link carried late (an
+                # attempt stopped long ago: 28B F4); the job's next one comes after the welcome.
+                self.events.emit("assign_ignored", attempt=body["attempt"], why="not a member")
             elif msg.kind == "assign":
                 self.reporter.ended_workers = []  # another attempt: its ranks come with its workers
                 self._start_attempt(body)

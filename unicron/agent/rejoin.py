@@ -86,7 +86,7 @@ class Rejoiner:
         self.events.emit("coordinator_lost", finished=True, **fields)
         return 0
 
-    def unreachable(self, finished: bool) -> str | None:
+    def unreachable(self, finished: bool, faults: Sequence[dict[str, Any]] = ()) -> str | None:
         """Why the silent coordinator is taken for one cut off from this node, not gone: its
         connection is open but its host does not answer (a partition; or the host is down or
         frozen whole). None otherwise (``lost`` ends the node).
@@ -101,7 +101,7 @@ class Rejoiner:
         if finished or not self.link.open or self.link.lives_unheard(now):
             return None
         return (f"lost the coordinator at {self.endpoint}: no answer for {self.link.limit_s(now):g} s, its "
-                "connection open but its host unreachable (a partition, or the host is down)")
+                f"connection open but its host unreachable (a partition, or the host is down){reported(faults)}")
 
     def lost(self, finished: bool, faults: Sequence[dict[str, Any]] = ()) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node
@@ -118,7 +118,12 @@ class Rejoiner:
             how = "its connection open and its host up (its process stopped?)"
         else:
             how = "its connection open but its host unreachable (a partition, or the host is down)"
-        failed = next((f for f in faults if f.get("kind") in ("exit", "exception", "hang", "startup")), None)
-        after = f"; before it, this node reported {fault_line(failed, '')}" if failed is not None else ""
         raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
-                              f"{self.link.limit_s(now):g} s, {how}{after}")
+                              f"{self.link.limit_s(now):g} s, {how}{reported(faults)}")
+
+
+def reported(faults: Sequence[dict[str, Any]]) -> str:
+    """The first failure this node reported in the attempt, which no decision came for, as the
+    end of the line that says the coordinator is lost (27B F6, 28B F2)."""
+    failed = next((f for f in faults if f.get("kind") in ("exit", "exception", "hang", "startup")), None)
+    return f"; before it, this node reported {fault_line(failed, '')}" if failed is not None else ""

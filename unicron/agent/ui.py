@@ -106,7 +106,8 @@ class AgentUI:
                           f"(--nnodes needs {event.get('need')}), up to the join timeout "
                           f"({event.get('timeout_s', 0):g} s from the start)")
                 return
-            self.info(f"waiting for {missing} node(s) to join again (--nnodes needs {event.get('need')}), "
+            left = f"{event['left']}; " if event.get("left") else ""  # during a restart's backoff
+            self.info(f"{left}waiting for {missing} node(s) to join again (--nnodes needs {event.get('need')}), "
                       f"up to the join timeout ({event.get('timeout_s', 0):g} s)")
 
     def update(self, workers: list[dict[str, Any]]) -> None:

@@ -27,10 +27,13 @@ def node_gone(core: JobCore, node_id: str, host: str, how: str, why: str, now: f
     or, while it stops, one node fewer to wait for."""
     core.awaiting_resume.discard(node_id)  # back later, it is a joiner like any other
     attempt = core.attempt
-    if attempt is None and core.phase is Phase.WAITING and core.members.count() < core.spec.min_nodes:
-        # The job was still forming: said, or its console waits out the join timeout in silence.
+    if core.phase is Phase.WAITING and core.members.count() < core.spec.min_nodes:
+        # The job was still forming, or a restart backs off: said, or its console waits out the
+        # join timeout in silence (acceptance 28B F1: a node that left during a backoff).
+        gone = f"node {host} {how}: {why}"
         return [Emit("waiting_for_nodes", {"have": core.members.count(), "need": core.spec.min_nodes,
-                                           "timeout_s": core.spec.join_timeout_s, "gone": f"node {host} {how}: {why}"})]
+                                           "timeout_s": core.spec.join_timeout_s,
+                                           **({"gone": gone} if attempt is None else {"left": gone})})]
     if attempt is None or node_id not in attempt.node_set:
         return []
     message = why if how == "lost" else f"{how}: {why}"  # a node that said why it left, says so
