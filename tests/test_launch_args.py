@@ -589,3 +589,14 @@ def test_small_parity_points_of_pass_27(script: str) -> None:
     both = parse(["--master-addr", "localhost", "--master-port", "29600", "--rdzv-endpoint", "h:1", script])
     assert list(both.warnings) == ["--master-addr and --master-port are only used by the static backend without "
                              "--rdzv-endpoint"], both.warnings
+
+
+def test_no_inject_on_the_command_line_overrides_an_inject_from_the_environment(script: str) -> None:
+    """Acceptance 28C F10: a UNICRON_INJECT left in the environment made --no-inject on the
+    command line an error, where flag > environment holds for every other setting."""
+    cfg = parse(["--no-inject", script], {"UNICRON_INJECT": "kill@0:1"})
+    assert cfg.no_inject and cfg.injects == () and "UNICRON_INJECT is overridden by --no-inject" in cfg.warnings
+    cfg = parse(["--inject", "kill@0:1", script], {"UNICRON_NO_INJECT": "1"})
+    assert not cfg.no_inject and len(cfg.injects) == 1
+    with pytest.raises(UsageError, match="contradicts --no-inject"):
+        parse(["--inject", "kill@0:1", "--no-inject", script])

@@ -280,7 +280,14 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
     # The world size is known before the rendezvous only on one node (nodes may run different
     # numbers of workers); on several, a rank the job does not have is said when it starts.
     injects, world = v["inject"], (nproc if max_nodes == 1 else None)
-    if injects and v["no_inject"]:
+    no_inject = v["no_inject"]
+    if injects and no_inject and r.ranks["inject"] != r.ranks["no_inject"]:
+        # Two layers: the nearer one wins, as every setting's does (28C F10: a UNICRON_INJECT
+        # left in the environment made --no-inject on the command line an error)
+        loser = "inject" if r.ranks["no_inject"] < r.ranks["inject"] else "no_inject"
+        warnings.append(f"{label[loser]} is overridden by {label['no_inject' if loser == 'inject' else 'inject']}")
+        injects, no_inject = ((), True) if loser == "inject" else (injects, False)
+    if injects and no_inject:
         raise UsageError(f"{label['inject']} needs unicron's worker hooks; it contradicts {label['no_inject']}")
     if injects and v["no_python"] and not v["run_path"]:
         raise UsageError(f"{label['inject']} needs a Python worker; it contradicts {label['no_python']}")
@@ -344,7 +351,7 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
         start_method=v["start_method"], virtual_local_rank=v["virtual_local_rank"],
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         event_log_handler=v["event_log_handler"], logs_specs=v["logs_specs"], numa_binding=v["numa_binding"],
-        injects=injects, no_inject=v["no_inject"], grace_period=grace, hang_factor=v["hang_factor"],
+        injects=injects, no_inject=no_inject, grace_period=grace, hang_factor=v["hang_factor"],
         hang_floor=v["hang_floor"], hang_warmup_steps=v["hang_warmup_steps"],
         hang_busy_factor=v["hang_busy_factor"], hang_busy_floor=v["hang_busy_floor"],
         first_step_timeout=v["first_step_timeout"], heartbeat_interval=v["heartbeat_interval"],
