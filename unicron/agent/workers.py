@@ -205,7 +205,7 @@ class WorkerGroup(GroupProgress):
                 return faults
             if time.monotonic() > deadline:
                 for r in dying:
-                    if r.exiting_code is not None:
+                    if r.exiting_code is not None and not r.fault_pending:  # a pending one may be caught
                         r.exitcode, r.exited_at, r.state = r.exiting_code, time.time(), "failed"
                         faults.append(self._exit_fault(r, r.exited_at))
                 return faults
