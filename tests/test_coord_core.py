@@ -124,16 +124,22 @@ def test_fault_stops_everyone_then_restarts_with_restore_step() -> None:
     assert {a["why"] for a in assigns.values()} == {"SEV2 restart: restart it"}
 
 
-def test_every_node_is_told_a_decision_to_restart_as_it_is_taken_not_after_the_backoff() -> None:
-    """Acceptance 27B F4: the other nodes' consoles said the decision only with the next
-    attempt's assign, after the backoff (up to 30 s), and timed it then."""
-    core = JobCore(spec(), ScriptedDecider(Decision("restart", 4.0, "restart it", "SEV2", "test")), now=0)
+def _restart_decided(backoff_s: float) -> tuple[JobCore, list[Any]]:
+    """Nodes a and b ran attempt 0; rank 3 (on b) exited 1 at 2, both stopped at 3, and a restart
+    backing off ``backoff_s`` was decided: the core and the outputs of that decision."""
+    core = JobCore(spec(), ScriptedDecider(Decision("restart", backoff_s, "restart it", "SEV2", "test")), now=0)
     core.on_join("a", join("a"), 0)
     core.on_join("b", join("b"), 0)
     started(core, 1)
     core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 3, "exitcode": 1, "ts": 2}}, 2)
     core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
-    outs = core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+    return core, core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+
+
+def test_every_node_is_told_a_decision_to_restart_as_it_is_taken_not_after_the_backoff() -> None:
+    """Acceptance 27B F4: the other nodes' consoles said the decision only with the next
+    attempt's assign, after the backoff (up to 30 s), and timed it then."""
+    core, outs = _restart_decided(backoff_s=4.0)
     acks = sends(outs, "ack")
     assert set(acks) == {"a", "b"} and {a["decided"] for a in acks.values()} == {"SEV2 restart: restart it"}
     assert not [o for o in outs if isinstance(o, OpenStore)]  # backing off: no attempt yet
@@ -842,13 +848,7 @@ def test_the_status_view_shows_the_newest_gone_nodes_only() -> None:
 def test_a_node_leaving_during_a_restarts_backoff_is_said_with_what_the_job_waits_for() -> None:
     """Acceptance 28B F1: a node that left (Ctrl-C) while a restart backed off left the
     coordinator's console silent until the join timeout, 600 s later."""
-    core = JobCore(spec(), ScriptedDecider(Decision("restart", 8.0, "restart it", "SEV2", "test")), now=0)
-    core.on_join("a", join("a"), 0)
-    core.on_join("b", join("b"), 0)
-    started(core, 1)
-    core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 3, "exitcode": 1, "ts": 2}}, 2)
-    core.on_stopped("a", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
-    core.on_stopped("b", {"attempt": 0, "snapshots": {}, "stacks": {}}, 3)
+    core, _ = _restart_decided(backoff_s=8.0)
     assert core.phase is Phase.WAITING  # backing off 8 s
     outs = core.on_leave("b", {"node_id": "b", "reason": "interrupted by SIGINT"}, 5)
     waiting = [o.fields for o in outs if isinstance(o, Emit) and o.kind == "waiting_for_nodes"]
