@@ -123,3 +123,17 @@ def test_role_ranks_count_the_workers_of_nodes_of_the_same_role_before_this_one(
     assert role_ranks(dict(body, node_rank=3)) == {"role_offset": 3, "role_world_size": 5}
     # None sent, or not one per node (a peer's message: anything may come): the global ones.
     assert role_ranks(dict(body, roles=None)) == {} and role_ranks(dict(body, roles=["t"])) == {}
+
+
+def test_a_lost_coordinators_line_names_the_root_cause_the_node_reported_not_its_first_report() -> None:
+    """27B F6's line names what this node reported; CI found the race in its e2e: the peer
+    that lost its connection to the killed rank reported first, and was named."""
+    from unicron.agent.rejoin import reported
+
+    victim = {"kind": "exception", "rank": 1, "error_type": "RuntimeError", "ts": 1.0, "steps_completed": 5,
+              "message": "[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer", "attempt": 0}
+    killed = {"kind": "exit", "rank": 0, "exitcode": -9, "summary": "signal SIGKILL (9)", "ts": 1.5,
+              "steps_completed": 5, "attempt": 0}
+    assert reported([victim, killed]) == "; before it, this node reported exit on rank 0 at step 5: signal SIGKILL (9)"
+    assert reported([victim]).startswith("; before it, this node reported exception on rank 1 at step 5: RuntimeError")
+    assert reported([{"kind": "health", "ts": 1.0}]) == "" and reported([]) == ""

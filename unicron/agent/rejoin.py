@@ -15,6 +15,8 @@ from unicron.agent.ranks import all_past_init, store_untouched
 from unicron.agent.shm import scan_snapshots
 from unicron.agent.ui import fault_line
 from unicron.agent.workers import WorkerGroup
+from unicron.coord.decide import to_fault
+from unicron.detect.classify import root_cause
 from unicron.errors import RendezvousError
 from unicron.events import EventLog
 
@@ -123,7 +125,18 @@ class Rejoiner:
 
 
 def reported(faults: Sequence[dict[str, Any]]) -> str:
-    """The first failure this node reported in the attempt, which no decision came for, as the
-    end of the line that says the coordinator is lost (27B F6, 28B F2)."""
-    failed = next((f for f in faults if f.get("kind") in ("exit", "exception", "hang", "startup")), None)
-    return f"; before it, this node reported {fault_line(failed, '')}" if failed is not None else ""
+    """The root cause among the failures this node reported in the attempt, which no decision
+    came for, as the end of the line that says the coordinator is lost (27B F6, 28B F2): the
+    classifier's, so a peer's lost connection reported first does not hide the rank that died."""
+    failed = [f for f in faults if f.get("kind") in ("exit", "exception", "hang", "startup")]
+    if not failed:
+        return ""
+    parsed = []
+    for raw in failed:
+        try:
+            parsed.append((to_fault(raw), raw))
+        except ValueError:  # not a shape the classifier takes: named as reported
+            continue
+    cause = root_cause([f for f, _ in parsed]) if parsed else None
+    first = next((raw for f, raw in parsed if f is cause), failed[0])
+    return f"; before it, this node reported {fault_line(first, '')}"
