@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import zmq
 
 from unicron.proto.messages import strict_loads
+from unicron.proto.schema import OPT_INT, field_errors
 from unicron.worker.channel import bell_address
 
 log = logging.getLogger(__name__)
@@ -84,30 +85,21 @@ class WorkerInbox:
         self.bell.close(0)
 
 
-# The fields of the messages that can fail a job or move its clocks, with their types: one of
-# another shape is a script's garbage on the channel, dropped (acceptance 27C F4: an ``exc`` with
-# ``"fatal": "yes"`` and numbers for its text failed a job whose workers all exited 0).
-_REQUIRED: dict[str, tuple[str, ...]] = {"exc": ("type", "msg", "tb"), "step": ("step",), "exiting": ("code",)}
-_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
-    "exc": {"type": (str,), "msg": (str,), "tb": (str,), "fatal": (bool,), "pending": (bool,), "ready": (bool,)},
-    "step": {"step": (int,), "snap": (int, type(None))},
-    "exiting": {"code": (int,), "pending": (bool,), "ready": (bool,)},
-    "closed": {"raising": (bool,)},
+# The fields of the messages that can fail a job or move its clocks, with their types (as the
+# mesh's schemas write them): one of another shape is a script's garbage on the channel, dropped
+# (acceptance 27C F4: an ``exc`` with ``"fatal": "yes"`` and numbers for its text failed a job
+# whose workers all exited 0). Other fields (rank, ts) ride along.
+WORKER_FIELDS: dict[str, dict[str, Any]] = {
+    "exc": {"type": str, "msg": str, "tb": str, "fatal?": bool, "pending?": bool, "ready?": bool},
+    "step": {"step": int, "snap?": OPT_INT},
+    "exiting": {"code": int, "pending?": bool, "ready?": bool},
+    "closed": {"raising?": bool},
 }
 
 
 def well_formed(msg: dict[str, Any]) -> bool:
     """Whether a worker message has the fields its kind needs, of their types (a kind not
-    listed needs none)."""
-    kind = msg["t"]
-    if any(name not in msg for name in _REQUIRED.get(kind, ())):
-        return False
-    for name, types in _TYPES.get(kind, {}).items():
-        if name not in msg:
-            continue
-        value = msg[name]
-        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-            return False
-        if type(value) is int and value < 0:  # steps and exit statuses (0-255) are never negative
-            return False
-    return True
+    listed needs none); steps and exit statuses (0-255) are never negative."""
+    schema = WORKER_FIELDS.get(msg["t"], {})
+    return field_errors(schema, msg) is None and not any(
+        type(v) is int and v < 0 for v in (msg.get(name.rstrip("?")) for name in schema))

@@ -20,6 +20,8 @@ from unicron.detect.classify import root_cause
 from unicron.errors import RendezvousError
 from unicron.events import EventLog
 
+UNREACHABLE = "its connection open but its host unreachable (a partition, or the host is down)"
+
 
 class Rejoiner:
     def __init__(self, joining: JoinState, link: CoordinatorLink, *, endpoint: str, shm_dir: str, ui: Any,
@@ -102,14 +104,14 @@ class Rejoiner:
         now = time.monotonic()
         if finished or not self.link.open or self.link.lives_unheard(now):
             return None
-        return (f"lost the coordinator at {self.endpoint}: no answer for {self.link.limit_s(now):g} s, its "
-                f"connection open but its host unreachable (a partition, or the host is down){reported(faults)}")
+        return (f"lost the coordinator at {self.endpoint}: no answer for {self.link.limit_s(now):g} s, "
+                f"{UNREACHABLE}{reported(faults)}")
 
     def lost(self, finished: bool, faults: Sequence[dict[str, Any]] = ()) -> int:
         """The coordinator is gone. If this node's workers had all ``finished`` cleanly, the node
-        did its part: exit 0, as torchrun's agent does when its exit barrier fails. Else the
-        first of the ``faults`` this node reported in the attempt (no decision came for it) is
-        the job's root cause as far as this node knows: said after the loss (27B F6: lost)."""
+        did its part: exit 0, as torchrun's agent does when its exit barrier fails. Else the root
+        cause among the ``faults`` this node reported in the attempt (no decision came for it)
+        is the job's as far as this node knows: said after the loss (27B F6: lost)."""
         now = time.monotonic()
         if finished:
             return self._did_its_part(f"the coordinator at {self.endpoint} did not confirm the job's end (no "
@@ -119,7 +121,7 @@ class Rejoiner:
         elif self.link.lives_unheard(now):
             how = "its connection open and its host up (its process stopped?)"
         else:
-            how = "its connection open but its host unreachable (a partition, or the host is down)"
+            how = UNREACHABLE
         raise RendezvousError(f"lost the coordinator at {self.endpoint}: no answer for "
                               f"{self.link.limit_s(now):g} s, {how}{reported(faults)}")
 

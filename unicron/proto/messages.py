@@ -64,9 +64,12 @@ def _finite(text: str) -> float:
     return value
 
 
+INT_LIMIT = 1 << 63  # no integer on the mesh reaches it (a step, a count, a time in ns)
+
+
 def _bounded(text: str) -> int:
     value = int(text)
-    if abs(value) >= 1 << 63:  # nothing of ours counts that far; float() of it may overflow (acceptance 21C F1)
+    if abs(value) >= INT_LIMIT:  # nothing of ours counts that far; float() of it may overflow (acceptance 21C F1)
         raise ValueError(f"{text[:20]}... is out of range")
     return value
 

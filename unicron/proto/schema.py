@@ -90,6 +90,13 @@ def schema_errors(kind: str, body: Any) -> str | None:
     extra = set(body) - allowed
     if extra:
         return f"unexpected field(s) {sorted(extra)}"
+    return field_errors(schema, body, kind)
+
+
+def field_errors(schema: dict[str, Any], body: dict[str, Any], kind: str = "") -> str | None:
+    """Why the fields of ``body`` named in ``schema`` (``name?``: optional) are missing or of
+    another type, or None; fields the schema does not name are not looked at. ``kind``: a mesh
+    message's, whose nested fields (``NESTED``) are checked too."""
     for name, types in schema.items():
         optional = name.endswith("?")
         key = name.rstrip("?")

@@ -110,6 +110,7 @@ from typing import Any
 
 import torch
 
+from unicron.proto.messages import INT_LIMIT
 from unicron.worker import (
     ddplayout,
     env,
@@ -393,7 +394,7 @@ def _say_on_rank_0(rank: int, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-MAX_STEP = 2**63 - 1  # what the mesh's messages carry (27C F2: commit(10**20) broke the stop)
+MAX_STEP = INT_LIMIT - 1  # what the mesh's messages carry (27C F2: commit(10**20) broke the stop)
 
 
 def _step_number(step: object) -> int:
