@@ -53,7 +53,7 @@ def test_plan_table_and_yaml_input(app: typer.Typer, tmp_path: Path) -> None:
     ('{"nodes": [{"name": "n0"}], "jobs": [{"name": "a", "weight": "x", "throughput": {"1": 1}}]}', ".json",
      "jobs[0].weight: expected a number"),
     ('{"nodes": [{"name": "n0"}], "jobs": [{"name": "a", "throughput": {"1": 1}}], "transition_s": 1e308}', ".json",
-     "transition_s: must be <= 1e+15, got 1e+308"),  # finite, but its products overflowed to -Infinity
+     "transition_s: must be <= 1e+30, got 1e+308"),  # finite, but its products overflowed to -Infinity
     ("{not json", ".json", "is not valid JSON"),
     ("nodes: [unclosed", ".yaml", "is not valid YAML"),
     ("[" * 100_000 + "]" * 100_000, ".json", "is not valid JSON (maximum recursion depth exceeded"),

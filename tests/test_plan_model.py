@@ -108,6 +108,16 @@ def test_model_description_gives_throughput_table() -> None:
     assert job.throughput[2] > job.throughput[1]
 
 
+def test_a_table_written_out_in_flops_is_taken_as_the_model_table_it_came_from() -> None:
+    # A model-derived table is in FLOP/s (1.3e15 for one DGX node, 1e18 for a thousand): a user
+    # who writes such a table out, or bench_plan.py's --tables model, must get the same plan input.
+    table = throughput_table(ModelSpec.gpt3_like(13, "A100"), 1024, 8)
+    assert max(table.values()) > 1e17
+    data = copy.deepcopy(GOOD)
+    data["jobs"][0]["throughput"] = {str(count): flops for count, flops in table.items()}
+    assert PlanInput.from_dict(data).jobs[0].throughput == table
+
+
 def test_megatron_gpt3_175b_calibration() -> None:
     # Megatron-LM (SC'21, Table 1): 175B on 1,024 A100s, t=8 p=8, about 140 TFLOP/s per GPU.
     layout = best_layout(ModelSpec.gpt3_like(175, "A100"), nodes=128, gpus_per_node=8)

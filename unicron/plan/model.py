@@ -129,9 +129,10 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-# Above any real duration, rate or weight; finite inputs beyond it overflow the reward's products
-# (1e308 s x a throughput is inf, and the plan's JSON would carry -Infinity).
-NUMBER_MAX = 1e15
+# Above any real duration, rate or weight (a rate may be FLOP/s: a 100,000-GPU cluster is about
+# 1e20), and far below where the reward's products of three such numbers overflow (1e308 s x a
+# throughput was inf, and the plan's JSON carried -Infinity).
+NUMBER_MAX = 1e30
 
 
 def _num(value: Any, path: str, *, minimum: float = 0.0, strict: bool = False) -> float:
