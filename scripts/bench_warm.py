@@ -32,8 +32,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from unicron.agent.logs import RankLogs  # noqa: E402
-from unicron.agent.procs import WorkerProcess, start_worker, terminate_all  # noqa: E402
+from unicron.agent.procs import WorkerProcess, start_worker  # noqa: E402
 from unicron.agent.signals import set_child_subreaper  # noqa: E402
+from unicron.agent.terminate import terminate_all  # noqa: E402
 from unicron.agent.warm import WarmPool  # noqa: E402
 
 RANK_SCRIPT = """
