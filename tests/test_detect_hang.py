@@ -398,3 +398,62 @@ def test_a_verdict_of_one_node_among_several_says_the_ranks_are_that_nodes() -> 
     assert verdict is not None and "by rank(s) 2, 3 (" in verdict.message
     from dataclasses import replace
     assert "by this node's rank(s) 2, 3 (" in replace(verdict, one_node_of_several=True).message
+
+
+def test_a_loop_that_steps_in_bursts_is_judged_by_its_recurring_wait_not_its_median() -> None:
+    # An RL loop: 1.8 s idle waiting for rollouts, then four optimizer steps in quick
+    # succession. The median gap is ~1 ms; its iteration is the wait (acceptance 29A F1: called
+    # hung 1.5 s into every wait, every attempt, until the budget was spent).
+    # The first wait after the first burst has nothing to be told from a hang by but the start-up:
+    # warm-up must span two bursts (--hang-warmup-steps 9 here; docs/failures.md says so).
+    det = HangDetector(k=3.0, floor_s=1.5, warmup_steps=9, first_step_timeout_s=300.0)
+    det.start(0.0, [0, 1])
+    now, step = 0.0, 0
+    for _ in range(12):
+        now += 1.8
+        for _ in range(4):
+            now += 0.001
+            step += 1
+            for r in (0, 1):
+                det.observe(r, step, now)
+            assert det.check(now) is None
+        wait_end = now + 1.8
+        while now < wait_end:  # the next wait, checked as the agent does
+            now += 0.1
+            assert det.check(now) is None, f"false hang {now - (wait_end - 1.8):.1f}s into a wait"
+        now = wait_end - 1.8
+    threshold, warmup = det.threshold_s()
+    assert not warmup and 3.5 <= threshold <= 3.7  # 2 x the recurring 1.8 s wait
+    verdict = det.check(now + threshold + 0.01)
+    assert verdict is not None and "2 x the recurring gap 1.80" in verdict.message
+    assert "--hang-floor 1.5s" in verdict.message
+
+
+def test_a_one_off_long_gap_does_not_raise_the_threshold() -> None:
+    det = HangDetector(k=3.0, floor_s=0.5, warmup_steps=2, first_step_timeout_s=60.0)
+    det.start(0.0, [0])
+    now = run_steps(det, [0], 20, 0.1, 0.0)
+    now += 30.0  # an evaluation whose work counted as progress
+    det.observe(0, 21, now)
+    now = run_steps(det, [0], 5, 0.1, now, step0=21)
+    assert det.threshold_s() == (0.5, False)
+
+
+def test_a_verdict_names_the_flag_that_raises_its_threshold() -> None:
+    det = HangDetector(k=3.0, floor_s=1.5, warmup_steps=2, first_step_timeout_s=60.0, busy_floor_s=10.0)
+    det.start(0.0, [0])
+    now = run_steps(det, [0], 10, 0.05, 0.0)
+    idle = det.check(now + 1.6)
+    assert idle is not None and "allowed 1.50s while idle" in idle.message and "--hang-floor 1.5s" in idle.message
+    busy = det.check(now + 10.1, busy=True)
+    assert busy is not None and "while busy" in busy.message and "--hang-busy-floor 10s" in busy.message
+    early = HangDetector(k=3.0, floor_s=1.5, warmup_steps=3, first_step_timeout_s=60.0)
+    early.start(0.0, [0])
+    early.observe(0, 1, 0.2)
+    verdict = early.check(1.8)
+    assert verdict is not None and verdict.warmup and "at least --hang-floor 1.5s" in verdict.message
+    assert early.check(59.0, busy=False) is not None
+    first = HangDetector(k=3.0, floor_s=1.5, warmup_steps=3, first_step_timeout_s=60.0)
+    first.start(0.0, [0])
+    verdict = first.check(60.5)
+    assert verdict is not None and "--first-step-timeout 60s" in verdict.message

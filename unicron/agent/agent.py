@@ -301,6 +301,13 @@ class Agent(AgentOrders):
             self.held_since = None
         if not group.hang_reported and not self.link.unheard(now_m):
             hang = group.check_hang(now, self.link.job_level(time.monotonic()))
+            outside = group.outside
+            if outside.notice is not None:  # said once an attempt; each is an event
+                if not outside.said:
+                    self.ui.info(outside.notice)
+                outside.said = True
+                self.events.emit("hang_deferred", message=outside.notice)
+                outside.notice = None
             if hang is not None:
                 group.hang_reported = True
                 self._report(hang)

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from unicron.agent.logs import RunLogDir, capture_stderr, full_copy_note
+from unicron.agent.outside import OutsideCollectives
 from unicron.agent.procs import start_worker
 from unicron.agent.proctree import is_exiting, process_state
 from unicron.agent.progress import GroupProgress
@@ -70,6 +71,7 @@ class WorkerGroup(GroupProgress):
         self.working_at: float | None = None  # when a rank of the job was last seen working (monotonic)
         self.busy_at: float | None = None  # ... and busy
         self.linger_s = LINGER_S  # see lingering_notices
+        self.outside = OutsideCollectives(hang.busy_floor_s)
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self, now: float, tick: Callable[[], None] = lambda: None) -> None:
@@ -368,6 +370,9 @@ class WorkerGroup(GroupProgress):
             self.busy_at = mono
         verdict = self.hang.check(mono, busy=level is Activity.BUSY, working_at=self.working_at,
                                   busy_at=self.busy_at)
+        if verdict is not None and not verdict.busy and self.outside.seen(mono, verdict, self.ranks.values(),
+                                                                           self.spec.nnodes, self.stack_dir):
+            verdict = self.hang.check(mono, busy=True, working_at=self.working_at, outside=True)
         if verdict is None:
             return None
         verdict = replace(verdict, one_node_of_several=self.spec.nnodes > 1)

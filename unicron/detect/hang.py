@@ -15,145 +15,16 @@ docs/failures.md.
 from __future__ import annotations
 
 import statistics
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from unicron.detect.stepstats import StepStats
 
-@dataclass
-class _RankProgress:
-    last_progress_ts: float  # last completed step, or the attempt start before the first one
-    last_step: int | None = None
-    steps_in_attempt: int = 0
-    times: deque[float] = field(default_factory=deque)
-    longest_s: float = 0.0  # longest gap between progress reports this attempt (first one included)
-    first_step_ts: float | None = None  # when its first step of the attempt came
-    excused_s: float = 0.0  # of its silence since that progress, what ``paused`` took off its clock
-
-
-class StepStats:
-    """Per-rank step progress and a running window of iteration times.
-
-    The interval ending at a rank's n-th step of the attempt is recorded only when
-    n > ``skip_first``: the first steps include start-up cost and would inflate the median.
-    """
-
-    def __init__(self, window: int = 50, skip_first: int = 1) -> None:
-        if window < 1:
-            raise ValueError("window must be at least 1")
-        if skip_first < 0:
-            raise ValueError("skip_first must be >= 0")
-        self.window = window
-        self.skip_first = skip_first
-        self._ranks: dict[int, _RankProgress] = {}
-        self.started_at: float | None = None
-
-    def start(self, now: float, ranks: Iterable[int] = ()) -> None:
-        """Forget everything and expect ``ranks`` (a new attempt begins at ``now``)."""
-        self.started_at = now
-        self._ranks = {r: _RankProgress(now, times=deque(maxlen=self.window)) for r in ranks}
-
-    def _progress(self, rank: int, ts: float) -> _RankProgress:
-        if rank not in self._ranks:  # a rank not announced by start(): its clock starts now
-            start = ts if self.started_at is None else min(ts, self.started_at)
-            self._ranks[rank] = _RankProgress(start, times=deque(maxlen=self.window))
-        return self._ranks[rank]
-
-    def observe(self, rank: int, step: int, ts: float) -> bool:
-        """Record that ``rank`` has completed ``step`` steps at ``ts``; False if that is not progress."""
-        p = self._progress(rank, ts)
-        if p.last_step is not None and step <= p.last_step:
-            return False  # duplicate or reordered report
-        advanced = 1 if p.last_step is None else step - p.last_step
-        p.longest_s = max(p.longest_s, ts - p.last_progress_ts)
-        if p.first_step_ts is None:
-            p.first_step_ts = ts
-        if p.last_step is not None and p.steps_in_attempt + advanced > self.skip_first:
-            p.times.append(max(ts - p.last_progress_ts, 0.0) / advanced)
-        p.last_step = step
-        if ts >= p.last_progress_ts:
-            p.excused_s = 0.0
-        p.last_progress_ts = max(ts, p.last_progress_ts)
-        p.steps_in_attempt += advanced
-        return True
-
-    def paused(self, gap_s: float, now: float | None = None) -> None:
-        """The observer was not running for ``gap_s`` (or what it waited on was silent): no
-        rank's silence in that time counts. Their progress clocks move on by it, never past
-        ``now``: a rank that stepped meanwhile gets no credit beyond the present (a clock in the
-        future would hide a hang that long, and turn the steps before it into 0 s samples)."""
-        for p in self._ranks.values():
-            moved = p.last_progress_ts + gap_s
-            moved = max(p.last_progress_ts, moved if now is None else min(moved, now))
-            p.excused_s += moved - p.last_progress_ts
-            p.last_progress_ts = moved
-
-    def excused_s(self, rank: int) -> float:
-        """How much of ``rank``'s silence since its last progress ``paused`` did not count."""
-        p = self._ranks.get(rank)
-        return p.excused_s if p is not None else 0.0
-
-    def remove(self, rank: int) -> None:
-        """Stop expecting ``rank`` (it finished cleanly or was taken out of the job)."""
-        self._ranks.pop(rank, None)
-
-    def observe_start(self, rank: int, now: float) -> None:
-        """Expect ``rank``'s first step, its clock starting at ``now``."""
-        self._ranks.setdefault(rank, _RankProgress(now, times=deque(maxlen=self.window)))
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(self._ranks)
-
-    def median(self, rank: int) -> float | None:
-        p = self._ranks.get(rank)
-        return statistics.median(p.times) if p is not None and p.times else None
-
-    def job_median(self) -> float | None:
-        """The job's pace: the largest per-rank median (the slowest rank sets the pace)."""
-        medians = [m for m in (self.median(r) for r in self._ranks) if m is not None]
-        return max(medians) if medians else None
-
-    def longest_interval(self) -> float:
-        """The longest gap between progress reports of any rank this attempt (start-up included)."""
-        return max((p.longest_s for p in self._ranks.values()), default=0.0)
-
-    def started_all(self) -> bool:
-        """Every expected rank has completed at least one step this attempt."""
-        return bool(self._ranks) and all(p.steps_in_attempt > 0 for p in self._ranks.values())
-
-    def startup_s(self) -> float | None:
-        """From the attempt's start to the last rank's first step (None until every rank stepped)."""
-        if self.started_at is None or not self.started_all():
-            return None
-        return max(0.0, max(p.first_step_ts or 0.0 for p in self._ranks.values()) - self.started_at)
-
-    def samples(self, rank: int) -> int:
-        p = self._ranks.get(rank)
-        return len(p.times) if p is not None else 0
-
-    def iter_times(self, rank: int) -> list[float]:
-        p = self._ranks.get(rank)
-        return list(p.times) if p is not None else []
-
-    def last_step(self, rank: int) -> int | None:
-        p = self._ranks.get(rank)
-        return p.last_step if p is not None else None
-
-    def last_progress(self, rank: int) -> float | None:
-        p = self._ranks.get(rank)
-        return p.last_progress_ts if p is not None else None
-
-    def last_progress_all(self) -> dict[int, float]:
-        return {r: p.last_progress_ts for r, p in self._ranks.items()}
-
-    def steps_in_attempt(self, rank: int) -> int:
-        p = self._ranks.get(rank)
-        return p.steps_in_attempt if p is not None else 0
-
+__all__ = ["HangDetector", "HangVerdict", "StepStats", "Straggler", "uneven_progress"]
 
 LEAD_STEPS = 2  # steps ahead of the slowest rank that no lockstep job can be
+RECURRING_K = 2.0  # times the job's recurring longest gap (StepStats.recurring_gap) it may go without a step
 RESTART_START_K = 5.0  # a restarted attempt's idle ranks get this many times the start-up measured before
 RESTART_START_FLOOR = 0.1  # ... and at least this fraction of the first-step timeout (30 s of 300)
 
@@ -187,16 +58,14 @@ class HangVerdict:
     # Silence of the first stalled rank before ``stalled_s`` that was not counted (the launcher
     # was stopped, the ranks ran a handler of a script signal): said, as the whole silence is.
     excused_s: float = 0.0
+    # How the threshold was reached, naming the setting that raises it (HangDetector.basis):
+    # a pause that is the script's own is then one flag away (acceptance 29A F3).
+    basis: str = ""
 
     @property
     def message(self) -> str:
         ranks = ", ".join(map(str, self.stalled_ranks))
-        if self.warmup:
-            basis = f"warm-up allowance {self.threshold_s:.1f}s{', busy' if self.busy else ''}"
-        else:
-            median = f"{self.median_s:.3f}s" if self.median_s is not None else "n/a"
-            which = "busy: max(busy k x median" if self.busy else "idle: max(k x median"
-            basis = f"threshold {self.threshold_s:.2f}s, {which} {median}, floor)"
+        basis = self.basis or f"threshold {self.threshold_s:.2f}s"
         whose = "this node's rank(s)" if self.one_node_of_several else "rank(s)"
         if self.excused_s >= 0.05:
             return (f"no step completed for {self.stalled_s + self.excused_s:.2f}s by {whose} {ranks}, "
@@ -306,7 +175,8 @@ class HangDetector:
         if self.in_warmup() or median is None:
             early = max(k * self.stats.longest_interval(), floor)
             return min(early, self.first_step_timeout_s), True
-        return max(k * median, floor), False
+        recurring = self.stats.recurring_gap() or 0.0
+        return max(k * median, RECURRING_K * recurring, floor), False
 
     def startup_sampling_s(self) -> float:
         """From when (since the attempt's start) the ranks' activity is gathered before every
@@ -344,7 +214,7 @@ class HangDetector:
         return max(0.0, self.threshold_s(busy=False)[0] - self.overdue_s(now))
 
     def check(self, now: float, busy: bool = False, working_at: float | None = None,
-              busy_at: float | None = None) -> HangVerdict | None:
+              busy_at: float | None = None, outside: bool = False) -> HangVerdict | None:
         """A verdict while the job is hung (every call, until ``start`` begins a new attempt).
 
         ``busy``: some rank of the job is using CPU now (see ``unicron.detect.activity``); it
@@ -352,6 +222,8 @@ class HangDetector:
         working (Python moving, or I/O) between steps; that counts as progress of every rank.
         ``busy_at``: when some rank was last seen busy; once the job is idle, the idle
         threshold runs from then (a long native call that ends is not a stall of its length).
+        ``outside``: every rank's stack was seen outside any collective during this stall, so it
+        is judged by the busy threshold (with ``busy``; the agent's ``WorkerGroup.check_hang``).
         """
         ranks = self.stats.ranks
         if not ranks:
@@ -374,7 +246,27 @@ class HangDetector:
             stalled_ranks=tuple(stalled),
             last_steps={r: self.stats.last_step(r) for r in ranks},
             busy=busy,
+            basis=self.basis(threshold, warmup, busy, outside),
         )
+
+    def basis(self, threshold_s: float, warmup: bool, busy: bool, outside: bool = False) -> str:
+        """The threshold in words: what it is the largest of, with the flag that raises each."""
+        floor_flag = "--hang-busy-floor" if busy else "--hang-floor"
+        k, floor = (max(self.k, self.busy_k), max(self.floor_s, self.busy_floor_s)) if busy else (self.k, self.floor_s)
+        while_ = "no rank waited in a collective" if outside else "busy" if busy else "idle"
+        if warmup and not self.stats.started_all():
+            return (f"warm-up allowance {threshold_s:.1f}s{', busy' if busy else ''}: before every rank's first "
+                    f"step, up to --first-step-timeout {self.first_step_timeout_s:g}s")
+        if warmup:
+            return (f"warm-up allowance {threshold_s:.1f}s{', busy' if busy else ''}: {k:g} x the longest gap "
+                    f"so far {self.stats.longest_interval():.3f}s, at least {floor_flag} {floor:g}s")
+        median = self.stats.job_median()
+        parts = [f"{k:g} x median step {median:.3f}s" if median is not None else None]
+        recurring = self.stats.recurring_gap()
+        if recurring is not None and RECURRING_K * recurring > k * (median or 0.0):
+            parts.append(f"{RECURRING_K:g} x the recurring gap {recurring:.3f}s")
+        parts.append(f"{floor_flag} {floor:g}s")
+        return f"allowed {threshold_s:.2f}s while {while_}: the most of " + ", ".join(p for p in parts if p)
 
     def stragglers(self, factor: float = 2.0, min_samples: int = 5, min_gap_s: float = 0.01) -> list[Straggler]:
         """Ranks whose median iteration time is over ``factor`` x the median of the others' medians.

@@ -153,8 +153,8 @@ OPTIONS: tuple[Option, ...] = (
        "spin-wait) or waits for its data loader, K times the median (never below the idle threshold).",
        float_above(1.0), "5.0", metavar="K"),
     _u("hang-busy-floor", "... but never before this many seconds.", float_above(0.0), "10.0", metavar="SEC"),
-    _u("hang-warmup-steps", "Steps before the median is trusted.", int_at_least(0), "3", metavar="N"),
-    _u("first-step-timeout", "Seconds allowed before and during the first steps.", float_above(0.0),
+    _u("hang-warmup-steps", "Steps before the median is trusted (until then: k x the longest gap so far, at least --hang-floor).", int_at_least(0), "3", metavar="N"),
+    _u("first-step-timeout", "Seconds allowed before every rank's first step; the cap of a stall during warm-up.", float_above(0.0),
        "300", metavar="SEC"),
     # At least 10 ms: each heartbeat wakes the agent, on the cores the ranks train on (27C F11).
     _u("heartbeat-interval", "Seconds between agent heartbeats.", float_at_least(0.01), "0.5", metavar="SEC"),
