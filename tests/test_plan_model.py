@@ -134,3 +134,40 @@ def test_model_that_does_not_fit_is_not_runnable() -> None:
     small = throughput_table(ModelSpec.gpt3_like(6.7, "H100"), max_nodes=4, gpus_per_node=8)
     assert list(small) == [1, 2, 4]  # 24 GPUs: no t x p x d with p | 32 layers and d | 1,024 sequences
     assert small[4] < 4 * small[1]  # all-reduce across nodes costs something
+
+
+def _model_job(**shape: int) -> dict[str, Any]:
+    data = edited(["jobs", 0, "throughput"], KeyError)
+    data["jobs"][0]["model"] = {"params_b": 1.3, "gpu": "A100", **shape}
+    return data
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data, field", [
+    (edited(["nodes", 0, "gpus"], 100_000_000), "nodes[0].gpus: must be <= 1,024, got 100,000,000"),
+    ({**GOOD, "nodes": [{"name": f"n{i}", "gpus": 1024} for i in range(257)]},
+     "nodes: 263,168 GPUs in all, at most 262,144"),
+    ({**GOOD, "nodes": [{"name": f"n{i}", "gpus": 1} for i in range(65_537)]}, "nodes: 65,537 nodes, at most 65,536"),
+    (edited(["jobs", 0, "model_parallel"], 10**12), "jobs[0].model_parallel: must be <= 262,144"),
+    (edited(["jobs", 0, "max_nodes"], 10**9), "jobs[0].max_nodes: must be <= 65,536"),
+    (edited(["jobs", 0, "min_nodes"], 10**9), "jobs[0].min_nodes: must be <= 65,536"),
+    (edited(["jobs", 0, "throughput"], {"2": 1.0, "100000": 2.0}), 'jobs[0].throughput["100000"]: node count must be <='),
+    (edited(["jobs", 0, "throughput"], {"2": 1.0, "9" * 5000: 2.0}), "node count must be <= 65,536"),
+    (edited(["jobs", 0, "throughput"], {"2": 1.0, "\u00b2": 2.0}), "key is not a positive node count"),
+    (_model_job(layers=10**9), "jobs[0].model.layers: must be <= 10,000"),
+    (_model_job(hidden=10**200), "jobs[0].model.hidden: must be <= 1,000,000,000"),
+])
+def test_sizes_that_drive_work_or_memory_are_bounded(data: dict[str, Any], field: str) -> None:
+    """Acceptance 29C F1: a node of 100,000,000 GPUs had the transfer plan build a tuple per GPU
+    (23 GB before the OOM killer); a model's layer count or a max_nodes of 1e9 made the model
+    table loop for ever; a 5,000-digit or unicode-digit count key was an internal error."""
+    with pytest.raises(InputError) as err:
+        PlanInput.from_dict(data)
+    assert field in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_model_table_stops_at_the_cluster_size() -> None:
+    job = PlanInput.from_dict({**_model_job(), "jobs": [{**_model_job()["jobs"][0], "max_nodes": 65_536}]}).jobs[0]
+    assert max(job.throughput) <= 3

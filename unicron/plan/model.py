@@ -145,11 +145,23 @@ def _num(value: Any, path: str, *, minimum: float = 0.0, strict: bool = False) -
     return float(value)
 
 
-def _int(value: Any, path: str, *, minimum: int = 0) -> int:
+# Sizes that drive the planner's work or memory, far above any real cluster or model; beyond
+# them an input is a typo or an attack, and one gpus: 100000000 had `unicron plan` build a tuple
+# per GPU until it was killed at 23 GB (acceptance 29C F1). See docs/planner.md, "Limits".
+MAX_GPUS_PER_NODE = 1024  # ranks per node: the transfer plan enumerates every one
+MAX_TOTAL_GPUS = 262_144  # all nodes' GPUs: every rank the transfer plan may enumerate (1 s of CPU)
+MAX_NODES = 65_536  # cluster size, node counts, min/max_nodes: the knapsack's and model table's size
+MAX_LAYERS = 10_000  # a model table searches the divisors of the layer count for every node count
+MAX_SHAPE = 10**9  # hidden, heads, batch, sequence, vocabulary: arithmetic only, kept far from overflow
+
+
+def _int(value: Any, path: str, *, minimum: int = 0, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputError(f"{path}: expected an integer, got {value!r}")
     if value < minimum:
         raise InputError(f"{path}: must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise InputError(f"{path}: must be <= {maximum:,}, got {value:,}")
     return value
 
 
@@ -173,13 +185,19 @@ def _parse_input(data: Any) -> PlanInput:
     top = _obj(data, "", {"nodes", "jobs", "failed", "horizon_s", "transition_s", "network"}, {"nodes", "jobs"})
     if not isinstance(top["nodes"], list) or not top["nodes"]:
         raise InputError("nodes: expected a non-empty list")
+    if len(top["nodes"]) > MAX_NODES:
+        raise InputError(f"nodes: {len(top['nodes']):,} nodes, at most {MAX_NODES:,} are supported")
     nodes: list[Node] = []
     for i, raw in enumerate(top["nodes"]):
         path = f"nodes[{i}]"
         item = _obj(raw, path, {"name", "gpus", "rack"}, {"name"})
         nodes.append(Node(name=_str(item["name"], f"{path}.name"),
-                          gpus=_int(item.get("gpus", 8), f"{path}.gpus", minimum=1),
+                          gpus=_int(item.get("gpus", 8), f"{path}.gpus", minimum=1, maximum=MAX_GPUS_PER_NODE),
                           rack=_str(item.get("rack", "r0"), f"{path}.rack")))
+    total_gpus = sum(n.gpus for n in nodes)
+    if total_gpus > MAX_TOTAL_GPUS:
+        raise InputError(f"nodes: {total_gpus:,} GPUs in all, at most {MAX_TOTAL_GPUS:,} are supported "
+                         f"(the transfer plan enumerates every rank)")
     known = Counter(n.name for n in nodes)
     dup = [n for n, c in known.items() if c > 1]
     if dup:
@@ -225,8 +243,9 @@ def _parse_job(raw: Any, path: str, known: set[str], cluster_size: int, gpus_per
     for k, node in enumerate(nodes):
         if node not in known:
             raise InputError(f"{path}.nodes[{k}]: unknown node {node!r}")
-    min_nodes = _int(item.get("min_nodes", 1), f"{path}.min_nodes", minimum=1)
-    max_nodes = None if item.get("max_nodes") is None else _int(item["max_nodes"], f"{path}.max_nodes", minimum=1)
+    min_nodes = _int(item.get("min_nodes", 1), f"{path}.min_nodes", minimum=1, maximum=MAX_NODES)
+    max_nodes = None if item.get("max_nodes") is None else _int(item["max_nodes"], f"{path}.max_nodes", minimum=1,
+                                                                maximum=MAX_NODES)
     if max_nodes is not None and max_nodes < min_nodes:
         raise InputError(f"{path}.max_nodes: {max_nodes} is below min_nodes {min_nodes}")
     if ("throughput" in item) == ("model" in item):
@@ -234,13 +253,15 @@ def _parse_job(raw: Any, path: str, known: set[str], cluster_size: int, gpus_per
     model = None
     if "model" in item:
         model = _parse_model(item["model"], f"{path}.model")
-        table = throughput_table(model, max_nodes or cluster_size, gpus_per_node)
+        # No job runs on more nodes than the cluster has: counts above it would be computed for nothing.
+        table = throughput_table(model, min(max_nodes or cluster_size, cluster_size), gpus_per_node)
     else:
         table = _parse_table(item["throughput"], f"{path}.throughput")
     job = Job(name=name, weight=_num(item.get("weight", 1.0), f"{path}.weight", strict=True), nodes=nodes,
               min_nodes=min_nodes, max_nodes=max_nodes, throughput=table, model=model,
               state_gb=_num(item.get("state_gb", 0.0), f"{path}.state_gb"),
-              model_parallel=_int(item.get("model_parallel", 1), f"{path}.model_parallel", minimum=1),
+              model_parallel=_int(item.get("model_parallel", 1), f"{path}.model_parallel", minimum=1,
+                                  maximum=MAX_TOTAL_GPUS),
               snapshots=_parse_snapshots(item.get("snapshots", {}), f"{path}.snapshots", known, set(nodes)))
     if nodes and not job.runnable(len(nodes)):
         raise InputError(f"{path}.nodes: the job runs on {len(nodes)} node(s) but that count is not runnable "
@@ -255,10 +276,13 @@ def _parse_table(raw: Any, path: str) -> dict[int, float]:
     for key, value in raw.items():
         where = f'{path}["{key}"]'
         count = key if isinstance(key, int) and not isinstance(key, bool) else None
-        if isinstance(key, str) and key.strip().isdigit():
-            count = int(key)
+        digits = key.strip() if isinstance(key, str) else ""
+        if digits.isascii() and digits.isdigit():  # int() refuses "²" and 5,000 digits with a ValueError
+            count = int(digits) if len(digits) <= 12 else MAX_NODES + 1
         if count is None or count < 1:
             raise InputError(f"{where}: key is not a positive node count")
+        if count > MAX_NODES:
+            raise InputError(f"{where}: node count must be <= {MAX_NODES:,}")
         if count in table:
             raise InputError(f"{where}: node count {count} given twice")
         table[count] = _num(value, where)
@@ -271,7 +295,8 @@ def _parse_model(raw: Any, path: str) -> ModelSpec:
     gpu = _str(item["gpu"], f"{path}.gpu")
     if gpu not in GPUS:
         raise InputError(f"{path}.gpu: unknown GPU {gpu!r} (known: {', '.join(GPUS)})")
-    overrides = {k: _int(item[k], f"{path}.{k}", minimum=1) for k in shape if k in item}
+    overrides = {k: _int(item[k], f"{path}.{k}", minimum=1, maximum=MAX_LAYERS if k == "layers" else MAX_SHAPE)
+                 for k in shape if k in item}
     return ModelSpec.gpt3_like(_num(item["params_b"], f"{path}.params_b", strict=True), gpu, **overrides)
 
 

@@ -24,6 +24,7 @@ Where the numbers come from (see docs/planner.md for the full derivation):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -101,8 +102,10 @@ class Layout:
     flops: float  # achieved model FLOP/s of the whole job
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=64)
+def _divisors(n: int) -> tuple[int, ...]:
+    """Cached: a model table asks for the layer count's divisors once per node count."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def layout_time(model: ModelSpec, gpus_per_node: int, tp: int, pp: int, dp: int) -> float | None:
