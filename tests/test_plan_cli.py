@@ -146,6 +146,19 @@ def test_simulate_names_the_flag_of_a_negative_time(app: typer.Typer) -> None:
     assert isinstance(result.exception, UsageError) and str(result.exception) == "--detect-s must be >= 0, got -1"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag, value", [("--detect-s", "nan"), ("--checkpoint-interval-s", "nan"),
+                                         ("--restart-s", "inf"), ("--setup-s", "-inf"),
+                                         ("--redundancy-overhead", "nan"), ("--redundancy-recovery-s", "inf")])
+def test_simulate_refuses_a_non_finite_flag_naming_it(app: typer.Typer, flag: str, value: str) -> None:
+    """Acceptance 29C F2: --detect-s nan was an internal error (NaN passes `< 0`); --restart-s inf
+    was taken."""
+    args = ["simulate", "--input", str(EXAMPLES / "small.json"), "--trace", str(EXAMPLES / "trace-synthetic.json")]
+    result = CliRunner().invoke(app, [*args, flag, value])
+    assert isinstance(result.exception, UsageError), result.exception
+    assert str(result.exception) == f"{flag} must be a finite number, got {float(value)}"
+
+
 def test_the_coordinator_says_an_ipv6_address_as_host_port_takes_it() -> None:
     from unicron.coord.commands import _listening
 

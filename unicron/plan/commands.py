@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,12 @@ def register(app: typer.Typer) -> None:
         for name in policy:
             if name not in POLICIES:
                 raise UsageError(f"--policy: unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        for flag, value in (("--detect-s", detect_s), ("--restart-s", restart_s), ("--setup-s", setup_s),
+                            ("--checkpoint-interval-s", checkpoint_interval_s),
+                            ("--redundancy-overhead", redundancy_overhead),
+                            ("--redundancy-recovery-s", redundancy_recovery_s)):
+            if not math.isfinite(value):  # NaN passes every `< 0` check below (29C F2: an internal error)
+                raise UsageError(f"{flag} must be a finite number, got {value}")
         if not 0 <= redundancy_overhead < 1:
             raise UsageError("--redundancy-overhead: must be in [0, 1)")
         if checkpoint_interval_s <= 0:
