@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from rich.console import Console
 
 from unicron.status.fmt import event_details, fmt_age, fmt_bytes, fmt_duration, fmt_iter_time, sparkline
@@ -94,6 +95,32 @@ def test_garbage_snapshot_renders_without_raising() -> None:
         text = capture(render_status(snap, NOW))
         assert "unicron status" in text
         assert format_status_line(snap, NOW)
+
+
+def _every_number(value: object, extreme: float | int) -> object:
+    if isinstance(value, dict):
+        return {k: _every_number(v, extreme) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_every_number(v, extreme) for v in value]
+    return extreme if type(value) in (int, float) else value
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extreme", [1e308, -1e308, float("inf"), float("-inf"), float("nan"), 10**400, -(10**400)])
+def test_any_number_a_coordinator_sends_renders_without_raising(extreme: float | int) -> None:
+    """Acceptance 29C F3: iteration times of 1e308 and -1e308 overflowed the sparkline's range
+    (inf / inf, then int(NaN)) and `unicron status` was an internal error; int(inf) did the same
+    for a step, and a 300-digit duration filled the line."""
+    for base in (healed_snapshot(NOW), failing_snapshot(NOW)):
+        snap = _every_number(base, extreme)
+        snap["nodes"][0]["workers"][0]["iter_times"] = [1e308, -1e308, 0, extreme, 1.5]
+        text = capture(render_status(snap, NOW))
+        assert "unicron status" in text and "gpt-demo" in text
+        assert format_status_line(snap, NOW)
+        assert len(max(text.splitlines(), key=len)) <= 110
+    assert sparkline([1e308, -1e308, 0]) == "█▁▅"
+    assert sparkline([float("nan"), float("inf"), 1, 2]) == "▁█"
+    assert fmt_duration(1e308) == "1.16e+303d"
 
 
 def test_json_round_trip_keeps_the_documented_shape() -> None:

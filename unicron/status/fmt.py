@@ -4,6 +4,7 @@ the network), and the output degrades to "-" instead of raising."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,10 +19,16 @@ DETAIL_FIRST = ("rank", "ranks", "fault_kind", "action", "severity", "exitcode",
 
 
 def num(value: Any) -> float | None:
-    """A number from a JSON value, or None (bool is not a number here)."""
+    """A finite number from a JSON value, or None (bool is not a number here). NaN and infinities
+    (Python's JSON reads them) are None too: every view does int() or arithmetic on what this
+    returns, and int(inf) raised."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an integer past 1.8e308
+        return None
+    return out if math.isfinite(out) else None
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -38,7 +45,9 @@ def fmt_duration(seconds: float | None) -> str:
         return f"{s // 60}m{s % 60:02d}s"
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+    if s < 86400 * 100_000:
+        return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+    return f"{seconds / 86400:.3g}d"  # a nonsense time stays a short token, not 300 digits
 
 
 def fmt_age(ts: Any, now: float) -> str:
@@ -74,11 +83,12 @@ def sparkline(values: Iterable[Any], width: int = SPARK_WIDTH) -> str:
     nums = [v for v in (num(x) for x in values) if v is not None][-width:]
     if not nums:
         return ""
-    lo, hi = min(nums), max(nums)
-    if hi - lo <= 1e-12:
+    # Halved: hi - lo of -1e308 and 1e308 overflows to inf, and inf / inf made a NaN index.
+    lo, hi = min(nums) / 2, max(nums) / 2
+    if hi - lo <= 0.5e-12:
         return SPARK_CHARS[len(SPARK_CHARS) // 2 - 1] * len(nums)
     top = len(SPARK_CHARS) - 1
-    return "".join(SPARK_CHARS[round((v - lo) / (hi - lo) * top)] for v in nums)
+    return "".join(SPARK_CHARS[round((v / 2 - lo) / (hi - lo) * top)] for v in nums)
 
 
 def short_value(value: Any, limit: int = 48) -> str:
