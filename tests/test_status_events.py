@@ -216,3 +216,25 @@ def test_a_long_log_is_printed_in_tables_that_read_as_one(tmp_path: Path) -> Non
     rows = [line for line in out.splitlines() if line[:1].isdigit()]
     assert [line.split()[2] for line in rows] == [f"k{i}" for i in range(1200)]
     assert len({line.index(" k") for line in rows}) == 1  # one kind column across the tables
+
+
+@pytest.mark.timeout(60)
+def test_a_wide_terminal_shows_a_long_value_whole_and_a_narrow_one_stays_tidy(tmp_path: Path) -> None:
+    """Acceptance 29C F4: every value was cut at 48 characters whatever the width, so a hang
+    decision's culprit analysis never showed."""
+    path = tmp_path / "events.jsonl"
+    reason = "hang: ranks 0-6 wait in allreduce for rank 7, whose stack is in the data loader " \
+             "(read from /mnt/data shard 00412); culprit rank 7 on node trn-b excluded END"
+    log = EventLog(path, job="gpt-demo", node="trn-a")
+    log.emit("decision", ts=NOW, attempt=0, action="reconfigure", severity="SEV1", reason=reason, culprits=[7])
+    log.close()
+    app = typer.Typer()
+    register(app)
+    for columns in (200, 120, 80):
+        out = CliRunner().invoke(app, ["events", str(path)], env={"COLUMNS": str(columns)}).stdout
+        assert max(len(line) for line in out.splitlines()) <= columns
+        shown = " ".join(out.split())
+        if columns >= 120:  # whole, wrapped inside the details column
+            assert reason in shown, out
+        else:  # 20 columns of details: cut at 48 characters, as before
+            assert reason not in shown and "culprits=[7]" in shown and "…" in shown

@@ -127,7 +127,8 @@ def events(
         sys.stdout.write("".join(_dump(e) + "\n" for e in found))
         return 0
     console = _console()
-    for table in event_tables(found, title=f"{source} · {len(found)} event{'' if len(found) == 1 else 's'}"):
+    for table in event_tables(found, title=f"{source} · {len(found)} event{'' if len(found) == 1 else 's'}",
+                              width=console.width):
         console.print(table)
     return 0
 

@@ -25,6 +25,9 @@ _RELATIVE = re.compile(r"^-?\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)(?:\s+ago)?$",
 _UNIT_S = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 TIME_HELP = "unix seconds, an ISO timestamp (2025-01-31T12:00:00) or a relative time like -5m, -30s, -2h, -1d"
 TABLE_ROWS = 500  # rows of each table a long log is printed in
+VALUE_LIMIT = 48  # characters of one value in a narrow details column (as the status view's)
+VALUE_LINES = 3  # a wide details column shows a value whole up to this many wrapped lines
+COLUMN_GAPS = 12  # the table's four gaps between its five columns, 3 characters each
 
 
 def parse_time(text: str, now: float) -> float:
@@ -93,10 +96,21 @@ def ranks_of(event: Mapping[str, Any]) -> str:
     return ""
 
 
+def value_limit(width: int | None, columns: Sequence[int]) -> int:
+    """Characters of one detail value in a table ``width`` wide whose other columns take
+    ``columns``: VALUE_LINES lines of the details column when that is wider than VALUE_LIMIT,
+    so a wide terminal shows a hang decision's culprit analysis whole (a fixed 48 cut it on any
+    terminal, 29C F4) and a narrow one keeps its short rows."""
+    details = (width or 0) - sum(columns) - COLUMN_GAPS
+    return VALUE_LINES * details if details > VALUE_LIMIT else VALUE_LIMIT
+
+
 def render_events_table(events: Iterable[Mapping[str, Any]], title: str = "", *,
-                        widths: Sequence[int | None] = (None, None, None, None), header: bool = True) -> Table:
+                        widths: Sequence[int | None] = (None, None, None, None), header: bool = True,
+                        limit: int = VALUE_LIMIT) -> Table:
     """The events as one table. ``widths``: fixed widths of the time, kind, rank and node
-    columns, so the tables of one long log (``event_tables``) line up."""
+    columns, so the tables of one long log (``event_tables``) line up; ``limit``: characters
+    of one detail value (the column folds longer lines)."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title=title or None,
                   title_justify="left", title_style="bold", show_header=header)
     time_w, kind_w, rank_w, node_w = widths
@@ -108,18 +122,20 @@ def render_events_table(events: Iterable[Mapping[str, Any]], title: str = "", *,
     for e in events:
         table.add_row(fmt_clock(e.get("ts")), Text(str(e.get("kind", "?")), style=event_style(e)), ranks_of(e),
                       str(e.get("node", "")),
-                      event_details(e, skip=("ts", "kind", "job", "node", "rank", "ranks")))
+                      event_details(e, skip=("ts", "kind", "job", "node", "rank", "ranks"), limit=limit))
     return table
 
 
-def event_tables(events: Sequence[Mapping[str, Any]], title: str = "", rows: int = TABLE_ROWS) -> Iterator[Table]:
+def event_tables(events: Sequence[Mapping[str, Any]], title: str = "", rows: int = TABLE_ROWS,
+                 width: int | None = None) -> Iterator[Table]:
     """The events as tables of ``rows`` rows each, printed one after another: rich lays a table
     out whole before printing it, which for a log of 100,000 events took minutes and gigabytes
-    with nothing shown. Column widths are the whole log's, so the tables read as one."""
+    with nothing shown. Column widths are the whole log's, so the tables read as one.
+    ``width``: the console's, which sets how much of a long value is shown (``value_limit``)."""
     widths = (max((len(fmt_clock(e.get("ts"))) for e in events), default=4),
               max((len(str(e.get("kind", "?"))) for e in events), default=4),
               max(4, max((len(ranks_of(e)) for e in events), default=4)),
               min(16, max(4, max((len(str(e.get("node", ""))) for e in events), default=4))))
     for start in range(0, max(len(events), 1), rows):
         yield render_events_table(events[start:start + rows], title if start == 0 else "", widths=widths,
-                                  header=start == 0)
+                                  header=start == 0, limit=value_limit(width, widths))

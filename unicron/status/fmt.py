@@ -109,20 +109,20 @@ def short_value(value: Any, limit: int = 48) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def event_details(event: Mapping[str, Any], *, skip: Iterable[str] = EVENT_HEADER_FIELDS) -> str:
+def event_details(event: Mapping[str, Any], *, skip: Iterable[str] = EVENT_HEADER_FIELDS, limit: int = 48) -> str:
     """``key=value`` pairs of an event beyond its header fields, the telling ones first
-    (a narrow column cuts the end), the emitting host last."""
+    (a narrow column cuts the end), the emitting host last; each value cut at ``limit``."""
     skipped = set(skip)
     keys = [k for k in event if k not in skipped]
     keys.sort(key=lambda k: (DETAIL_FIRST.index(k) if k in DETAIL_FIRST else len(DETAIL_FIRST), k == "node"))
-    return " ".join(f"{k}={_detail(k, event)}" for k in keys)
+    return " ".join(f"{k}={_detail(k, event, limit)}" for k in keys)
 
 
-def _detail(key: str, event: Mapping[str, Any]) -> str:
+def _detail(key: str, event: Mapping[str, Any], limit: int = 48) -> str:
     """A time of day (``occurred_at``, ``last_step_at``: epoch seconds, which ``.4g`` would show
     as 1.797e+09) as its offset from the event's own time, which is what it tells."""
     value, ts = event[key], num(event.get("ts"))
     if key.endswith("_at") and type(value) in (int, float) and ts is not None and abs(value - ts) < 1e6 \
             and value > 1e8:
         return f"{value - ts:+.3f}s"
-    return short_value(value)
+    return short_value(value, limit)
