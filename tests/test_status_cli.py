@@ -494,6 +494,47 @@ def test_watching_several_runs_says_how_each_one_that_left_ended(tmp_path: Path)
     assert ended.endswith("every unicron run on this machine ended")
 
 
+TRACEBACK = ("Traceback (most recent call last):\n  File \"/srv/train/train_gpt.py\", line 212, in <module>\n"
+             "    loss = step(model, batch)\nValueError: boom at step 60 after a very long run of the data loader")
+
+
+@pytest.mark.timeout(60)
+def test_watch_into_a_file_ends_with_one_unwrapped_line(runs_dir: Path, coordinator) -> None:
+    """Acceptance 29C F5: `status --watch > file` ended with a job's multi-line traceback, wrapped
+    at 80 columns; docs/status.md promises one line per change."""
+    ended = snapshot_with("failed", 1)
+    ended["job"].update(reason=f"exception on rank 0: {TRACEBACK}", exit_code=1)
+    script = [snapshot_with("running"), ended]
+    c = coordinator(lambda n: script[min(n, len(script) - 1)])
+    code, out = invoke(["status", "-e", c.endpoint, "-j", JOB, "--watch", "--interval", "0.05", "--timeout", "5"],
+                       env={"UNICRON_SECRET": KEY.decode(), "COLUMNS": "80"})
+    assert code == 0
+    flat = " ".join(TRACEBACK.split())
+    assert out.splitlines()[-1] == f"run gpt-demo ended (failed, exit 1: exception on rank 0: {flat})", out
+    assert len(out.splitlines()[-1]) > 80 and out.startswith("gpt-demo running") and out.count("\n") == 2, out
+
+
+@pytest.mark.timeout(60)
+def test_watching_runs_into_a_file_is_one_line_per_change(tmp_path: Path) -> None:
+    from unicron.status.watch import RunsPoller
+
+    failed_dir = tmp_path / "failed"
+    log = EventLog(failed_dir / "events.jsonl", job="bad", node="n")
+    log.emit("job_end", exit_code=1, reason=f"exception on rank 0: {TRACEBACK}")
+    log.close()
+    good = Target("good", "127.0.0.1:1", b"k", 11, 1.0, str(tmp_path))
+    bad = Target("bad", "127.0.0.1:2", b"k", 12, 1.0, str(failed_dir))
+    polls = iter([[good, bad], [good], []])
+    poller = RunsPoller(1.0, clock=lambda: 100.0, targets=lambda: next(polls),
+                        poll=lambda targets, _t: [(t.info(), snapshot_with("running"), "") for t in targets])
+    out = io.StringIO()
+    ended = run_watch(Console(file=out, width=80), poller, 0.0, wait=lambda _s: None)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("good: gpt-demo running"), lines  # one per change
+    assert f"bad: ended (failed, exit 1: exception on rank 0: {' '.join(TRACEBACK.split())})" in lines[1]
+    assert "\n" not in ended and ended.endswith("; every unicron run on this machine ended")
+
+
 def test_a_runs_end_is_read_only_from_since_it_started(tmp_path: Path) -> None:
     # A standalone coordinator appends to one log per job id: a job id used again keeps the
     # earlier run's job_end, which is not how this run ended.

@@ -79,7 +79,8 @@ def status(
             ended = run_watch(console, poll, interval)
         except KeyboardInterrupt:
             return 0
-        console.print(ended, markup=False, highlight=False)
+        # soft_wrap: a closing line into a file is one line, not cut at 80 columns (29C F5)
+        console.print(ended, markup=False, highlight=False, soft_wrap=True)
         return 0
     if len(targets) == 1:
         console.print(render_status(fetch_snapshot(targets[0], timeout), time.time()))

@@ -34,6 +34,13 @@ from unicron.status.client import (
 from unicron.status.fmt import fmt_duration
 from unicron.status.render import render_runs, render_status
 from unicron.status.statusline import format_status_line, line_signature
+from unicron.textclip import printable
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line: a job's reason may be a worker's whole traceback, and a log of
+    `--watch` promises one line per change (29C F5). Control characters are shown, not obeyed."""
+    return printable(" ".join(text.split()))
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ class RunsPoller:
             if not rows:
                 return Frame(Text("no unicron run left on this machine"), "no unicron run left on this machine",
                              ended=done)
-            return Frame(render_runs(rows, now), line, ended=f"{line}\n{done}", key=signature)
+            return Frame(render_runs(rows, now), line, ended=f"{line}; {done}", key=signature)
         hint = Text("pick one with --job ID for the full view", style="dim")
         return Frame(Group(render_runs(rows, now), hint), line, key=signature)
 
@@ -161,8 +168,8 @@ def run_watch(console: Console, poll: Callable[[], Frame], interval_s: float, *,
               plain_every_s: float = 30.0) -> str:
     """Draw frames until the run ends; return why it ended. Ctrl-C propagates to the caller.
 
-    A terminal gets the full live view; anything else gets a line when something that matters
-    changes (state, attempt, restarts, rank states, reachability) and otherwise every
+    A terminal gets the full live view; anything else gets one line (never wrapped, newlines
+    collapsed) when something that matters changes (state, attempt, restarts, rank states, reachability) and otherwise every
     ``plain_every_s``, so a log of `--watch` stays readable.
     """
     if console.is_terminal and not console.is_dumb_terminal:
@@ -178,9 +185,9 @@ def run_watch(console: Console, poll: Callable[[], Frame], interval_s: float, *,
     while True:
         frame = poll()
         if frame.ended:
-            return frame.ended
+            return one_line(frame.ended)  # printed by the caller with soft_wrap: never wrapped
         now = clock()
         if last is None or frame.key != last[1] or now - last[0] >= plain_every_s:
-            console.print(frame.line, markup=False, highlight=False, soft_wrap=True)
+            console.print(one_line(frame.line), markup=False, highlight=False, soft_wrap=True)
             last = (now, frame.key)
         wait(interval_s)
