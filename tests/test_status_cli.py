@@ -254,6 +254,19 @@ def test_endpoint_needs_job_and_secret(runs_dir: Path) -> None:
     assert code == 2 and "cannot read secret file" in msg
 
 
+@pytest.mark.timeout(60)
+def test_a_wrong_job_id_at_a_local_runs_endpoint_is_named_as_such(runs_dir: Path, tmp_path: Path,
+                                                                   coordinator) -> None:
+    """Acceptance 29C F6: it said "no secret for ...", which sent the user after the wrong thing."""
+    c = coordinator(lambda n: snapshot_with("running"))
+    register_local(tmp_path, c.endpoint, os.getpid())
+    code, msg = invoke(["status", "-e", c.endpoint, "--job", "wrongid"])
+    assert code == 2 and msg == (f"no unicron run known here serves job 'wrongid' at {c.endpoint} (it serves "
+                                 f"'{JOB}'; or set UNICRON_SECRET to ask it anyway)")
+    code, out = invoke(["status", "-e", c.endpoint, "--job", JOB, "--json"])  # the right one still answers
+    assert code == 0 and json.loads(out)["job"]["id"] == JOB
+
+
 def test_this_machines_name_finds_a_run_registered_by_address() -> None:
     import socket
 

@@ -174,6 +174,10 @@ def resolve_targets(endpoint: str | None, job: str | None, secret_file: str | No
             return [Target(job or known.job, endpoint, key or known.key, known.pid, known.started_at, known.log_dir)]
         if job is None:
             raise UsageError("--job ID is required with --endpoint (the coordinator may serve several jobs)")
+        there = sorted({r.job for r in runs.list_runs() if _same_endpoint(r.endpoint, endpoint)})
+        if there and not local:  # the job id is what is wrong, not a missing secret (29C F6)
+            raise UsageError(f"no unicron run known here serves job {job!r} at {endpoint} (it serves "
+                             f"{', '.join(repr(j) for j in there)}; or set {SECRET_ENV} to ask it anyway)")
         raise UsageError(f"no secret for {endpoint}: set {SECRET_ENV} or pass --secret-file PATH")
     return [Target(job, endpoint, key)]
 
