@@ -853,3 +853,19 @@ def test_a_node_leaving_during_a_restarts_backoff_is_said_with_what_the_job_wait
     outs = core.on_leave("b", {"node_id": "b", "reason": "interrupted by SIGINT"}, 5)
     waiting = [o.fields for o in outs if isinstance(o, Emit) and o.kind == "waiting_for_nodes"]
     assert waiting == [{"have": 1, "need": 2, "timeout_s": 60, "left": "node h-b left: interrupted by SIGINT"}]
+
+
+@pytest.mark.timeout(30)
+def test_an_ended_job_says_when_it_ended_so_its_up_time_stops() -> None:
+    """Acceptance 29C F7: a standalone coordinator keeps showing a job that timed out waiting
+    for nodes, and its "up" kept growing; the view had no end time to stop at."""
+    from unicron.status.render import render_header
+
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=1000)
+    core.on_join("a", join("a"), 1000)
+    assert core.snapshot()["job"]["ended_at"] is None
+    assert [o for o in core.tick(1070) if isinstance(o, Finish)] and core.phase is Phase.FAILED
+    job = core.snapshot()["job"]
+    assert job["ended_at"] == 1070
+    for later in (1070, 1070 + 86_400):
+        assert "up 1m10s" in render_header(core.snapshot(), later).plain

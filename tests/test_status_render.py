@@ -235,3 +235,18 @@ def test_a_reply_cut_to_the_message_limit_says_what_it_left_out() -> None:
     assert "not shown" not in whole and "no trend" not in whole
     runs = capture(render_runs([({"job": "big", "endpoint": "h:1", "started_at": NOW - 5}, snapshot, "")], NOW))
     assert "10000" in runs  # the job's ranks, not the few shown
+
+
+@pytest.mark.timeout(30)
+def test_an_ended_jobs_up_time_stops_at_its_end() -> None:
+    """Acceptance 29C F7 (the view's side; the coordinator's in test_coord_core)."""
+    from unicron.status.render import uptime
+
+    snap = healed_snapshot(NOW)
+    snap["job"].update(state="failed", started_at=NOW - 600, ended_at=NOW - 480)
+    assert "up 2m00s" in capture(render_status(snap, NOW + 86_400))
+    rows = [({"job": "gpt-demo", "endpoint": "h:1", "started_at": NOW - 900}, snap, "")]
+    assert "2m00s" in capture(render_runs(rows, NOW + 86_400))
+    assert uptime({"started_at": NOW - 60, "ended_at": None}, NOW) == "1m00s"  # running: up to now
+    assert uptime({"started_at": NOW - 60, "ended_at": NOW - 120}, NOW) == "1m00s"  # an end before the start: now
+    assert uptime({"ended_at": NOW - 60}, NOW, NOW - 120) == "1m00s"  # the registry's start

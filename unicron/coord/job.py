@@ -49,6 +49,7 @@ class JobCore:
         self.store_pending = False
         self.exit_code: int | None = None
         self.final_reason = ""
+        self.ended_at: float | None = None  # the view's "up" stops here (a standalone coordinator keeps it)
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=50)
         # For metrics: detection latencies, seconds without workers, snapshot bytes restored.
         self.detections: list[float] = []
@@ -358,6 +359,7 @@ class JobCore:
     def finish(self, exit_code: int, reason: str, now: float, node_code: int | None = None) -> list[Out]:
         self.phase = Phase.DONE if exit_code == 0 else Phase.FAILED
         self.exit_code = exit_code
+        self.ended_at = now
         self.final_reason = reason
         # Nodes turned away while the job was full wait for a place that will never come.
         over = [Send(n, "reject", {"reason": f"job {self.spec.job_id!r} ended: {reason}"}) for n in self._refused

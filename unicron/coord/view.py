@@ -52,7 +52,7 @@ def job_view(core: JobCore) -> dict[str, Any]:
                 "max_restarts": core.spec.max_restarts,
                 "world_size": attempt.world_size if attempt else 0,
                 "nnodes": len(core.members.active()), "min_nodes": core.spec.min_nodes,
-                "max_nodes": core.spec.max_nodes, "started_at": core.created_at,
+                "max_nodes": core.spec.max_nodes, "started_at": core.created_at, "ended_at": core.ended_at,
                 "epoch": core.members.epoch, "exit_code": core.exit_code, "reason": core.final_reason,
                 "restore_step": core.restore_step},
         "nodes": nodes,

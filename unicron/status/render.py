@@ -118,7 +118,7 @@ def render_header(snapshot: Mapping[str, Any], now: float) -> Text:
     sps = steps_per_second(snapshot)
     if sps is not None and job.get("state") == "running":  # a waiting or stopping job trains at no rate
         parts.append((f"{sps:.3g} it/s", ""))
-    parts.append((f"up {fmt_age(job.get('started_at'), now)}", "dim"))
+    parts.append((f"up {uptime(job, now)}", "dim"))
     if job.get("coordinator"):
         parts.append((f"coord {job['coordinator']}", "dim"))
     if num(job.get("restore_step")) is not None:
@@ -339,5 +339,13 @@ def render_runs(rows: Sequence[tuple[Mapping[str, Any], Mapping[str, Any] | None
                       # with nodes left out of the reply, the world size says how many there are
                       str(job.get("world_size", "-") if nodes_not_shown(snapshot) else len(workers_of(snapshot))),
                       "-" if step is None else str(step), "-" if sps is None else f"{sps:.3g}",
-                      fmt_age(job.get("started_at") or info.get("started_at"), now))
+                      uptime(job, now, info.get("started_at")))
     return table
+
+
+def uptime(job: Mapping[str, Any], now: float, started: Any = None) -> str:
+    """How long the job ran: up to its ``ended_at`` once it is over. A standalone coordinator
+    keeps showing an ended job, whose "up" grew for ever (29C F7). ``started``: the run's
+    registry entry's, for a coordinator that sends none."""
+    start, end = num(job.get("started_at")) or num(started), num(job.get("ended_at"))
+    return fmt_age(start, end if end is not None and start is not None and end >= start else now)
