@@ -307,11 +307,19 @@ def test_spares_beyond_the_jobs_size_are_turned_out_when_it_is_taken_back() -> N
     assert core.phase is Phase.RUNNING and [n.node_id for n in core.members.active()] == ["a", "b"]
 
 
-def test_a_resume_with_odd_fault_fields_is_taken_all_the_same() -> None:
+def test_a_resume_with_odd_fault_fields_is_taken_without_them() -> None:
+    """Acceptance 29B F1: a fault the classifier cannot read failed the job when the stop was
+    decided; it is left out, as a ``fault`` message of it is dropped, and the resume is taken."""
     core, assigns = taken_back(RESTART)
-    odd = {"kind": ["exit"], "rank": {"r": 1}, "ts": None, "message": 7}
-    outs = core.on_join("b", resumed_join("b", assigns["b"], faults=[odd]), 101)
-    assert "b" in sends(outs, "welcome") and core.phase is Phase.STOPPING and not core.awaits_resume("b")
+    odd = [{"kind": ["exit"], "rank": {"r": 1}, "ts": None, "message": 7}, {"kind": "martian", "ts": 1.0},
+           {"kind": "exit", "ts": 1.0, "gpu": "x"}, {"kind": "hang", "ts": 1.0, "culprit_ranks": [None]}]
+    outs = core.on_join("b", resumed_join("b", assigns["b"], faults=odd), 101)
+    assert "b" in sends(outs, "welcome") and core.phase is Phase.RUNNING and not core.awaits_resume("b")
+    assert core.attempt is not None and core.attempt.faults == []
+    good = {"kind": "exit", "ts": 1.0, "rank": 2, "exitcode": 1}
+    core, assigns = taken_back(RESTART)
+    core.on_join("b", resumed_join("b", assigns["b"], faults=[*odd, good]), 101)
+    assert core.phase is Phase.STOPPING and [f["kind"] for f in core.attempt.faults] == ["exit"]
 
 
 def test_a_resume_from_a_node_outside_the_attempt_joins_it_as_a_late_joiner() -> None:

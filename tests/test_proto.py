@@ -100,6 +100,60 @@ def test_a_fault_whose_text_fields_are_not_text_is_refused() -> None:
             sender.encode("fault", {"node_id": "n", "attempt": 0, "fault": {**good, field: value}})
 
 
+def _join_body(node: str) -> dict:
+    return {"node_id": node, "host": "127.0.0.1", "nproc": 1, "node_rank": None, "pid": 1, "min_nodes": 2,
+            "max_nodes": 2, "max_restarts": 0, "last_call_s": 0, "heartbeat_timeout_s": 30,
+            "join_timeout_s": 60, "stop_timeout_s": 5}
+
+
+_FAULT = {"kind": "exit", "ts": 1.0, "rank": 0, "attempt": 0, "exitcode": 1}
+_ASSIGN = {"epoch": 1, "attempt": 0, "restart_count": 0, "node_rank": 0, "nnodes": 1, "rank_offset": 0,
+           "world_size": 2, "local_world_sizes": [2], "master_addr": "h", "master_port": 1, "inject": False,
+           "nodes": [["n", "h"]], "restarts_used": 0}
+_RESUME = {"attempt": 0, "nodes": [["n", "h"]], "local_world_sizes": [1], "restarts_used": 0, "epoch": 1,
+           "state": "running", "faults": [dict(_FAULT, kind="martian")]}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind, body, reason", [
+    ("fault", {"node_id": "n", "attempt": 0, "fault": dict(_FAULT, kind="martian")}, "unknown fault kind 'martian'"),
+    ("fault", {"node_id": "n", "attempt": 0, "fault": dict(_FAULT, gpu="x")}, "fault.gpu"),
+    ("fault", {"node_id": "n", "attempt": 0, "fault": dict(_FAULT, culprit_ranks=[None])}, "culprit_ranks"),
+    ("fault", {"node_id": "n", "attempt": 0, "fault": dict(_FAULT, culprit_ranks=[True])}, "culprit_ranks"),
+    ("heartbeat", {"node_id": "n", "epoch": 1, "attempt": 0, "workers": [1], "health": {}}, "workers"),
+    ("stopped", {"node_id": "n", "attempt": 0, "snapshots": {}, "stacks": {"x": "dump"}}, "stacks"),
+    ("stopped", {"node_id": "n", "attempt": 0, "snapshots": {}, "stacks": {"0": 1}}, "stacks"),
+    ("assign", dict(_ASSIGN, local_world_sizes=["2"]), "local_world_sizes"),
+    ("assign", dict(_ASSIGN, node_rank=1), "local_world_sizes"),
+])
+def test_values_inside_a_message_that_no_handler_takes_are_refused_at_receipt(kind, body, reason) -> None:
+    """Acceptance 29B F1: a signed fault of kind "martian" passed the schema, and failed the
+    whole job when its tick read it. What a handler would fail on later is dropped at receipt
+    (and never sent)."""
+    sender, receiver = _codecs()
+    raw = _signed({"v": PROTOCOL_VERSION, "kind": kind, "job": "j", "sender": "s", "seq": 1, "ts": receiver.clock(),
+                   "body": body})
+    with pytest.raises(ProtocolError, match=re.escape(reason)):
+        receiver.decode(raw)
+    assert receiver.dropped.counts == {"schema": 1}
+    with pytest.raises(ProtocolError, match="refusing to send"):
+        sender.encode(kind, body)
+
+
+@pytest.mark.timeout(10)
+def test_what_agents_send_passes_the_value_checks() -> None:
+    sender, receiver = _codecs()
+    for kind, body in [
+        ("fault", {"node_id": "n", "attempt": 0, "fault": dict(_FAULT, signal="SIGKILL", culprit_ranks=[1], gpu=None,
+                                                               node=None, latency_s=0.5)}),
+        ("heartbeat", {"node_id": "n", "epoch": 1, "attempt": 0, "workers": [{"rank": 0}], "health": {}}),
+        ("stopped", {"node_id": "n", "attempt": 0, "snapshots": {}, "stacks": {"0": "dump", "12": ""}}),
+        ("assign", _ASSIGN),
+        ("join", {**_join_body("n"), "resume": dict(_RESUME, faults=[_FAULT])}),
+    ]:
+        assert receiver.decode(sender.encode(kind, body)).body == body
+
+
 def test_a_peer_of_another_protocol_version_is_refused() -> None:
     """Version 2 added fields to join and reject: a version 1 peer would half understand them."""
     _, receiver = _codecs()
@@ -132,12 +186,6 @@ def live_coordinator(tmp_path):
     yield server
     server.stop()
     events.close()
-
-
-def _join_body(node: str) -> dict:
-    return {"node_id": node, "host": "127.0.0.1", "nproc": 1, "node_rank": None, "pid": 1, "min_nodes": 2,
-            "max_nodes": 2, "max_restarts": 0, "last_call_s": 0, "heartbeat_timeout_s": 30,
-            "join_timeout_s": 60, "stop_timeout_s": 5}
 
 
 def _unsigned(ts: str, body: str = "{}") -> bytes:

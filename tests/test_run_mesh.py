@@ -10,9 +10,12 @@ import socket
 import time
 
 import pytest
+import zmq
 from e2e import clean_env, read_events, run_unicron, wait_for
 from test_run_failing import FINALLY_DESTROY
 from test_run_stepless import TRAINED_THEN, UNEVEN_END
+
+from unicron.proto.client import request
 
 pytestmark = pytest.mark.slow
 
@@ -989,3 +992,59 @@ def test_ctrl_c_while_the_job_forms_says_no_worker_was_stopped(workdir, launch) 
     code, _, err = a.wait(60)
     assert code == 130, err
     assert err.rstrip().endswith("unicron: error: interrupted by SIGINT"), err
+
+
+def _signed_garbage(port: int, job: str, node_id: str, attempt: int) -> int:
+    """Messages signed with the job's secret whose values inside no handler takes: a fault of an
+    unknown kind, a GPU index that is text, culprit ranks that are not ranks, workers that are not
+    objects. Returns how many were sent."""
+    fault = {"kind": "exit", "ts": time.time(), "rank": 0, "attempt": attempt, "exitcode": 1}
+    bodies = [("fault", {"node_id": node_id, "attempt": attempt, "fault": dict(fault, **bad)})
+              for bad in ({"kind": "martian"}, {"gpu": "x"}, {"culprit_ranks": [None]})]
+    bodies.append(("heartbeat", {"node_id": node_id, "epoch": 1, "attempt": attempt, "workers": [1], "health": {}}))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for seq, (kind, body) in enumerate(bodies, 1):
+        sock.send(_unchecked(kind, body, job, seq))
+    sock.close()
+    return len(bodies)
+
+
+def _unchecked(kind: str, body: dict, job: str, seq: int) -> bytes:
+    """``kind`` signed with the job's secret, without the sender's own schema check (which refuses it)."""
+    from unicron.proto.messages import PROTOCOL_VERSION, sign
+
+    payload = {"v": PROTOCOL_VERSION, "kind": kind, "job": job, "sender": "evil", "seq": seq, "ts": time.time(),
+               "body": body}
+    return json.dumps(dict(payload, mac=sign(SECRET.encode(), payload))).encode()
+
+
+@pytest.mark.timeout(120)
+def test_signed_faults_with_values_no_handler_takes_are_dropped_and_the_job_trains_on(workdir, launch) -> None:
+    """Acceptance 29B F1: one signed fault of kind "martian" (or a text GPU index) was taken,
+    and failed the job in the coordinator's tick: every node exited 1 with a traceback."""
+    port = free_port()
+    run = launch(agent_args(workdir, port, "1", steps=80, sleep=0.1), workdir, clean_env(UNICRON_SECRET=SECRET))
+
+    def status() -> dict | None:
+        try:
+            msg = request(f"127.0.0.1:{port}", "status_req", {}, job="meshjob", key=SECRET.encode(), timeout_s=2,
+                          expect="status")
+        except Exception:  # noqa: BLE001 - not listening yet
+            return None
+        snap = msg.body["snapshot"]
+        return snap if snap["job"]["state"] == "running" and snap["nodes"] else None
+
+    snap = wait_for(status, 60, "the job to run")
+    before = snap["job"]["dropped_messages"]
+    sent = _signed_garbage(port, "meshjob", snap["nodes"][0]["node_id"], snap["job"]["attempt"])
+    wait_for(lambda: (s := status()) is not None and s["job"]["dropped_messages"] >= before + sent, 30,
+             "the coordinator to drop every bad message")
+    code, out, err = run.wait(90)
+    assert code == 0, err
+    assert "Traceback" not in out + err and "coordinator error" not in out + err
+    events = read_events(workdir / "logs")
+    assert [e["exit_code"] for e in events if e["kind"] == "job_end"] == [0]
+    assert not [e for e in events if e["kind"] == "fault"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from unicron.coord.records import Attempt, JobSpec
@@ -19,8 +19,6 @@ from unicron.detect.faults import Action, Fault, Severity
 from unicron.detect.policy import Decision as PolicyDecision
 from unicron.detect.policy import FailureRecord, RestartPolicy, StopReason, replayed_only
 from unicron.detect.stacks import name_culprits
-
-_FAULT_FIELDS = {f.name for f in fields(Fault)}
 
 
 @dataclass(frozen=True)
@@ -131,18 +129,8 @@ def reports_a_victim(raw: dict[str, Any]) -> bool:
 
 
 def to_fault(raw: dict[str, Any]) -> Fault:
-    """A fault as the agents report it (more fields than the classifier needs) to a ``Fault``."""
-    data = {k: v for k, v in raw.items() if k in _FAULT_FIELDS}
-    data.setdefault("node", str(raw.get("node_id", "")))
-    sig = data.get("signal")
-    if not isinstance(sig, int) or isinstance(sig, bool):
-        code = raw.get("exitcode")
-        data["signal"] = -code if isinstance(code, int) and code < 0 else None
-    for key in ("message", "traceback", "stderr_tail", "error_type", "host", "node"):
-        if data.get(key) is None:
-            data.pop(key, None)
-    data.setdefault("ts", float(raw.get("reported_at", 0.0)))
-    return Fault.from_dict(data)
+    """A fault as the agents report it to a ``Fault`` (``Fault.from_report``)."""
+    return Fault.from_report(raw)
 
 
 class DetectDecider:

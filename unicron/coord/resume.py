@@ -26,6 +26,7 @@ from unicron.coord.outbox import Emit, OpenStore, Out, Send
 from unicron.coord.records import Attempt, Phase
 from unicron.coord.stopping import after_stop, all_stopped, stop_attempt
 from unicron.coord.view import describe_fault, fault_fields
+from unicron.detect.faults import report_problem
 
 if TYPE_CHECKING:
     from unicron.coord.job import JobCore
@@ -99,6 +100,9 @@ def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
     faults = raw.get("faults", [])
     if not isinstance(faults, list) or not all(isinstance(f, dict) for f in faults):
         return "faults is not a list of objects"
+    # One the classifier cannot read is left out, as a ``fault`` message of it is dropped: taken,
+    # it failed the job when the attempt's stop was decided (acceptance 29B F1).
+    faults = [f for f in faults if report_problem(dict(f, node_id=node_id)) is None]
     snapshots, nbytes = raw.get("snapshots", {}), raw.get("snapshot_bytes", {})
     if not isinstance(snapshots, dict) or not isinstance(nbytes, dict):
         return "snapshots is not an object"

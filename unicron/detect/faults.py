@@ -149,6 +149,25 @@ class Fault:
             culprit_ranks=tuple(culprits),
         )
 
+    @classmethod
+    def from_report(cls, raw: dict[str, Any]) -> Fault:
+        """A fault as the agents report it (more fields than the classifier needs: they ride
+        along, and are left out here) to a ``Fault``; raises ``ValueError`` naming a bad field."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a fault must be a JSON object, got {type(raw).__name__}")
+        data = {k: v for k, v in raw.items() if k in _FIELDS}
+        data.setdefault("node", str(raw.get("node_id", "")))
+        sig = data.get("signal")
+        if not isinstance(sig, int) or isinstance(sig, bool):  # a signal's name ("SIGKILL"): the exit code says it
+            code = raw.get("exitcode")
+            data["signal"] = -code if isinstance(code, int) and code < 0 else None
+        for key in ("message", "traceback", "stderr_tail", "error_type", "host", "node"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        reported_at = raw.get("reported_at", 0.0)
+        data.setdefault("ts", float(reported_at) if isinstance(reported_at, (int, float)) else 0.0)
+        return cls.from_dict(data)
+
     def where(self) -> str:
         """Short location for messages: ``rank 3 on node-a`` / ``node node-a`` / ``the job``. A
         hang is the job's, whichever node reported it: ``the job``, or its one culprit ``rank 1``
@@ -163,6 +182,20 @@ class Fault:
         if self.node or self.host:
             parts.append(f"on {self.node or self.host}" if parts else f"node {self.node or self.host}")
         return " ".join(parts) if parts else "the job"
+
+
+_FIELDS = frozenset(f.name for f in fields(Fault))
+
+
+def report_problem(raw: Any) -> str | None:
+    """Why a reported fault (a peer's: any JSON may come) is not one ``Fault.from_report`` takes,
+    or None. The mesh drops such a report at receipt (``unicron.proto.schema``): read later, in
+    the job's tick, it failed the whole job (acceptance 29B F1)."""
+    try:
+        Fault.from_report(raw)
+    except (ValueError, TypeError, OverflowError) as err:
+        return str(err)
+    return None
 
 
 @dataclass(frozen=True)
