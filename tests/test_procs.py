@@ -156,6 +156,23 @@ def test_a_log_dir_this_user_cannot_write_is_a_usage_error(tmp_path: Path, monke
         RunLogDir(LogSpec(log_dir=str(tmp_path)), "job")
 
 
+@pytest.mark.timeout(10)
+def test_an_attempt_number_used_again_gets_a_fresh_directory_and_the_old_logs_stay(tmp_path: Path) -> None:
+    """Acceptance 29B F2: a coordinator that restarted and re-created the job numbered attempts
+    from 0 again, and the agent emptied attempt_0/, the stderr of the rank that failed in it lost."""
+    logdir = RunLogDir(LogSpec(log_dir=str(tmp_path)), "j")
+    (first,) = logdir.prepare_attempt(0, [(0, 0)])
+    assert first.directory is not None
+    Path(first.directory, "stderr.log").write_text("the first attempt's traceback\n")
+    (again,) = logdir.prepare_attempt(0, [(0, 0)])
+    (third,) = logdir.prepare_attempt(0, [(0, 0)])
+    assert Path(first.directory, "stderr.log").read_text() == "the first attempt's traceback\n"
+    assert logdir.run_dir is not None
+    assert [Path(p.directory or "").parent.name for p in (first, again, third)] == ["attempt_0", "attempt_0.2",
+                                                                                    "attempt_0.3"]
+    assert logdir.attempt_dir(0) == str(Path(logdir.run_dir, "attempt_0.3"))  # where its stacks and error files go
+
+
 def test_temporary_log_dir_when_none_given() -> None:
     logdir = RunLogDir(LogSpec(), "job")
     try:

@@ -223,6 +223,7 @@ class RunLogDir:
         self.spec = spec
         self.run_id = run_id
         self.is_temporary = spec.log_dir is None
+        self._attempt_dirs: dict[int, str] = {}  # attempt number -> its directory (see _fresh_attempt_dir)
         self.root: str | None
         self.run_dir: str | None
         if spec.discards_everything:
@@ -270,18 +271,32 @@ class RunLogDir:
     def attempt_dir(self, attempt: int) -> str | None:
         if self.run_dir is None:
             return None
-        return os.path.join(self.run_dir, f"attempt_{attempt}")
+        return self._attempt_dirs.get(attempt) or os.path.join(self.run_dir, f"attempt_{attempt}")
+
+    def _fresh_attempt_dir(self, attempt: int) -> str | None:
+        """``attempt_<n>``, or ``attempt_<n>.<k>`` (the first free k from 2) when the number was
+        used already in this run: a coordinator that restarted and re-created the job counts
+        from 0 again, and emptying the directory lost the earlier attempt's logs, the stderr of
+        the rank that failed included (acceptance 29B F2)."""
+        if self.run_dir is None:
+            return None
+        path, k = os.path.join(self.run_dir, f"attempt_{attempt}"), 1
+        while os.path.lexists(path):
+            k += 1
+            path = os.path.join(self.run_dir, f"attempt_{attempt}.{k}")
+        self._attempt_dirs[attempt] = path
+        return path
 
     def prepare_attempt(
         self, attempt: int, ranks: Iterable[tuple[int, int]], *, role: str = "default"
     ) -> list[RankLogs]:
-        """Create ``attempt_<n>/<local_rank>/`` (emptied first, as torchrun does) for (local_rank, rank) pairs.
+        """Create ``attempt_<n>/<local_rank>/`` (a fresh one: never an existing directory emptied)
+        for (local_rank, rank) pairs.
 
         The filtered copies exist (empty) whenever their filters are set, even if no rank is teed, as in torchrun.
         """
-        attempt_dir = self.attempt_dir(attempt)
+        attempt_dir = self._fresh_attempt_dir(attempt)
         if attempt_dir is not None:
-            shutil.rmtree(attempt_dir, ignore_errors=True)
             os.makedirs(attempt_dir)
             for name, filters in ((FILTERED_STDOUT, self.spec.duplicate_stdout_filters),
                                   (FILTERED_STDERR, self.spec.duplicate_stderr_filters)):
