@@ -418,3 +418,45 @@ def test_a_job_taken_back_keeps_its_age_and_its_restarts_for_status() -> None:
 def test_a_resume_with_a_malformed_age_or_history_is_refused(bad: dict[str, Any]) -> None:
     raw = resumed_join("a", first_assigns()["a"])["resume"]
     assert isinstance(parse_resume(dict(raw, **bad), "a"), str)
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_coordinator_lets_no_plain_join_create_a_job_its_members_may_resume(tmp_path) -> None:
+    """Acceptance 29B F2: a replacement node's plain join reached a restarted standalone
+    coordinator before the survivors' resume, and created the job anew: attempt 0 again, the
+    restart budget whole, the survivor fenced. Within a heartbeat timeout of its start, a
+    coordinator tells such a join to ask again; a resume takes the job back meanwhile."""
+    from e2e import wait_for
+
+    from unicron.coord.decide import DetectDecider
+    from unicron.coord.server import CoordinatorServer
+    from unicron.events import EventLog
+    from unicron.proto.client import request
+
+    key = b"k" * 32
+    events = EventLog(tmp_path / "events.jsonl", job="job")
+    server = CoordinatorServer(key, bind_host="127.0.0.1", port=0, events_for=lambda _j: events,
+                               decider_for=DetectDecider)
+    server.start()
+    ep = f"127.0.0.1:{server.port}"
+
+    def ask(body: dict[str, Any], job: str = "job") -> Any:
+        return request(ep, "join", body, job=job, key=key, timeout_s=5)
+
+    try:
+        held = ask(join("c"))
+        assert held.kind == "reject" and held.body.get("wait") is True, held.body
+        assert "members to resume it" in held.body["reason"] and "job" not in server.slots
+        assigns = first_assigns()
+        assert ask(resumed_join("a", assigns["a"])).kind == "welcome"
+        core = server.slots["job"].core
+        assert core.attempt is not None and core.attempt.number == 3 and core.restarts_used == 2
+        full = ask(join("c"))  # the job lives: the replacement waits for a place as in any full job
+        assert full.kind == "reject" and full.body.get("wait") is True and "full" in full.body["reason"]
+        # Past the window (the joiner's heartbeat timeout, 3 s) a job nobody resumed is created.
+        wait_for(lambda: ask(join("x"), job="other").kind == "welcome", 20, "a join to create a new job")
+        assert server.slots["job"].core is core and core.attempt.number == 3 and set(server.slots) == {"job", "other"}
+    finally:
+        server.stop()
+        events.close()
+

@@ -65,6 +65,7 @@ def test_a_standalone_coordinator_starts_a_failed_jobs_id_again_but_not_a_finish
     failed or was interrupted is started again, as torchrun's rendezvous stays open then; one
     that finished is over, as torchrun's is closed."""
     with _served(tmp_path, None) as (server, ep):
+        server.started_at -= 60  # up for a while: no job of its may be waiting for its members to resume it
         def attempt_of(node: str) -> int:  # joined, it is assigned the job's attempt (one node is enough)
             request(ep, "join", _join(node), job="a", key=KEY, timeout_s=10, expect="welcome")
             heartbeat = {"node_id": node, "epoch": 0, "attempt": -1, "workers": [], "health": {}}

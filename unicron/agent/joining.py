@@ -160,7 +160,7 @@ class JoinState:
             return None
         self.refused = reason
         return (f"the coordinator has no place for this node yet ({reason}); asking again every "
-                f"{JOIN_RETRY_S:g} s until a member is lost, for up to {self.join_timeout_s:g} s")
+                f"{JOIN_RETRY_S:g} s, for up to {self.join_timeout_s:g} s")
 
     def fenced(self, rejoin: Rejoin | Resume, now: float, timeout_s: float, *, cut_off: str | None = None) -> None:
         """Join again at once, carrying ``rejoin`` (fenced) or a ``Resume`` (the coordinator lost

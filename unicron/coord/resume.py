@@ -133,6 +133,23 @@ def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
                           untouched, addr, port)
 
 
+MAX_RESUME_WINDOW_S = 30.0  # the longest a join waits for a job's members to resume it
+
+
+def resume_window(age_s: float, job: str, body: dict[str, Any]) -> str | None:
+    """Why a ``join`` for job ``job``, unknown to a standalone coordinator started ``age_s`` ago,
+    must not create it yet (None: it may). The job may live: the coordinator restarted, and its
+    members resume it within a heartbeat timeout (their next heartbeat is answered
+    ``unknown_job``). Created from a replacement node's plain join first, it started again from
+    attempt 0 with the whole restart budget, and fenced the members (acceptance 29B F2). The
+    joiner is told to ask again (``wait``); a resume is never held."""
+    window = min(float(body["heartbeat_timeout_s"]), MAX_RESUME_WINDOW_S)
+    if "resume" in body or age_s >= window:
+        return None
+    return (f"the coordinator started {age_s:.1f} s ago and does not know job {job!r}: it waits up to "
+            f"{window:g} s for the job's members to resume it before starting it anew")
+
+
 def _is_restart(record: Any) -> bool:
     return isinstance(record, dict) and all(
         isinstance(record.get(k), t) and not isinstance(record.get(k), bool) for k, t in RESTART_FIELDS.items())

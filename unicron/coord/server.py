@@ -26,7 +26,7 @@ from unicron.coord.membership import NodeState
 from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.peers import PeerWarnings, other_job
 from unicron.coord.records import JobSpec
-from unicron.coord.resume import store_opened_again
+from unicron.coord.resume import resume_window, store_opened_again
 from unicron.coord.statusfit import fit_status, size
 from unicron.coord.stores import AttemptStores, StoreOpener, preload
 from unicron.detect.stall import StallWatch
@@ -84,6 +84,7 @@ class CoordinatorServer:
         self.advertise_addr = advertise_addr
         self.ended_on_stop: list[str] = []  # jobs still going that ``stop`` ended (read it once it returned)
         self.clock = clock
+        self.started_at = clock()  # a standalone one's jobs may outlive it (resume_window)
         # Told to the user (not just counted): messages that say a node is misconfigured.
         self.peers = PeerWarnings(warn, self.codec.window_s)
         # Nodes a reconfigure never leaves out: the agent this coordinator is embedded in (its
@@ -304,6 +305,10 @@ class CoordinatorServer:
                 # what it runs, and the job goes on (unicron.coord.resume).
                 self._send_raw(identity, msg.job, "reject", {"reason": f"no job {msg.job!r} here",
                                                              "unknown_job": True})
+                return
+            held = slot is None and self.jobs_allowed is None and resume_window(now - self.started_at, msg.job, msg.body)
+            if held:
+                self._send_raw(identity, msg.job, "reject", {"reason": held, "wait": True})
                 return
             slot = self._create_job(msg, now)
         slot.identities[node_id] = identity
