@@ -72,6 +72,34 @@ def test_a_fenced_member_joins_again_at_once_carrying_what_it_kept() -> None:
         j2.join_due(116.0)
 
 
+@pytest.mark.timeout(10)
+def test_a_rejoining_node_refused_as_full_waits_the_join_timeout_not_the_short_rejoin_limit() -> None:
+    """Acceptance 29B F3: a fenced (or resuming) node refused as "job is full" gave up after the
+    re-join's 15 s, not the join timeout the docs promise for a full job. The 15 s is for a
+    coordinator that does not answer at all."""
+    j = JoinState("tcp://h:1", join_timeout_s=600, now=0.0)
+    j.on_welcome()
+    j.fenced(Rejoin(None, {}, {}), now=100.0, timeout_s=15.0)
+    full = {"reason": "job is full: 2 node(s) already joined", "wait": True}
+    for now in range(100, 690):
+        if j.join_due(float(now)):
+            j.heard(float(now))
+            assert j.on_reject(full) is Refusal.WAIT
+    notice = j.waiting_notice(full["reason"])
+    assert notice is not None and "for up to 600 s" in notice
+    with pytest.raises(RendezvousError, match="refused this node for 600 s: job is full"):
+        j.join_due(701.0)
+    quiet = JoinState("tcp://h:1", join_timeout_s=600, now=0.0)  # told to wait, then no answer at all
+    quiet.on_welcome()
+    quiet.fenced(Rejoin(None, {}, {}), now=100.0, timeout_s=15.0)
+    assert quiet.join_due(100.0)
+    quiet.heard(100.0)
+    quiet.on_reject(full)
+    quiet.waiting_notice(full["reason"])
+    with pytest.raises(RendezvousError, match="stopped answering"):
+        quiet.join_due(116.0)
+
+
 def test_a_full_job_is_waited_out_until_a_place_frees_or_the_join_timeout() -> None:
     # A crashed node's replacement may ask before the crash is noticed: "full" is for now.
     j = JoinState("tcp://h:1", join_timeout_s=20, now=0.0)

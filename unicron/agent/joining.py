@@ -151,6 +151,11 @@ class JoinState:
                 if self.rejoin is not None:
                     return Refusal.STALE
         if body.get("wait") is True and not self.welcomed:
+            # A coordinator that answers: the short limit of a re-join (``fenced``) is for one
+            # that does not. A full job is waited out up to the join timeout, as at the start
+            # (acceptance 29B F3: a fenced replacement refused as full gave up after 15 s);
+            # one that stops answering meanwhile is given up on after ``gone_after_s``.
+            self.join_timeout_s = self.full_timeout_s
             return Refusal.WAIT
         raise RendezvousError(f"the coordinator refused this node: {body['reason']}")
 
