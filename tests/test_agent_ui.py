@@ -75,3 +75,29 @@ def test_a_node_gone_while_the_job_forms_is_shown_with_what_the_job_waits_for(ca
     err = capsys.readouterr().err
     assert ("node h-b left: lost the coordinator before the job started; waiting for 1 more node(s) "
             "(--nnodes needs 2), up to the join timeout (600 s from the start)") in err, err
+
+
+def test_the_live_line_of_a_run_shows_the_job_as_this_node_knows_it() -> None:
+    # It had only this node's workers: "ranks 1/1 running" for a job of two ranks at the start,
+    # "ranks 0/2 running (1 failed)" with no word of the restart, no job, attempt or restarts
+    # (acceptance 29C F3).
+    import io
+    import time
+
+    from rich.console import Console
+
+    from unicron.agent.ui import AgentUI
+    from unicron.status.statusline import StatusLine
+
+    ui = AgentUI("never")
+    out = io.StringIO()
+    ui._line = StatusLine(Console(file=out, width=200), "never")
+    ui.job = {"id": "job7", "max_restarts": 3, "started_at": time.time() - 65}
+    shown: list[str] = []
+    ui._line._print_plain = shown.append  # what plain mode would print
+    ui._line.mode = "auto"
+    ui.update([{"rank": 0, "state": "running", "step": 12}], attempt=1, world_size=2, restarts=1)
+    assert shown[-1].startswith("unicron: job7 running · attempt 1 · restarts 1/3 · ranks 1/2 running · step 12"), shown
+    assert "up 1m" in shown[-1]
+    ui.update([{"rank": 0, "state": "failed", "step": 12}], restarts=1)
+    assert shown[-1].startswith("unicron: job7 restarting · restarts 1/3 · ranks 0/1 running (1 failed)"), shown

@@ -54,6 +54,7 @@ def run_agent(s: AgentSettings) -> int:
     events_dir = run_logs.run_dir or tempfile.mkdtemp(prefix="unicron_events_")
     events = EventLog(os.path.join(events_dir, EVENTS_FILE), job=s.run_id, node=socket.gethostname())
     ui = AgentUI(s.status_line, workers_off_console=s.log_spec.keeps_workers_off_console)
+    ui.job = {"id": s.run_id, "max_restarts": s.max_restarts, "started_at": time.time()}
     server: CoordinatorServer | None = None
     agent: Agent | None = None
     launcher_error_file = os.environ.get(errorfile.ENV) or None  # a wrapper's (TorchX): see errorfile

@@ -44,6 +44,7 @@ class Reporter:
         # Every fault reported since the last assign (health evidence too): what a restarted
         # coordinator, which lost them, is told in this node's resume (unicron.coord.resume).
         self.attempt_faults: list[dict[str, Any]] = []
+        self.restarts_seen = 0  # the restart count of the last attempt that ran here (the live line)
 
     def send(self, kind: str, body: dict[str, Any]) -> None:
         if self.dealer is None:
@@ -99,7 +100,11 @@ class Reporter:
                                 "attempt": group.spec.attempt if group else -1,
                                 "workers": workers, "health": self.health.reading,
                                 "activity": level.name.lower(), "done": done})
-        self.ui.update(workers)
+        self.ui.update(workers, attempt=group.spec.attempt if group else None,
+                       world_size=group.spec.world_size if group else None,
+                       restarts=group.spec.restart_count if group else self.restarts_seen)
+        if group is not None:
+            self.restarts_seen = group.spec.restart_count
 
     def _check_health(self, reading: dict[str, Any], group: WorkerGroup | None) -> None:
         report, kept = self.health.update(reading, node=self.node_id, host=self.host, running=group is not None,

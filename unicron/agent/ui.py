@@ -35,6 +35,7 @@ class AgentUI:
         self.live = mode == "always" or (mode == "auto" and self.console.is_terminal and workers_off_console)
         self.quiet_status = mode == "never"
         self._line: Any = None
+        self.job: dict[str, Any] = {}  # the live line's job fields known from the start (id, max_restarts, started_at)
         if self.live:
             try:
                 from unicron.status.statusline import StatusLine
@@ -110,11 +111,17 @@ class AgentUI:
             self.info(f"{left}waiting for {missing} node(s) to join again (--nnodes needs {event.get('need')}), "
                       f"up to the join timeout ({event.get('timeout_s', 0):g} s)")
 
-    def update(self, workers: list[dict[str, Any]]) -> None:
+    def update(self, workers: list[dict[str, Any]], *, attempt: int | None = None, world_size: int | None = None,
+               restarts: int = 0) -> None:
+        """Redraw the live line from this node's heartbeat: its workers, and the job as this node
+        knows it (``attempt`` None: no workers of an attempt run here now, so the job restarts or
+        waits). Docs: docs/status.md, "The status line of `unicron run`"."""
         if self._line is None:
             return
+        job = dict(self.job, attempt=attempt, restarts=restarts, world_size=world_size,
+                   state="running" if attempt is not None else "restarting" if restarts or workers else "starting")
         try:
-            self._line.update({"nodes": [{"workers": workers}]})
+            self._line.update({"job": job, "nodes": [{"workers": workers}]})
         except Exception:
             self._line = None
 

@@ -20,8 +20,8 @@ from rich.live import Live
 from rich.text import Text
 
 from unicron.errors import UsageError
-from unicron.status.fmt import fmt_age, fmt_iter_time, num, short_value
-from unicron.status.render import JOB_STATE_STYLE, job_of, min_step, steps_per_second, workers_of
+from unicron.status.fmt import fmt_iter_time, num, short_value
+from unicron.status.render import JOB_STATE_STYLE, job_of, min_step, steps_per_second, uptime, workers_of
 
 MODES = ("auto", "always", "never")
 PREFIX = "unicron: "
@@ -73,7 +73,7 @@ def status_line_text(snapshot: Mapping[str, Any], now: float) -> Text:
     if sps:
         parts.append((f"{fmt_iter_time(1.0 / sps)}/it {sps:.3g} it/s", ""))
     if num(job.get("started_at")):
-        parts.append((f"up {fmt_age(job.get('started_at'), now)}", "dim"))
+        parts.append((f"up {uptime(job, now)}", "dim"))  # stops at an ended job's end
     for label, style in parts:
         if text:
             text.append(" · ", style="dim")
