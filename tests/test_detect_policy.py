@@ -105,6 +105,9 @@ def test_user_error_of_unknown_progress_is_restarted_once_then_fatal() -> None:
     assert again.action is Action.STOP and again.stop is StopReason.FATAL
     assert "came back after a restart" in again.reason and "No module named" in again.reason
     assert isinstance(again.to_error(), FatalUserError)
+    # A user error is FATAL however it was first classified (29C F8: "SEV2 stop: user error"),
+    # and the stop does not repeat the first time's "the same error again ... stops the job".
+    assert again.severity is Severity.FATAL and "stops the job" not in again.reason
 
 
 @pytest.mark.parametrize("between", ["crash", "conn"])
@@ -165,7 +168,8 @@ def test_crash_loop_guard_message() -> None:
     job.fail("crash", 3.0, 0, rank=2, node="c")  # restart 2: no step
     d = job.fail("crash", 4.0, 0, rank=3, node="d")  # restart 3: no step -> loop
     assert d.action is Action.STOP and d.stop is StopReason.CRASH_LOOP
-    assert d.reason.startswith("crash loop: 3 restarts without completing a step; last cause: rank 3")
+    # The root cause first, then what ended the healing (docs/cli.md; acceptance 29C F2).
+    assert d.reason.startswith("rank 3") and d.reason.endswith("; crash loop: 3 restarts without completing a step")
     assert isinstance(d.to_error(), CrashLoopError)
 
 
@@ -186,8 +190,8 @@ def test_restored_attempts_that_only_replay_earlier_steps_are_a_crash_loop() -> 
         assert d.action is Action.RESTART and job.history[-1].replayed
     d = job.fail("crash", 4.0, 1, rank=1, reached=7, restored_from=6)
     assert d.action is Action.STOP and d.stop is StopReason.CRASH_LOOP
-    assert d.reason.startswith("crash loop: 3 restarts without completing a step that an earlier attempt "
-                               "had not already completed")
+    assert "; crash loop: 3 restarts without completing a step that an earlier attempt had not already completed" \
+        in d.reason and d.reason.startswith("rank 1")
 
 
 def test_progress_after_a_fresh_start_or_unrelated_faults_is_no_replay() -> None:
@@ -237,6 +241,9 @@ def test_budget_is_job_wide_and_counts_every_action() -> None:
     assert none.stop is StopReason.BUDGET
     # torchrun's default: nothing was tried, and the line does not read as if restarts had been
     assert "restart budget spent: none allowed (--max-restarts 0" in none.reason and "0 of 0" not in none.reason
+    # The root cause comes first, the budget after it (docs/cli.md; acceptance 29C F2 read
+    # "restart budget spent: ...; last cause: rank 1 ... exited with code 7").
+    assert none.reason.startswith("rank ") and none.reason.index("restart budget spent") > 0
 
 
 def test_backoff_sequence_and_reset_after_progress() -> None:

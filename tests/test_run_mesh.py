@@ -777,7 +777,7 @@ def test_a_rank_whose_finally_cleans_up_after_destroying_its_group_is_still_the_
     for node in nodes:
         code, _, err = node.wait(120)
         assert code == 1, err
-        assert "last cause: rank 1 on" in err and "raised KeyError: 'missing_key_in_batch'" in err, err
+        assert "unicron: error: rank 1 on" in err and "raised KeyError: 'missing_key_in_batch'" in err, err
 
 
 def test_a_spare_node_waiting_for_a_place_ends_with_the_job(workdir, launch) -> None:

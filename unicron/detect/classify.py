@@ -127,6 +127,9 @@ NAME_ERRORS = frozenset({"NameError", "UnboundLocalError"})
 USER_ERROR_TYPES = IMPORT_ERRORS | SYNTAX_ERRORS | NAME_ERRORS
 
 
+SAME_AGAIN_STOPS = "; the same error again after the restart stops the job"  # said of the first; the stop drops it
+
+
 def _user_error_unknown_progress(fault: Fault, ev: Evidence) -> bool:
     """A user-error type from a rank whose progress is unknown (past start-up in a script that
     reports no steps): maybe a lazy import that fails once, maybe one that always will. It is
@@ -245,7 +248,7 @@ RULES: tuple[Rule, ...] = (
          "no more ranks per node than it has GPUs"),
     Rule("user-error-unknown-progress", Severity.SEV2, _user_error_unknown_progress,
          lambda f, ev: f"{f.where()} raised {error_summary(f, ev)} past start-up (the script reports no steps, "
-         "so its progress is unknown); the same error again after the restart stops the job"),
+         "so its progress is unknown)" + SAME_AGAIN_STOPS),
     # Hardware named in the error text: the node (or its GPU) must be excluded.
     Rule("gpu-xid", Severity.SEV1, lambda f, ev: _failed_process(f) and bool(_XID_WORD.search(ev.text)),
          lambda f, ev: f"{f.where()} hit a GPU Xid error: {short(_first_match(_XID_WORD, ev.text))}"),

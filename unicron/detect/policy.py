@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from unicron.detect.classify import SAME_AGAIN_STOPS
 from unicron.detect.faults import Action, Classification, Fault, Severity
 from unicron.errors import (
     CrashLoopError,
@@ -246,7 +247,10 @@ class RestartPolicy:
         cause = classification.reason
 
         def stop(reason: StopReason, text: str, escalated: bool = False) -> Decision:
-            return Decision(Action.STOP, 0.0, text, escalated, severity, reason, used)
+            # A stop for a user error is FATAL whatever the failure was classified as first (a
+            # restartable-looking error that came back the same: 29C F8 said "SEV2 stop: user error").
+            return Decision(Action.STOP, 0.0, text, escalated,
+                            Severity.FATAL if reason is StopReason.FATAL else severity, reason, used)
 
         if severity is Severity.INFO or classification.action is Action.NONE:
             return Decision(Action.NONE, 0.0, f"not a failure: {cause}", False, severity, None, used)
@@ -269,8 +273,8 @@ class RestartPolicy:
             if ooms >= self.oom_fatal_after:
                 return stop(
                     StopReason.FATAL,
-                    f"out of memory before the first step on {ooms} attempts in a row: the job does not fit "
-                    f"(reduce the batch or model size); last cause: {cause}",
+                    f"{cause}; out of memory before the first step on {ooms} attempts in a row: the job does not "
+                    f"fit (reduce the batch or model size)",
                 )
 
         last = history[-1] if history else None
@@ -280,7 +284,7 @@ class RestartPolicy:
             and last.rule == classification.rule and last.error == classification.error and last.progress is None
         ):
             return stop(StopReason.FATAL, f"user error, not restarted again: the same error came back after a "
-                                          f"restart, with no step reported in between: {cause}")
+                                          f"restart, with no step reported in between: {cause.removesuffix(SAME_AGAIN_STOPS)}")
 
         if _no_progress(progress) or replayed:
             # Restarts in a row that completed no step, or only steps an earlier attempt had done.
@@ -294,7 +298,7 @@ class RestartPolicy:
                 what = ("without completing a step" if not replayed and not any(r.replayed for r in loop)
                         else "without completing a step that an earlier attempt had not already completed "
                              "(attempts failed the same way again, no further)")
-                return stop(StopReason.CRASH_LOOP, f"crash loop: {restarts} restarts {what}; last cause: {cause}")
+                return stop(StopReason.CRASH_LOOP, f"{cause}; crash loop: {restarts} restarts {what}")
 
         action = classification.action
         escalated = False
@@ -340,8 +344,8 @@ class RestartPolicy:
                 why = fixed_why if same_place else "it came on another rank, so it is no one node's fault"
                 return stop(
                     StopReason.CANNOT_RECONFIGURE,
-                    f"{again} after a restart {how}, and {why}, so no node can be left "
-                    f"out{' (use --nnodes MIN:MAX)' if 'not elastic' in why else ''}; last cause: {cause}",
+                    f"{cause}; {again} after a restart {how}, and {why}, so no node can be left "
+                    f"out{' (use --nnodes MIN:MAX)' if 'not elastic' in why else ''}",
                     escalated=True,
                 )
             action, escalated = Action.RECONFIGURE, True
@@ -350,7 +354,8 @@ class RestartPolicy:
         if used >= max(max_restarts, 0):
             used_text = (f"{used} of {max_restarts} restarts used job-wide" if max_restarts > 0
                          else "none allowed (--max-restarts 0, torchrun's default)")
-            return stop(StopReason.BUDGET, f"restart budget spent: {used_text}; last cause: {cause}", escalated)
+            # The root cause first (docs/cli.md), what ended the healing after it (29C F2).
+            return stop(StopReason.BUDGET, f"{cause}; restart budget spent: {used_text}", escalated)
 
         backoff = self.backoff(self._backoff_streak(history, progress))
         text = "; ".join([cause, *notes]) + (f"; backing off {backoff:g}s" if backoff else "")
