@@ -101,6 +101,21 @@ def test_a_node_that_never_resumes_is_lost_at_the_heartbeat_timeout() -> None:
     assert core.phase is not Phase.RUNNING
 
 
+def test_a_node_that_never_resumes_is_lost_at_the_heartbeat_timeout_also_when_the_resume_stops_the_attempt() -> None:
+    # The coordinator and node b died together: a's resume carries its rank's lost peer, which
+    # stops the attempt at the instant b was taken back. b, never heard, counted as "heard since
+    # the stop" and was lost only at the stop timeout, 20 s on, with the peer's error as the
+    # cause (acceptance 29B F2).
+    assigns = first_assigns()
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=100)
+    peer_lost = dict(FAULT, kind="exception", rank=0, message="rank 0 lost its connection to a peer")
+    outs = core.on_join("a", resumed_join("a", assigns["a"], faults=[peer_lost]), 100)
+    assert "a" in sends(outs, "welcome") and core.phase is Phase.STOPPING
+    core.on_heartbeat("a", HB, 102)
+    lost = [o for o in core.tick(103.1) if isinstance(o, Emit) and o.kind == "node_lost"]
+    assert [o.fields["node_id"] for o in lost] == ["b"] and "silent_s" in lost[0].fields
+
+
 def test_a_fault_reported_while_no_coordinator_listened_comes_with_the_resume_once() -> None:
     decider = ScriptedDecider(RESTART)
     core, assigns = taken_back()

@@ -248,7 +248,11 @@ class JobCore:
         stopping: frozenset[str] = frozenset()
         if self.phase is Phase.STOPPING and self.attempt and self.attempt.stop_sent_at is not None:
             sent = self.attempt.stop_sent_at
-            stopping = frozenset(n for n in unacked(self) if self.members.nodes[n].last_heartbeat >= sent)
+            # Not one taken back from another node's resume and never heard itself: its "last
+            # heartbeat" is the take-back, the same instant as a stop its peer's resume caused
+            # (acceptance 29B F2: lost at the stop timeout, 20 s, for the peer's error).
+            stopping = frozenset(n for n in unacked(self)
+                                 if self.members.nodes[n].last_heartbeat >= sent and n not in self.awaiting_resume)
         silent = self._silent(now)
         if silent - self._told_silent:  # say so at once: the others' idle thresholds are short
             out += self.ack_all(self.job_activity(now))
