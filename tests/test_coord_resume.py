@@ -461,7 +461,9 @@ def test_a_restarted_coordinator_lets_no_plain_join_create_a_job_its_members_may
     try:
         held = ask(join("c"))
         assert held.kind == "reject" and held.body.get("wait") is True, held.body
-        assert "members to resume it" in held.body["reason"] and "job" not in server.slots
+        assert "members that long to resume it" in held.body["reason"] and "job" not in server.slots
+        # The same words each time: the agent says a refusal once per distinct reason.
+        assert ask(join("c")).body["reason"] == held.body["reason"]
         assigns = first_assigns()
         assert ask(resumed_join("a", assigns["a"])).kind == "welcome"
         core = server.slots["job"].core

@@ -146,8 +146,10 @@ def resume_window(age_s: float, job: str, body: dict[str, Any]) -> str | None:
     window = min(float(body["heartbeat_timeout_s"]), MAX_RESUME_WINDOW_S)
     if "resume" in body or age_s >= window:
         return None
-    return (f"the coordinator started {age_s:.1f} s ago and does not know job {job!r}: it waits up to "
-            f"{window:g} s for the job's members to resume it before starting it anew")
+    # No age in the text: the agent says a refusal once per distinct reason (each second's
+    # "started 1.6 s ago", "2.6 s ago" was said again at every start of a job).
+    return (f"the coordinator started less than {window:g} s ago and does not know job {job!r} yet: it gives "
+            f"the job's members that long to resume it before starting it anew")
 
 
 def _is_restart(record: Any) -> bool:
