@@ -315,6 +315,9 @@ def parse_run_args(argv: list[str], environ: Mapping[str, str], *,
                       ("event_log_handler", "unicron writes its own event log")):
         if r.ranks[dest] != DEFAULT:
             warnings.append(f"{label[dest]} is ignored: {why}")
+    if r.ranks["weight"] != DEFAULT:  # sent with the join for the roadmap's planning across jobs
+        warnings.append(f"{label['weight']} is not used yet: a coordinator does not move nodes between its jobs "
+                        "(`unicron plan` takes each job's weight from its input file)")
     for dest, bit in (("duplicate_stdout_filters", 1), ("duplicate_stderr_filters", 2)):
         # As in torchrun, only teed lines are copied: say so rather than leave an empty file.
         tee = v["tee"]
