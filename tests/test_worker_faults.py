@@ -76,10 +76,15 @@ def test_terminal_fault_on_one_rank(tmp_path: Path, kind: str) -> None:
     assert _done_lines(out1) == ["done 1", "done 2"]  # fired at the boundary after step 3
     assert [m["step"] for m in agent.of("step", 0)] == [1, 2, 3, 4, 5, 6]
     assert all(m["step"] <= 3 for m in agent.of("step", 1)) and not agent.of("bye", 1)
+    # Each injected fault says so on the rank's stderr, where and what, before it happens (29C F12).
+    announced = [line for line in err1.splitlines() if "injected fault on rank 1 after step 3: " in line]
+    assert len(announced) == 1 and announced[0].startswith("unicron: "), err1
     if kind == "kill":
         assert rc1 == -signal.SIGKILL and not agent.of("exc", 1)
+        assert announced[0].endswith("SIGKILL to itself (--inject kill)")
     elif kind == "exit=7":
-        assert rc1 == 7 and err1 == "" and not agent.of("exc", 1)
+        assert rc1 == 7 and err1.splitlines() == announced and not agent.of("exc", 1)
+        assert announced[0].endswith("exits with code 7 (--inject exit)")
     else:
         assert rc1 == 1 and err1.rstrip().endswith(f"RuntimeError: {INJECTED_CUDA_ERROR}")
         assert "in fire" in err1  # the traceback shows it came from unicron's injector
@@ -133,7 +138,8 @@ def test_step_zero_fires_before_the_script(tmp_path: Path) -> None:
         procs = [group.boot(script, "3", env={**e, "UNICRON_AGENT_ADDR": agent.addr}) for e in envs.values()]
         (rc0, out0, err0), (rc1, out1, err1) = (finish(p) for p in procs)
         agent.wait_for(lambda m: m["t"] == "exc")
-    assert (rc0, out0, err0) == (5, "", "")
+    assert (rc0, out0) == (5, "") and err0.endswith("injected fault on rank 0 before its first step: exits with code "
+                                                  "5 (--inject exit)\n"), err0
     assert rc1 == 1 and out1 == "" and err1.rstrip().endswith(f"RuntimeError: {INJECTED_CUDA_ERROR}")
     assert [m["t"] for m in agent.messages if m["rank"] == 1] == ["hello", "exc"]
     assert not agent.of("exc", 0) and not agent.of("step")

@@ -94,7 +94,7 @@ def _boundary(completed: int) -> None:
     _rt.frames.boundary()
     if _rt.faults:
         for fault in faults_at(_rt.faults, _rt.rank, completed):
-            fire(fault)
+            fire(fault, _rt.rank, completed)
 
 
 def _on_optimizer_step(optimizer: object, args: Any, kwargs: Any) -> None:
@@ -416,4 +416,4 @@ def install() -> None:
 def fire_start_faults() -> None:
     """Faults injected at STEP 0 fire here, before the script runs."""
     for fault in faults_at(_rt.faults, _rt.rank, 0):
-        fire(fault)
+        fire(fault, _rt.rank, 0)

@@ -37,7 +37,9 @@ KINDS = ("kill", "hang", "freeze", "exception", "exit", "slow")
 DEFAULT_EXIT_CODE = 1
 DEFAULT_SLOW_S = 1.0
 INJECTED_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected by unicron)"
-INJECTED_KILL = "unicron: injected fault: SIGKILL to itself (--inject kill)"
+INJECTED_KILL = "SIGKILL to itself (--inject kill)"  # in the notice: the classifier tells this kill by it
+_WHAT = {"kill": INJECTED_KILL, "hang": "sleeps for ever (--inject hang)", "freeze": "SIGSTOP to itself (--inject freeze)",
+         "exception": "raises a CUDA-like RuntimeError (--inject exception)"}
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)(?:=(?P<value>[^@]*))?@(?P<rank>\*|\d+):(?P<step>\d+)$")
 _GRAMMAR = ("expected KIND@RANK:STEP (RANK a global rank or *) with KIND in kill, hang, freeze, exception, "
@@ -121,8 +123,29 @@ def hang_forever() -> None:
         time.sleep(1.0)
 
 
-def fire(fault: Fault) -> None:
-    """Make the fault happen in this process."""
+_announced: set[Fault] = set()
+
+
+def notice(fault: Fault, rank: int, completed: int) -> str:
+    """The line a rank writes to its stderr as it injects ``fault``: which, where, when. A fault
+    the user did not see announced read like a real one (only kill said anything: 29C F12)."""
+    if fault.kind == "exit":
+        what = f"exits with code {fault.value if fault.value is not None else DEFAULT_EXIT_CODE} (--inject exit)"
+    elif fault.kind == "slow":
+        what = f"computes {float(fault.value or DEFAULT_SLOW_S):g} s longer every step from here (--inject slow)"
+    else:
+        what = _WHAT[fault.kind]
+    when = "before its first step" if completed == 0 else f"after step {completed}"
+    return f"unicron: {time.strftime('%H:%M:%S')} injected fault on rank {rank} {when}: {what}"
+
+
+def fire(fault: Fault, rank: int = -1, completed: int = 0) -> None:
+    """Make the fault happen in this process, saying so first on its stderr (``slow`` once)."""
+    if fault not in _announced:
+        if fault.kind == "slow":
+            _announced.add(fault)  # it fires at every step from its own on
+        sys.stderr.write(notice(fault, rank, completed) + "\n")
+        sys.stderr.flush()
     if fault.kind == "slow":
         # A straggler computes for longer, it does not sleep: spin, so the hang detector sees a
         # busy rank (a sleeping one is an idle stall, and may rightly be called a hang).
@@ -134,10 +157,7 @@ def fire(fault: Fault) -> None:
         # ("exit on rank R at step S") does not depend on a race with the kill.
         from unicron.worker import channel
 
-        channel.get().close()
-        # Said, so the decision can tell this kill from the OOM killer's (28C F3)
-        sys.stderr.write(f"{INJECTED_KILL}\n")
-        sys.stderr.flush()
+        channel.get().close()  # (the notice above lets the decision tell this kill from the OOM killer's: 28C F3)
         os.kill(os.getpid(), signal.SIGKILL)
         hang_forever()  # SIGKILL is delivered asynchronously; never run on past the fault
     elif fault.kind == "hang":
