@@ -124,3 +124,24 @@ def test_a_launcher_started_with_a_standard_stream_closed_runs_its_job(tmp_path,
         assert "Traceback" not in (tmp_path / "err.txt").read_text()
         events = next((tmp_path / "logs").rglob("events.jsonl")).read_text()
         assert '"warm":1' in events, "the worker started cold"
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_stopped_with_no_job_says_so(tmp_path) -> None:
+    """Stopped by SIGINT or SIGTERM with no job, it said nothing at all and exited 0 (29C)."""
+    import signal
+
+    from e2e import wait_for
+
+    proc = subprocess.Popen(unicron_cmd("coordinator", "--port", "0", "--log-dir", str(tmp_path)),
+                            stderr=subprocess.PIPE, text=True, env=clean_env(UNICRON_SECRET="s"))
+    try:
+        assert proc.stderr is not None
+        wait_for(lambda: "listening on" in proc.stderr.readline(), 30, "the coordinator to listen")
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert rest.strip() == "unicron coordinator: stopped by SIGTERM; no job was running", rest

@@ -108,6 +108,8 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"unicron coordinator: {how}; {len(left)} job(s) left to a successor "
                            f"({', '.join(left)}): start it again on port {server.port} to take them back "
                            "(--end-jobs-on-exit ends them instead)", err=True)
+            if got and not ended and not left:  # said on every way out (29C: a quiet exit 0 read as a crash)
+                typer.echo(f"unicron coordinator: {how}; no job was running", err=True)
             for job in registered:
                 unregister_run(job)
             for log in logs.values():
