@@ -457,3 +457,43 @@ def test_a_verdict_names_the_flag_that_raises_its_threshold() -> None:
     first.start(0.0, [0])
     verdict = first.check(60.5)
     assert verdict is not None and "--first-step-timeout 60s" in verdict.message
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=5.0), min_size=2, max_size=2500))
+def test_the_recurring_gap_is_the_second_longest_of_the_window_however_gaps_come_and_go(gaps: list[float]) -> None:
+    import heapq
+
+    from unicron.detect.stepstats import GAP_WINDOW
+
+    stats = StepStats(window=50, skip_first=1)
+    stats.start(0.0, [0])
+    now = 0.0
+    stats.observe(0, 1, now)
+    for step, gap in enumerate(gaps, start=2):
+        now += gap
+        stats.observe(0, step, now)
+    window = [b - a for a, b in zip(_times(gaps), _times(gaps)[1:], strict=False)][-GAP_WINDOW:]
+    assert stats.recurring_gap() == pytest.approx(heapq.nlargest(2, window)[1] if len(window) >= 2 else None)
+
+
+def _times(gaps: list[float]) -> list[float]:
+    times, now = [0.0], 0.0
+    for gap in gaps:
+        now += gap
+        times.append(now)
+    return times
+
+
+def test_waits_between_bursts_longer_than_the_median_window_stay_the_loops_rhythm() -> None:
+    # 60 steps a burst: with the median's 50-interval window the waits fell out of it and each
+    # one was a hang again (acceptance 30A F3).
+    det = HangDetector(k=3.0, floor_s=1.5, warmup_steps=3, first_step_timeout_s=300.0)
+    det.start(0.0, [0])
+    now, step = 0.0, 0
+    for _ in range(5):
+        now += 2.0
+        for _ in range(60):
+            now += 0.001
+            step += 1
+            det.observe(0, step, now)
+    assert det.threshold_s() == (pytest.approx(4.0, abs=0.01), False)

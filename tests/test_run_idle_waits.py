@@ -63,3 +63,21 @@ def test_ranks_that_all_stall_outside_collectives_are_still_hung_at_the_busy_thr
     hangs = [e for e in read_events(workdir / "logs") if e["kind"] == "fault" and e.get("fault_kind") == "hang"]
     assert hangs and "while no rank waited in a collective" in hangs[0]["message"], hangs or err
     assert "--hang-busy-floor 4s" in hangs[0]["message"]
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_hangs_in_its_own_wait_while_its_peer_waits_in_a_collective_is_hung_at_the_idle_threshold(
+        workdir) -> None:
+    # In the second wait rank 1 never wakes; rank 0 ends its wait and blocks in all_reduce. The
+    # stall began with every rank outside collectives; its stacks must be looked at again, or
+    # the hang waits for --hang-busy-floor (acceptance 30A F1: 10 s instead of ~2).
+    script = BURSTS.replace("ITERS", "4").replace(
+        "WAIT", "1000 if (it == 1 and rank == 1) else 2.0")
+    (workdir / "bursts.py").write_text(script)
+    code, _, err = run_unicron(["run", *COMMON, "--hang-busy-floor", "60", "--log-dir", str(workdir / "logs"),
+                                str(workdir / "bursts.py")], workdir, timeout=120)
+    assert code != 0, err
+    hangs = [e for e in read_events(workdir / "logs") if e["kind"] == "fault" and e.get("fault_kind") == "hang"]
+    assert hangs and "while idle" in hangs[0]["message"], hangs or err
+    decisions = [e for e in read_events(workdir / "logs") if e["kind"] == "decision"]
+    assert decisions and decisions[-1].get("culprits") == [1], decisions

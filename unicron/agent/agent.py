@@ -306,7 +306,8 @@ class Agent(AgentOrders):
                 if not outside.said:
                     self.ui.info(outside.notice)
                 outside.said = True
-                self.events.emit("hang_deferred", message=outside.notice)
+                self.events.emit("hang_deferred", message=outside.notice, attempt=group.spec.attempt,
+                                 ranks=sorted(group.ranks))
                 outside.notice = None
             if hang is not None:
                 group.hang_reported = True

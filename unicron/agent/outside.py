@@ -16,11 +16,14 @@ from unicron.agent.stackdump import dump_stacks
 from unicron.detect.hang import HangVerdict
 from unicron.detect.stacks import name_culprits
 
+RECHECK_S = 0.5  # how stale the stacks of a stall may be: a rank that enters a collective later makes it a hang
+
 
 class OutsideCollectives:
     def __init__(self, busy_floor_s: float) -> None:
         self.busy_floor_s = busy_floor_s
         self.stall: float | None = None  # the stall in which every rank was seen outside collectives
+        self.seen_at = 0.0  # when, last (monotonic)
         self.notice: str | None = None  # what the agent says of it (then None again)
         self.said = False  # the agent said one this attempt (the rest are events)
 
@@ -34,8 +37,11 @@ class OutsideCollectives:
         if nnodes > 1:
             return False
         stall = round(mono - verdict.stalled_s, 3)
-        if self.stall == stall:
+        if self.stall == stall and mono - self.seen_at < RECHECK_S:
             return True
+        # Looked at again: once one rank ends its wait and enters a collective that the other
+        # never joins (it hung in its own wait), the stall is a hang at the idle threshold.
+        # Taken once a stall, such a hang waited for the busy threshold (acceptance 30A F1).
         running = [r for r in ranks if r.exitcode is None]
         live = {r.rank: r.proc.pid for r in running if r.hooked and r.proc.poll() is None}
         if not live or len(live) < len(running):
@@ -43,9 +49,14 @@ class OutsideCollectives:
         stacks = dump_stacks(live, stack_dir)
         report = name_culprits({int(rank): text for rank, text in stacks.items()}, expected=live)
         if report.verdict != "none_in_collective" or report.missing:
+            self.stall = None
             return False
-        self.stall = stall
+        if self.stall == stall:
+            self.seen_at = mono
+            return True
+        self.stall, self.seen_at = stall, mono
         where = "; ".join(f"rank {r} at {report.where[r]}" for r in report.outside[:4])
         self.notice = (f"no step for {verdict.stalled_s:.1f}s, but no rank waits in a collective ({where}): "
-                       f"judged by the busy threshold (--hang-busy-floor {self.busy_floor_s:g}s)")
+                       f"a hang only if that lasts {self.busy_floor_s:g}s (--hang-busy-floor), or once a rank "
+                       f"waits in one")
         return True

@@ -218,8 +218,12 @@ class DetectDecider:
                         "Python moving, I/O or data-loader batches, restarts its clock; a restarted attempt whose "
                         "ranks all wait is held to 5 x the earlier start-up, at least a tenth of it)")
             else:
-                hint = ("if a pause this long between steps is expected, raise --hang-floor "
-                        "(or --hang-busy-floor for busy ranks) above it")
+                # The flag that set this threshold, as the verdict names it (30A F6: the hint said
+                # --hang-floor where --hang-busy-floor had).
+                flag = "--hang-busy-floor" if "--hang-busy-floor" in cause.message else "--hang-floor"
+                hint = (f"if a pause this long between steps is expected, raise {flag} above it; a loop that waits "
+                        f"and then steps in bursts: --hang-warmup-steps spanning two bursts lets the detector learn "
+                        f"the wait")
             detail = f"{detail}\n{hint}; see docs/failures.md".lstrip()
         exclude: tuple[str, ...] = ()
         if decision.action is Action.RECONFIGURE and culprit_node is not None:

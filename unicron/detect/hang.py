@@ -266,7 +266,7 @@ class HangDetector:
         if recurring is not None and RECURRING_K * recurring > k * (median or 0.0):
             parts.append(f"{RECURRING_K:g} x the recurring gap {recurring:.3f}s")
         parts.append(f"{floor_flag} {floor:g}s")
-        return f"allowed {threshold_s:.2f}s while {while_}: the most of " + ", ".join(p for p in parts if p)
+        return f"allowed {threshold_s:.2f}s while {while_}: the largest of " + ", ".join(p for p in parts if p)
 
     def stragglers(self, factor: float = 2.0, min_samples: int = 5, min_gap_s: float = 0.01) -> list[Straggler]:
         """Ranks whose median iteration time is over ``factor`` x the median of the others' medians.
