@@ -869,3 +869,16 @@ def test_an_ended_job_says_when_it_ended_so_its_up_time_stops() -> None:
     assert job["ended_at"] == 1070
     for later in (1070, 1070 + 86_400):
         assert "up 1m10s" in render_header(core.snapshot(), later).plain
+
+
+def test_a_fault_for_a_rank_outside_the_attempt_is_refused_not_acted_on() -> None:
+    # Rank 99 in a world of 4 comes from no agent (a signed peer's): it restarted the job as
+    # "rank 99 ... exited with code 1" (acceptance 30B F2).
+    core = JobCore(spec(), ScriptedDecider(RESTART), now=0)
+    core.on_join("a", join("a"), 0)
+    core.on_join("b", join("b"), 0)
+    started(core, 1)
+    outs = core.on_fault("b", {"attempt": 0, "fault": {"kind": "exit", "rank": 99, "exitcode": 1, "ts": 2}}, 2)
+    refused = [o for o in outs if isinstance(o, Emit) and o.kind == "fault_refused"]
+    assert refused and "rank 99" in refused[0].fields["why"] and core.phase is Phase.RUNNING
+    assert not sends(outs, "stop")

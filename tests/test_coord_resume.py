@@ -477,3 +477,13 @@ def test_a_restarted_coordinator_lets_no_plain_join_create_a_job_its_members_may
         server.stop()
         events.close()
 
+
+def test_the_resume_window_is_a_few_heartbeats_not_a_raised_heartbeat_timeout() -> None:
+    from unicron.coord.resume import resume_window
+
+    # A raised --heartbeat-timeout (30 s) held every new job on a fresh coordinator 30 s (30B F4).
+    held = dict(join("c"), heartbeat_timeout_s=30.0, heartbeat_interval_s=0.5)
+    assert resume_window(3.4, "job", held) is not None and resume_window(3.6, "job", held) is None
+    default = dict(join("c"), heartbeat_timeout_s=3.0, heartbeat_interval_s=0.5)
+    assert resume_window(2.9, "job", default) is not None and resume_window(3.1, "job", default) is None
+    assert resume_window(0.1, "job", dict(default, resume={})) is None  # a resume is never held

@@ -1045,6 +1045,8 @@ def test_signed_faults_with_values_no_handler_takes_are_dropped_and_the_job_trai
     code, out, err = run.wait(90)
     assert code == 0, err
     assert "Traceback" not in out + err and "coordinator error" not in out + err
+    # Said once for the peer that sent them (30B F7: dropped without a word).
+    assert err.count("that fails its schema") == 1 and "more from it are dropped without a word" in err, err
     events = read_events(workdir / "logs")
     assert [e["exit_code"] for e in events if e["kind"] == "job_end"] == [0]
     assert not [e for e in events if e["kind"] == "fault"]

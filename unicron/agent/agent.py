@@ -47,6 +47,7 @@ from unicron.agent.tee import ConsoleTee
 from unicron.agent.warm import warm_pool
 from unicron.agent.workers import WorkerGroup
 from unicron.coord.peers import IDENTITY_MARK
+from unicron.coord.resume import REDIAL_S
 from unicron.detect.activity import Activity
 from unicron.detect.stall import StallWatch
 from unicron.errors import (
@@ -58,7 +59,7 @@ from unicron.proto.messages import Codec
 from unicron.worker.env import AGENT_ADDR
 
 log = logging.getLogger(__name__)
-REDIAL_S = 2.0  # while cut off from the coordinator: a fresh connection this often (see run)
+# REDIAL_S (unicron.coord.resume): while cut off from the coordinator, a fresh connection this often (see run)
 
 
 class Agent(AgentOrders):

@@ -182,6 +182,10 @@ class JobCore:
         if attempt is None or body["attempt"] != attempt.number or not self.members.is_active(node_id):
             return [Emit("fault_stale", {"node_id": node_id, "attempt": body["attempt"]})]
         self.members.heartbeat(node_id, now)  # any message is a sign of life
+        rank = body["fault"].get("rank")
+        if rank is not None and rank >= attempt.world_size:  # a signed peer's, no agent's (30B F2)
+            return [Emit("fault_refused", {"node_id": node_id, "attempt": attempt.number,
+                                           "why": f"rank {rank} is not a rank of this attempt's {attempt.world_size}"})]
         fault = dict(body["fault"], node_id=node_id, reported_at=now)
         if store_casualty(self, fault):
             return store_casualties(self, node_id, [fault], now)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from unicron.textclip import clip
+
 MAX_PEERS_WARNED = 8  # misconfigured peers named on the console; the rest are only counted
 CLOCKS_KEPT = 1024  # peers remembered as told the clock (replays from many sockets: the oldest go)
 
@@ -63,10 +65,13 @@ class PeerWarnings:
         """A message dropped with ``error``: say why a node gets no answer, if it is one of
         ours set up otherwise (``served``: the job ids this coordinator serves)."""
         reason = error.split(":")[0]
-        if reason not in ("unauthenticated", "version", "wrong job") or not self._first(identity):
+        if reason not in ("unauthenticated", "version", "wrong job", "schema") or not self._first(identity):
             return
         peer = peer_name(identity)
-        if reason == "unauthenticated":
+        if reason == "schema":  # signed, so sent with the secret: said once a peer (30B F7: silent)
+            self._tell(f"dropped a message from {peer} that fails its schema ({clip(error.split(': ', 1)[-1], 200)}); "
+                       "more from it are dropped without a word (counted in `unicron status`)")
+        elif reason == "unauthenticated":
             self._tell(f"dropped messages from {peer}: signed with another secret; is UNICRON_SECRET "
                        "(or --secret-file) the same on every node?")
         elif reason == "wrong job":

@@ -134,6 +134,7 @@ def parse_resume(raw: Any, node_id: str) -> ResumedAttempt | str:
 
 
 MAX_RESUME_WINDOW_S = 30.0  # the longest a join waits for a job's members to resume it
+REDIAL_S = 2.0  # how often an agent that reaches no coordinator dials a fresh connection (unicron.agent.agent)
 
 
 def resume_window(age_s: float, job: str, body: dict[str, Any]) -> str | None:
@@ -143,7 +144,11 @@ def resume_window(age_s: float, job: str, body: dict[str, Any]) -> str | None:
     ``unknown_job``). Created from a replacement node's plain join first, it started again from
     attempt 0 with the whole restart budget, and fenced the members (acceptance 29B F2). The
     joiner is told to ask again (``wait``); a resume is never held."""
-    window = min(float(body["heartbeat_timeout_s"]), MAX_RESUME_WINDOW_S)
+    # The members' resume comes with their next heartbeat once they reach this coordinator (they
+    # re-dial a silent host every 2 s): a few intervals, not the whole heartbeat timeout, which
+    # users raise on flaky networks (30 s made every new job on a fresh coordinator wait 30 s: 30B F4).
+    interval = float(body.get("heartbeat_interval_s") or 0.5)
+    window = min(float(body["heartbeat_timeout_s"]), REDIAL_S + 3 * interval, MAX_RESUME_WINDOW_S)
     if "resume" in body or age_s >= window:
         return None
     # No age in the text: the agent says a refusal once per distinct reason (each second's

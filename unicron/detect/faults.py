@@ -72,6 +72,12 @@ def _str(value: Any, name: str) -> str:
     return value
 
 
+MAX_RANK = 2**24 - 1  # above any world size a launcher starts
+# (field, lowest, highest): attempt -1 is a node's fault between attempts (a health reading)
+_RANGES = (("rank", 0, MAX_RANK), ("gpu", 0, 4095), ("attempt", -1, 2**53), ("steps_completed", 0, 2**63 - 1),
+           ("exitcode", -255, 255), ("signal", 1, 255))
+
+
 @dataclass(frozen=True)
 class Fault:
     """One observed failure of one rank, node or GPU (or of the whole job, for a hang).
@@ -102,6 +108,14 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {', '.join(FAULT_KINDS)}")
+        # Values no agent sends: a signed peer's rank -1 or 2**62 was taken, and restarted the job
+        # as "rank -1 ... exited" or "died of signal 4611686018427387904" (acceptance 30B F2).
+        for name, low, high in _RANGES:
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise ValueError(f"fault field {name!r} must be in [{low}, {high}], got {value}")
+        if any(not 0 <= r <= MAX_RANK for r in self.culprit_ranks):
+            raise ValueError(f"fault field 'culprit_ranks' must be ranks in [0, {MAX_RANK}]")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
