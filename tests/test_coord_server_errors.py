@@ -132,3 +132,41 @@ def test_a_peer_named_after_a_node_gets_nothing_meant_for_it(tmp_path) -> None:
         finally:
             a.close(0)
             rogue.close(0)
+
+
+def test_a_signed_message_from_another_socket_does_not_take_a_nodes_orders(tmp_path) -> None:
+    """Acceptance 30B F1: one message for node a, signed with the secret, from another socket,
+    made the coordinator answer a there only: a's stop (and its next assign) went to that
+    socket, the job ended "failed" while a's workers trained on, or hung after training. Orders
+    now go to a node's earlier sockets too."""
+    ctx = zmq.Context.instance()
+    a = ctx.socket(zmq.DEALER)
+    other = ctx.socket(zmq.DEALER)
+    with _served(tmp_path, {"job"}) as (_, ep):
+        for sock, name in ((a, b"a~0123456789abcdef"), (other, b"a~fedcba9876543210")):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, name)
+            sock.connect(f"tcp://{ep}")
+        codec = Codec(KEY, "a", job="job")
+        try:
+            a.send(codec.encode("join", dict(_join("a"), max_restarts=1)))
+            seen: dict[str, dict] = {}
+            hb = {"node_id": "a", "epoch": 0, "attempt": -1, "workers": [], "health": {}}
+
+            def heard(kind: str, beat: bool = True) -> bool:
+                if beat:  # a live node's heartbeats, answered on a's socket
+                    a.send(codec.encode("heartbeat", hb))
+                while a.poll(100):
+                    msg = codec.decode(a.recv())
+                    seen[msg.kind] = msg.body
+                return kind in seen
+
+            wait_for(lambda: heard("assign"), 30, "a's assign")
+            attempt = seen["assign"]["attempt"]
+            fault = {"kind": "exit", "rank": 0, "ts": 1.0, "exitcode": 1, "attempt": attempt}
+            other.send(codec.encode("fault", {"node_id": "a", "attempt": attempt, "fault": fault}))
+            # a says nothing more: its latest word came over the other socket.
+            wait_for(lambda: heard("stop", beat=False), 20, "a's stop, though the fault came over another socket")
+        finally:
+            a.close(0)
+            other.close(0)

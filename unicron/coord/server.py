@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -27,8 +26,9 @@ from unicron.coord.outbox import Emit, Finish, OpenStore, Out, Send
 from unicron.coord.peers import PeerWarnings, other_job
 from unicron.coord.records import JobSpec
 from unicron.coord.resume import resume_window, store_opened_again
+from unicron.coord.slots import ORDERS, JobSlot, rebind
 from unicron.coord.statusfit import fit_status, size
-from unicron.coord.stores import AttemptStores, StoreOpener, preload
+from unicron.coord.stores import StoreOpener, preload
 from unicron.detect.stall import StallWatch
 from unicron.errors import ProtocolError
 from unicron.events import EventLog
@@ -40,15 +40,6 @@ log = logging.getLogger(__name__)
 TICK_S = 0.05  # the pace while a job forms or restarts
 IDLE_WAKE_S = 0.5  # the longest sleep between messages
 ENVELOPE_BYTES = 512  # a message's bytes besides its body, its job id and its sender
-
-
-@dataclass
-class JobSlot:
-    core: JobCore
-    events: EventLog
-    identities: dict[str, bytes] = field(default_factory=dict)
-    stores: AttemptStores = field(default_factory=AttemptStores)
-    finished_at: float | None = None
 
 
 class CoordinatorServer:
@@ -311,7 +302,7 @@ class CoordinatorServer:
                 self._send_raw(identity, msg.job, "reject", {"reason": held, "wait": True})
                 return
             slot = self._create_job(msg, now)
-        slot.identities[node_id] = identity
+        rebind(slot, node_id, identity)
         handler = {"join": slot.core.on_join, "heartbeat": slot.core.on_heartbeat, "fault": slot.core.on_fault,
                    "stopped": slot.core.on_stopped, "finished": slot.core.on_finished,
                    "leave": slot.core.on_leave}.get(msg.kind)
@@ -366,6 +357,8 @@ class CoordinatorServer:
                 identity = slot.identities.get(out.node_id)
                 if identity is not None:
                     self._send_raw(identity, job_id, out.kind, out.body)
+                for earlier in slot.earlier.get(out.node_id, ()) if out.kind in ORDERS else ():
+                    self._send_raw(earlier, job_id, out.kind, out.body)
             elif isinstance(out, Emit):
                 slot.events.emit(out.kind, **out.fields)
             elif isinstance(out, OpenStore) and out.port and out.addr not in ("", self.advertise_addr):
@@ -380,7 +373,8 @@ class CoordinatorServer:
                     identity = slot.identities.get(node.node_id)
                     if node.state is NodeState.LEFT or identity is None:
                         continue
-                    self._send_raw(identity, job_id, "shutdown", {"exit_code": out.exit_code, "reason": out.reason})
+                    for to in (identity, *slot.earlier.get(node.node_id, ())):
+                        self._send_raw(to, job_id, "shutdown", {"exit_code": out.exit_code, "reason": out.reason})
                 slot.finished_at = self.clock()
                 slot.stores.close_all()
 
