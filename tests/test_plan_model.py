@@ -108,6 +108,13 @@ def test_model_description_gives_throughput_table() -> None:
     assert job.throughput[2] > job.throughput[1]
 
 
+def test_more_jobs_than_the_planner_takes_is_one_error() -> None:
+    data = copy.deepcopy(GOOD)
+    data["jobs"] = [{"name": f"j{i}", "throughput": {"1": 1.0}} for i in range(4_097)]
+    with pytest.raises(InputError, match="jobs: 4,097 jobs, at most 4,096 are supported"):
+        PlanInput.from_dict(data)
+
+
 def test_a_table_written_out_in_flops_is_taken_as_the_model_table_it_came_from() -> None:
     # A model-derived table is in FLOP/s (1.3e15 for one DGX node, 1e18 for a thousand): a user
     # who writes such a table out, or bench_plan.py's --tables model, must get the same plan input.

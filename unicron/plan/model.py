@@ -151,6 +151,7 @@ def _num(value: Any, path: str, *, minimum: float = 0.0, strict: bool = False) -
 MAX_GPUS_PER_NODE = 1024  # ranks per node: the transfer plan enumerates every one
 MAX_TOTAL_GPUS = 262_144  # all nodes' GPUs: every rank the transfer plan may enumerate (1 s of CPU)
 MAX_NODES = 65_536  # cluster size, node counts, min/max_nodes: the knapsack's and model table's size
+MAX_JOBS = 4_096  # the knapsack does a pass per job and option over every node count (30B F7: 20,000 jobs took 27 s)
 MAX_LAYERS = 10_000  # a model table searches the divisors of the layer count for every node count
 MAX_SHAPE = 10**9  # hidden, heads, batch, sequence, vocabulary: arithmetic only, kept far from overflow
 
@@ -210,6 +211,8 @@ def _parse_input(data: Any) -> PlanInput:
     gpus_per_node = Counter(n.gpus for n in nodes).most_common(1)[0][0]
     if not isinstance(top["jobs"], list):
         raise InputError("jobs: expected a list")
+    if len(top["jobs"]) > MAX_JOBS:
+        raise InputError(f"jobs: {len(top['jobs']):,} jobs, at most {MAX_JOBS:,} are supported")
     jobs: list[Job] = []
     owner: dict[str, str] = {}
     for i, raw in enumerate(top["jobs"]):

@@ -18,6 +18,22 @@ DETAIL_FIRST = ("rank", "ranks", "fault_kind", "action", "severity", "exitcode",
                 "reason", "cause", "attempt", "step", "restore_step", "exit_code")
 
 
+NUMBER_LIMIT = 1e18
+
+
+def plausible(value: Any) -> Any:
+    """``value`` (a status snapshot) with every number no coordinator sends (non-finite, or past
+    ``NUMBER_LIMIT``) as None: the views print many fields as they come (an attempt number of
+    400 digits filled the header: 30B F6)."""
+    if isinstance(value, dict):
+        return {k: plausible(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plausible(v) for v in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value if num(value) is not None else None
+    return value
+
+
 def num(value: Any) -> float | None:
     """A finite number from a JSON value, or None (bool is not a number here). NaN and infinities
     (Python's JSON reads them) are None too: every view does int() or arithmetic on what this
@@ -28,7 +44,9 @@ def num(value: Any) -> float | None:
         out = float(value)
     except OverflowError:  # an integer past 1.8e308
         return None
-    return out if math.isfinite(out) else None
+    # Past 1e18 no count, step, time or size a coordinator sends: a hostile one's 1e308 printed
+    # as a 309-digit count that pushed the nodes table's columns out (acceptance 30B F6).
+    return out if math.isfinite(out) and abs(out) <= NUMBER_LIMIT else None
 
 
 def fmt_duration(seconds: float | None) -> str:

@@ -24,6 +24,7 @@ from unicron.status.fmt import (
     fmt_bytes,
     fmt_iter_time,
     num,
+    plausible,
     short_value,
     sparkline,
 )
@@ -298,6 +299,7 @@ def event_style(event: Mapping[str, Any]) -> str:
 def render_status(snapshot: Mapping[str, Any], now: float, *, events: int = 8,
                   banner: RenderableType | None = None) -> RenderableType:
     """The full status view of one job: header, nodes, ranks, restarts, plan, latest events."""
+    snapshot = plausible(snapshot)
     parts: list[RenderableType] = []
     if banner is not None:
         parts.append(banner)

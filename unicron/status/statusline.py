@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.text import Text
 
 from unicron.errors import UsageError
-from unicron.status.fmt import fmt_iter_time, num, short_value
+from unicron.status.fmt import fmt_iter_time, num, plausible, short_value
 from unicron.status.render import JOB_STATE_STYLE, job_of, min_step, steps_per_second, uptime, workers_of
 
 MODES = ("auto", "always", "never")
@@ -40,6 +40,7 @@ def _cause(snapshot: Mapping[str, Any]) -> str:
 
 def status_line_text(snapshot: Mapping[str, Any], now: float) -> Text:
     """The compact status, styled: job, state, attempt, restarts, ranks, step, speed, uptime."""
+    snapshot = plausible(snapshot)
     job = job_of(snapshot)
     state = str(job.get("state", ""))
     text = Text()
