@@ -20,7 +20,7 @@ class _Dealer:
 
 
 class _UI:
-    def update(self, workers: list[Any]) -> None:
+    def update(self, workers: list[Any], **job: Any) -> None:
         pass
 
     def warn(self, text: str) -> None:

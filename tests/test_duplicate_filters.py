@@ -88,8 +88,9 @@ def test_each_attempt_gets_its_own_empty_copy_files(tmp_path: Path) -> None:
     assert (attempt0 / FILTERED_STDOUT).read_bytes() == b"" and not (attempt0 / FILTERED_STDERR).exists()
     assert plans[0].copy_stdout is None
     (attempt0 / FILTERED_STDOUT).write_text("stale\n")
-    logdir.prepare_attempt(0, [(0, 0)])  # a re-run attempt starts empty
-    assert (attempt0 / FILTERED_STDOUT).read_bytes() == b""
+    logdir.prepare_attempt(0, [(0, 0)])  # a number used again gets a directory of its own, empty
+    assert (Path(logdir.run_dir) / "attempt_0.2" / FILTERED_STDOUT).read_bytes() == b""
+    assert (attempt0 / FILTERED_STDOUT).read_bytes() == b"stale\n"  # and the old one is kept (29B F2)
     logdir.prepare_attempt(1, [(0, 0)])
     assert (Path(logdir.run_dir) / "attempt_1" / FILTERED_STDOUT).read_bytes() == b""
     plain = RunLogDir(LogSpec(log_dir=str(tmp_path / "plain"), tee=Std.ALL), "job")
