@@ -165,3 +165,28 @@ def test_a_lost_coordinators_line_names_the_root_cause_the_node_reported_not_its
     assert reported([victim, killed]) == "; before it, this node reported exit on rank 0 at step 5: signal SIGKILL (9)"
     assert reported([victim]).startswith("; before it, this node reported exception on rank 1 at step 5: RuntimeError")
     assert reported([{"kind": "health", "ts": 1.0}]) == "" and reported([]) == ""
+
+
+def test_a_node_with_no_attempt_yet_does_not_say_its_workers_train_on_when_the_coordinator_restarted(
+        tmp_path) -> None:
+    # 30B F5: a node that had joined but had no attempt said "joining it again with the running
+    # attempt, the workers train on" after a coordinator restart: it had neither.
+    from unicron.agent.link import CoordinatorLink
+    from unicron.agent.rejoin import Rejoiner
+    from unicron.events import EventLog
+
+    said: list[str] = []
+
+    class UI:
+        def warn(self, text: str) -> None:
+            said.append(text)
+
+    events = EventLog(tmp_path / "events.jsonl", job="j")
+    rejoiner = Rejoiner(JoinState("tcp://h:1", join_timeout_s=600, now=0.0),
+                        CoordinatorLink(0.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0),
+                        endpoint="tcp://h:1", shm_dir=str(tmp_path), ui=UI(), events=events)
+    rejoiner.resume("unknown job", None, dict)
+    rejoiner.resume("unknown job", 3, dict)
+    events.close()
+    assert said[0].endswith("(unknown job: it restarted?); joining it again"), said
+    assert said[1].endswith("joining it again with the running attempt, the workers train on"), said

@@ -57,8 +57,10 @@ class Rejoiner:
         workers train on (or ``finished``); join again with ``fields()``: the attempt they run,
         and what they did meanwhile, so that the coordinator takes the job back."""
         going = "this node's workers all exited 0" if finished else "the workers train on"
-        self.ui.warn(f"the coordinator at {self.endpoint} does not know this job ({reason}: it restarted?); "
-                     f"joining it again with the running attempt, {going}")
+        # A node that had joined but got no attempt yet has none to resume (30B F5: it said so all
+        # the same, "the workers train on", with no workers).
+        how = "joining it again" if attempt is None else f"joining it again with the running attempt, {going}"
+        self.ui.warn(f"the coordinator at {self.endpoint} does not know this job ({reason}: it restarted?); {how}")
         self.joining.fenced(Resume(fields), time.monotonic(), self.link.lost_after_s)
         self.events.emit("resuming", reason=reason, attempt=attempt)
 
