@@ -400,6 +400,18 @@ def test_a_verdict_of_one_node_among_several_says_the_ranks_are_that_nodes() -> 
     assert "by this node's rank(s) 2, 3 (" in replace(verdict, one_node_of_several=True).message
 
 
+def _burst(det: HangDetector, ranks: list[int], now: float, step: int, steps: int,
+           checked: bool = False) -> tuple[float, int]:
+    """``steps`` steps of every rank 1 ms apart from ``now`` (``checked``: no verdict after each)."""
+    for _ in range(steps):
+        now += 0.001
+        step += 1
+        for r in ranks:
+            det.observe(r, step, now)
+        assert not checked or det.check(now) is None
+    return now, step
+
+
 def test_a_loop_that_steps_in_bursts_is_judged_by_its_recurring_wait_not_its_median() -> None:
     # An RL loop: 1.8 s idle waiting for rollouts, then four optimizer steps in quick
     # succession. The median gap is ~1 ms; its iteration is the wait (acceptance 29A F1: called
@@ -410,13 +422,7 @@ def test_a_loop_that_steps_in_bursts_is_judged_by_its_recurring_wait_not_its_med
     det.start(0.0, [0, 1])
     now, step = 0.0, 0
     for _ in range(12):
-        now += 1.8
-        for _ in range(4):
-            now += 0.001
-            step += 1
-            for r in (0, 1):
-                det.observe(r, step, now)
-            assert det.check(now) is None
+        now, step = _burst(det, [0, 1], now + 1.8, step, 4, checked=True)
         wait_end = now + 1.8
         while now < wait_end:  # the next wait, checked as the agent does
             now += 0.1
@@ -491,9 +497,5 @@ def test_waits_between_bursts_longer_than_the_median_window_stay_the_loops_rhyth
     det.start(0.0, [0])
     now, step = 0.0, 0
     for _ in range(5):
-        now += 2.0
-        for _ in range(60):
-            now += 0.001
-            step += 1
-            det.observe(0, step, now)
+        now, step = _burst(det, [0], now + 2.0, step, 60)
     assert det.threshold_s() == (pytest.approx(4.0, abs=0.01), False)

@@ -15,8 +15,8 @@ from unicron.agent.ranks import all_past_init, store_untouched
 from unicron.agent.shm import scan_snapshots
 from unicron.agent.ui import fault_line
 from unicron.agent.workers import WorkerGroup
-from unicron.coord.decide import to_fault
 from unicron.detect.classify import root_cause
+from unicron.detect.faults import Fault
 from unicron.errors import RendezvousError
 from unicron.events import EventLog
 
@@ -138,7 +138,7 @@ def reported(faults: Sequence[dict[str, Any]]) -> str:
     parsed = []
     for raw in failed:
         try:
-            parsed.append((to_fault(raw), raw))
+            parsed.append((Fault.from_report(raw), raw))
         except ValueError:  # not a shape the classifier takes: named as reported
             continue
     cause = root_cause([f for f, _ in parsed]) if parsed else None

@@ -122,15 +122,10 @@ def reports_a_victim(raw: dict[str, Any]) -> bool:
     """The fault, as an agent reported it, is most likely another rank's doing (a lost peer): the
     rank that caused it may still be on its way to saying so (``unicron.agent.failing``)."""
     try:
-        fault = to_fault(raw)
+        fault = Fault.from_report(raw)
     except (ValueError, TypeError):
         return False
     return is_victim(fault, classify(fault))
-
-
-def to_fault(raw: dict[str, Any]) -> Fault:
-    """A fault as the agents report it to a ``Fault`` (``Fault.from_report``)."""
-    return Fault.from_report(raw)
 
 
 class DetectDecider:
@@ -149,7 +144,7 @@ class DetectDecider:
         even when the lost one is back already. ``rank_nodes`` (rank -> node id) and ``pinned``
         (nodes never left out) decide which node a reconfigure excludes when the root cause is
         not a lost node: the job goes on without it if ``--nnodes MIN`` allows."""
-        parsed = [to_fault(f) for f in faults]
+        parsed = [Fault.from_report(f) for f in faults]
         culprits: list[int] = []
         report_text = ""
         deadlock = False  # ranks wait in different collectives: no pause to allow for

@@ -156,6 +156,10 @@ class HangDetector:
             or self.stats.job_median() is None
         )
 
+    def _k_floor(self, busy: bool) -> tuple[float, float]:
+        """The factor and floor in force: the busy ones never below the idle ones."""
+        return (max(self.k, self.busy_k), max(self.floor_s, self.busy_floor_s)) if busy else (self.k, self.floor_s)
+
     def threshold_s(self, busy: bool = False) -> tuple[float, bool]:
         """The allowed gap without progress now, and whether it is the warm-up allowance.
 
@@ -171,7 +175,7 @@ class HangDetector:
         median = self.stats.job_median()
         if not self.stats.started_all():
             return self.first_step_allowance_s(busy), True
-        k, floor = (max(self.k, self.busy_k), max(self.floor_s, self.busy_floor_s)) if busy else (self.k, self.floor_s)
+        k, floor = self._k_floor(busy)
         if self.in_warmup() or median is None:
             early = max(k * self.stats.longest_interval(), floor)
             return min(early, self.first_step_timeout_s), True
@@ -252,7 +256,7 @@ class HangDetector:
     def basis(self, threshold_s: float, warmup: bool, busy: bool, outside: bool = False) -> str:
         """The threshold in words: what it is the largest of, with the flag that raises each."""
         floor_flag = "--hang-busy-floor" if busy else "--hang-floor"
-        k, floor = (max(self.k, self.busy_k), max(self.floor_s, self.busy_floor_s)) if busy else (self.k, self.floor_s)
+        k, floor = self._k_floor(busy)
         while_ = "no rank waited in a collective" if outside else "busy" if busy else "idle"
         if warmup and not self.stats.started_all():
             return (f"warm-up allowance {threshold_s:.1f}s{', busy' if busy else ''}: before every rank's first "
