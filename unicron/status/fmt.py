@@ -101,12 +101,11 @@ def sparkline(values: Iterable[Any], width: int = SPARK_WIDTH) -> str:
     nums = [v for v in (num(x) for x in values) if v is not None][-width:]
     if not nums:
         return ""
-    # Halved: hi - lo of -1e308 and 1e308 overflows to inf, and inf / inf made a NaN index.
-    lo, hi = min(nums) / 2, max(nums) / 2
-    if hi - lo <= 0.5e-12:
+    lo, hi = min(nums), max(nums)  # within +-NUMBER_LIMIT (``num``): hi - lo cannot overflow
+    if hi - lo <= 1e-12:
         return SPARK_CHARS[len(SPARK_CHARS) // 2 - 1] * len(nums)
     top = len(SPARK_CHARS) - 1
-    return "".join(SPARK_CHARS[round((v / 2 - lo) / (hi - lo) * top)] for v in nums)
+    return "".join(SPARK_CHARS[round((v - lo) / (hi - lo) * top)] for v in nums)
 
 
 def short_value(value: Any, limit: int = 48) -> str:
