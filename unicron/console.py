@@ -41,14 +41,16 @@ def entrypoint() -> None:
     def note(signum: int, _frame: Any) -> None:
         received.append(signum)
 
-    # A signal ignored when we started stays ignored (a background job's SIGINT: shells start
-    # them so, and a Ctrl-C at the terminal is not for them).
-    watched = [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not signal.SIG_IGN]
-    previous = {sig: signal.signal(sig, note) for sig in watched}
+    # Taken even when inherited ignored (a shell starts its background jobs with SIGINT so): the
+    # launcher handles SIGINT once it runs, as torchrun's agent does, so a ``kill -INT`` in these
+    # first moments of imports must not be dropped while the same signal later stops the job (31B F1).
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         from unicron.cli import main
     finally:
         for sig, handler in previous.items():
+            if sig == signal.SIGINT and handler is signal.SIG_IGN:  # as Python sets it up where not ignored
+                handler = signal.default_int_handler
             signal.signal(sig, handler)
     if received:
         sys.stderr.write(f"unicron: error: interrupted by {signal.Signals(received[0]).name}\n")
