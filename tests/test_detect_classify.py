@@ -135,6 +135,9 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
                             traceback=DATALOADER_CHAIN), (OOM_EVIDENCE,)),
     ("sigkill", F(exitcode=-9), ()),
     ("sigkill", F(exitcode=137), ()),
+    # the agent's own kill of a rank frozen past its end (unicron.agent.frozen) says so in its message
+    ("frozen", F(exitcode=-9, message="rank 1 (pid 7) froze after it destroyed its process group: ... stack kept, "
+                 "killed with SIGKILL as frozen"), ()),
     ("agent-channel-broken", F(exitcode=-6, stderr_tail="Invalid argument (src/signaler.cpp:157)\n"), ()),
     ("connect-failed", F("exception", exitcode=None, error_type="RuntimeError",
                          message="Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: "

@@ -28,6 +28,7 @@ from unicron.agent.attempt import (
     EarlierAttempts,
 )
 from unicron.agent.connwatch import ConnectionWatch
+from unicron.agent.frozen import frozen_limit_s, frozen_notice, frozen_ranks
 from unicron.agent.hostprobe import HostProbe
 from unicron.agent.inbox import WorkerInbox
 from unicron.agent.janitor import Janitor
@@ -255,6 +256,23 @@ class Agent(AgentOrders):
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 
     # ---- workers -------------------------------------------------------------------
+    def _kill_frozen(self, group: WorkerGroup) -> None:
+        """Ranks frozen past their end (``unicron.agent.frozen``): their stacks are kept (the
+        dump needs no interpreter lock), then they are killed; their exit is the attempt's fault."""
+        frozen = frozen_ranks(group.ranks.values(), time.monotonic(), frozen_limit_s(group.hang.busy_floor_s))
+        if not frozen:
+            return
+        group.dump_stacks()
+        for r, silent_s in frozen:
+            r.frozen = frozen_notice(r, silent_s, group.hang.busy_floor_s)
+            self.ui.warn(r.frozen)
+            self.events.emit("worker_frozen", rank=r.rank, pid=r.proc.pid, silent_s=round(silent_s, 3),
+                             message=r.frozen)
+            try:
+                os.kill(r.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def _traced(self, group: WorkerGroup) -> bool:
         """Whether a rank of this node is traced from outside (``gdb -p``, ``strace -p``): it is
         stopped while a person looks at it, and its peers wait on it; torchrun's job waits too.
@@ -286,6 +304,7 @@ class Agent(AgentOrders):
         for r, notice in group.lingering_notices(time.monotonic()):
             self.ui.warn(notice)
             self.events.emit("worker_lingering", rank=r.rank, pid=r.proc.pid, message=notice)
+        self._kill_frozen(group)
         now_m = time.monotonic()
         if self.signals.script_hold(now_m):  # the ranks run a handler of theirs (SCRIPT_SIGNALS)
             if self.held_since is None:

@@ -46,6 +46,9 @@ class RankState:
     # tells (acceptance 27A F1): non-zero confirms it, a clean end drops it (see caught).
     fault_pending: bool = False
     lingering_named: bool = False  # said to have outlived its script (WorkerGroup.lingering_notices)
+    alive_at: float | None = None  # (monotonic) its last ``alive``: said past its end (unicron.agent.frozen)
+    alive_cpu_s: float | None = None  # its process's CPU seconds then
+    frozen: str | None = None  # why it was killed as frozen past its end (its exit's message)
 
     @property
     def closed_cleanly(self) -> bool:

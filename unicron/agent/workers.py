@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from unicron.agent.frozen import frozen_limit_s, next_frozen_check_s, process_cpu_s
 from unicron.agent.logs import RunLogDir, capture_stderr, full_copy_note
 from unicron.agent.outside import OutsideCollectives
 from unicron.agent.procs import start_worker
@@ -149,14 +150,17 @@ class WorkerGroup(GroupProgress):
             self.hang.expect(r.rank, at_m)  # let go as stepless, it will step after all
         if t == "bye":
             self.hang.remove(r.rank)  # its script is done: no more steps to wait for
-        elif t == "exc" and r.exception is not None:
+        if t == "exc" and r.exception is not None:
             if msg.get("fatal") is False or r.fault_pending:
                 return None  # a background thread died (kept for its exit), or see confirmed_pending
             if r.rank not in self.reported_exc:
                 self.reported_exc.add(r.rank)
                 latency = round(max(0.0, now - sent), 4) if isinstance(sent, (int, float)) else None
                 return self._exception_fault(r, r.exception, now, at=at, latency_s=latency)
-        elif t == "moved":
+        if t == "alive" or (r.alive_at is not None and (r.bye_at is not None or r.closed_cleanly)):
+            # Past its end, any word says its Python runs (unicron.agent.frozen).
+            r.alive_at, r.alive_cpu_s = at_m, process_cpu_s(r.proc.pid)
+        if t == "moved":
             self.activity.moved(r.rank, at_m)
         elif t == "data":
             self.activity.waits_for_data(r.rank, at_m)
@@ -305,7 +309,8 @@ class WorkerGroup(GroupProgress):
         """How long ``check_hang`` has nothing to do unless a message comes first: until the
         activity sampling or the earliest hang verdict is due (0 while sampling: check every
         tick; inf when no hang can be called)."""
-        linger = min((bye_at + self.linger_s - mono for _, bye_at in self._lingering()), default=float("inf"))
+        linger = min(min((bye_at + self.linger_s - mono for _, bye_at in self._lingering()), default=float("inf")),
+                     next_frozen_check_s(self.ranks.values(), mono, frozen_limit_s(self.hang.busy_floor_s)))
         if self.hang_reported or not self._hang_possible():
             return max(0.0, linger)
         wait = min(self.hang.quiet_s(mono), self._sampling_starts_s() - self.hang.overdue_s(mono))
@@ -403,7 +408,7 @@ class WorkerGroup(GroupProgress):
         failure = build_failure(rank=r.rank, local_rank=r.local_rank, pid=r.proc.pid, exitcode=r.exitcode or 0,
                                 exited_at=now, error_file=r.logs.error_file, stderr_file=r.logs.stderr_path,
                                 host=self.host)
-        return self._fault(r, "exit", now, failure=failure)
+        return self._fault(r, "exit", now, failure=failure, message=r.frozen)
 
     def _fault(self, r: RankState, kind: str, now: float, *, failure: WorkerFailure | None = None,
                at: float | None = None, **fields: Any) -> dict[str, Any]:

@@ -25,6 +25,9 @@ from unicron.detect.evidence import (
 from unicron.detect.faults import DEFAULT_ACTION, Classification, Fault, Severity
 from unicron.worker.inject import INJECTED_KILL
 
+# In the message of a rank the agent killed as frozen past its end (unicron.agent.frozen).
+FROZEN_KILL = "killed with SIGKILL as frozen"
+
 # Xid codes that mean the GPU or its links are broken (NVIDIA's Xid catalogue): exclude the node.
 HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 94, 95, 119, 120, 140})
 # Xid codes raised by an application's own bad kernel (page fault, engine exception): the worker
@@ -312,6 +315,11 @@ RULES: tuple[Rule, ...] = (
          and any(h.error_type == "oom_kill" for h in ev.health),
          lambda f, ev: f"{f.where()}: a DataLoader worker was killed by the kernel OOM killer (out of memory: "
                        f"the host's, or its cgroup's limit; {error_summary(f, ev)})"),
+    # The agent's own kill of a rank frozen past its end (unicron.agent.frozen): its message says why.
+    Rule("frozen", Severity.SEV2, lambda f, ev: _signal_in(frozenset({_signal.SIGKILL}))(f, ev) and FROZEN_KILL in ev.text,
+         lambda f, _ev: f"{f.where()} froze past its last collective and was killed by unicron: its Python could "
+                        "not run and it used no CPU (a thread blocked in native code holds the interpreter lock, as in "
+                        "a deadlock in torch's teardown)"),
     Rule("sigkill", Severity.SEV2, _signal_in(frozenset({_signal.SIGKILL})),
          lambda f, ev: f"{f.where()} was killed by SIGKILL ("
                        + ("injected by unicron" if INJECTED_KILL in ev.text else "from outside, or by the kernel OOM killer")

@@ -75,7 +75,8 @@ class _Runtime:
         self.pid = os.getpid()
         # Tells the agent while this worker's Python keeps moving between steps (evaluation,
         # compilation), so a long phase between steps is not taken for a hang.
-        self.frames = FrameWatch(lambda: channel.get().emit("moved"), emit_data=lambda: channel.get().emit("data"))
+        self.frames = FrameWatch(lambda: channel.get().emit("moved"), emit_data=lambda: channel.get().emit("data"),
+                                 emit_alive=lambda: channel.get().emit("alive"))
 
 
 _rt = _Runtime()
@@ -199,6 +200,8 @@ def _announce_destroy(c10d_module: ModuleType) -> None:
             # But inside an ``except`` that caught it and cleans up (an early stop: acceptance 27A
             # F1) the same is true: so it is sent as pending, which the rank's exit decides.
             channel.get().emit("closed", **({"raising": True} if raising else {}))
+            if not raising:
+                _rt.frames.tail()
             if isinstance(err, SystemExit) and raising:
                 exiting(err.code, pending=True)
             elif raising and err is not None:

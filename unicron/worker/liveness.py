@@ -77,6 +77,7 @@ WINDOW = 20  # samples (1 s at SAMPLE_S)
 MIN_CHANGES = 2
 MIN_CPU = 0.02  # cores used by the main thread over the window, for motion to count
 SEND_EVERY_S = 0.5
+ALIVE_S = 1.0  # past its end (``tail()``), the thread says ``alive`` this often: unicron.agent.frozen
 MIN_CPU_THREAD = 0.2  # cores a thread other than the main one must use for its motion to count
 DATA_FRAMES = "torch/utils/data/"  # a frame of a data loader (iterating, fetching, waiting for workers)
 DATA_DEPTH = 24  # frames looked at from the innermost one outwards for a data loader
@@ -290,13 +291,16 @@ class FrameWatch:
     ``emit_data()`` says the main thread waits for a data loader."""
 
     def __init__(self, emit: Callable[[], object], *, emit_data: Callable[[], object] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+                 emit_alive: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic,
                  cpu: Callable[[], float | None] = main_thread_cpu,
                  others: OtherThreads | None = None, returns: MainThreadReturns | None = None) -> None:
         self._emit = emit
         self._returns = returns if returns is not None else MainThreadReturns()
         self._batches_seen = _batches
         self._emit_data = emit_data
+        self._emit_alive = emit_alive
+        self._tail = False  # past the script's last collective or its end: say ``alive``
+        self._last_alive = 0.0
         self._last_data_sent = 0.0
         self._others = others if others is not None else OtherThreads()
         self._clock = clock
@@ -349,11 +353,23 @@ class FrameWatch:
             except RuntimeError:  # no thread to be had (limits, interpreter exit): go without
                 self._thread = None
 
+    def tail(self) -> None:
+        """Past its last collective (its default group destroyed) or its end: from now the thread
+        says ``alive`` every ``ALIVE_S`` while the interpreter lock lets it run. The first is said
+        here, once the thread runs: the agent judges only a rank that has one (a rank may freeze
+        before its thread runs once; one with no thread to be had must not look frozen)."""
+        self._tail = True
+        self._start_thread()
+        if self._emit_alive is not None and self._thread is not None and self._thread.is_alive():
+            self._last_alive = self._clock()
+            self._emit_alive()
+
     def stop(self) -> None:
         """No more samples (the script is ending): drop the frame the judge holds."""
         self._stopped = True
         self._judge.reset()
         self._others.reset()
+        self.tail()
 
     def sample(self, now: float) -> bool:
         """One sample (the thread's body, callable from tests); returns whether ``moved`` was sent."""
@@ -406,6 +422,10 @@ class FrameWatch:
         while True:
             time.sleep(SAMPLE_S if self.overdue(self._clock()) else PERIOD_S)
             try:
-                self.sample(self._clock())
+                now = self._clock()
+                self.sample(now)
+                if self._tail and self._emit_alive is not None and now - self._last_alive >= ALIVE_S:
+                    self._last_alive = now
+                    self._emit_alive()
             except Exception:  # evidence is best effort: never disturb the worker
                 pass
