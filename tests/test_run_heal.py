@@ -277,6 +277,49 @@ def test_a_ddp_model_built_without_the_worker_hooks_is_said_not_to_restore_bit_f
     assert said == (0 if hooks else 1), err  # rank 0's, once
 
 
+DDP_TWICE = r"""
+import hashlib, os, sys
+import torch, torch.distributed as dist, unicron
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+# 1000-byte buckets: several, whose layout decides the order of the ring's sums on 3 ranks
+m = DDP(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]), bucket_cap_mb=0.001)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+state = unicron.State(model=m, optimizer=opt)
+start = state.restore()
+second_fault = sys.argv[2] == "fault" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1"
+for step in range(start, 8):
+    if second_fault and step == start + 1:  # the restored attempt fails after its first commit
+        raise RuntimeError("second fault")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+    opt.zero_grad(); m(x).pow(2).sum().backward(); opt.step(); state.commit(step + 1)
+if dist.get_rank() == 0:
+    with open(sys.argv[1], "w") as f:
+        f.write(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in m.parameters())).hexdigest())
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_ddp_restored_attempt_keeps_its_first_commit_and_stays_bit_exact(workdir) -> None:
+    """Acceptance 31A F3: a DDP built in a restored worker took no snapshot at its first commit
+    (its rebuild was counted as pending though its layout was restored), so a second fault lost
+    two steps. The attempt after it restores that first commit and ends bit for bit as a run
+    without faults."""
+    (workdir / "ddp2.py").write_text(DDP_TWICE)
+    three = ["--standalone", "--nproc-per-node", "3", "--grace-period", "2", "--first-step-timeout", "60"]
+    code, _, err = run_unicron(["run", *three, "--log-dir", str(workdir / "ref"), str(workdir / "ddp2.py"),
+                                str(workdir / "ref.txt"), "none"], workdir, timeout=90)
+    assert code == 0, err
+    code, _, err = run_unicron(["run", *three, "--max-restarts", "3", "--inject", "kill@1:4", "--log-dir",
+                                str(workdir / "logs"), str(workdir / "ddp2.py"), str(workdir / "out.txt"), "fault"],
+                               workdir, timeout=100)
+    assert code == 0, err
+    starts = [e["restore_step"] for e in read_events(workdir / "logs") if e["kind"] == "attempt_start"]
+    assert len(starts) == 3 and starts[1] in (3, 4) and starts[2] == starts[1] + 1, (starts, err)
+    assert (workdir / "out.txt").read_text() == (workdir / "ref.txt").read_text()
+
+
 def _run_dying(workdir, dying_rank: str) -> tuple[int, str, int]:
     """Run a job whose rank ``dying_rank`` (a Python expression) exits 3 right after joining,
     before any step; return the exit code, stderr and the number of attempts."""

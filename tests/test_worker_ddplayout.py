@@ -14,13 +14,16 @@ from unicron.worker import ddplayout
 def test_initial_layout_is_handed_to_ddp_pre_reversed_and_only_when_it_fits() -> None:
     params = [torch.zeros(10), torch.zeros(20), torch.zeros(5)]
     original = dist._compute_bucket_assignment_by_size
-    with ddplayout._initial_layout([[2, 0], [1]]):
+    used: list[list[list[int]]] = []
+    with ddplayout._initial_layout([[2, 0], [1]], used):
         indices, limits = dist._compute_bucket_assignment_by_size(params, [1 << 20], [False] * 3)
         assert indices == [[1], [2, 0]] and len(limits) == 2  # DDP reverses it back to [[2, 0], [1]]
     assert dist._compute_bucket_assignment_by_size is original
-    with ddplayout._initial_layout([[0, 1]]):  # does not cover parameter 2: DDP's own layout
+    assert used == [[[2, 0], [1]]], "taken: the DDP knows its layout (31A F3)"
+    with ddplayout._initial_layout([[0, 1]], used):  # does not cover parameter 2: DDP's own layout
         assert dist._compute_bucket_assignment_by_size(params, [1 << 20], [False] * 3)[0] == original(
             params, [1 << 20], [False] * 3)[0]
+    assert len(used) == 1, "not taken: its layout is known after its rebuild only"
     assert ddplayout._covers([[1], [0, 2]], 3) and not ddplayout._covers([[0, 0], [1]], 2)
     assert not ddplayout._covers("x", 0) and not ddplayout._covers([[0], 1], 2)
 

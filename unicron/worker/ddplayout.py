@@ -9,6 +9,12 @@ layout (lists of parameter indices, once it exists), and a DDP built in a restor
 the recorded layout as its initial one. Its own rebuild after the first iteration then yields
 the same layout again (same model, same gradient order).
 
+A snapshot is only exact once the layout the next iteration uses is known: a fresh DDP's is not
+until it rebuilds (``rebuild_pending``). A DDP that started with a recorded layout already
+knows it: that layout is its rebuilt one too, so it counts as recorded from its construction and
+the first commit after a restore is a snapshot (acceptance 31A F3: skipping it lost a second
+step to a second fault, and the rebuild read would allocate a copy of the gradients besides).
+
 DDP instances are counted in construction order. Any surprise (a layout that does not cover
 the parameters, a torch without these internals) falls back to DDP's own behaviour.
 """
@@ -40,10 +46,14 @@ def install(ddp_module: ModuleType) -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        layout = _layout_to_restore(len(_instances))
-        with _initial_layout(layout) if layout is not None else contextlib.nullcontext():
+        index = len(_instances)
+        layout = _layout_to_restore(index)
+        used: list[Layout] = []  # the layout, once DDP took it (it did not when it does not fit)
+        with _initial_layout(layout, used) if layout is not None else contextlib.nullcontext():
             original(self, *args, **kwargs)
         _instances.append(weakref.ref(self))
+        if used:  # its buckets are the rebuilt ones of the run it continues (module docstring)
+            _recorded[index] = used[0]
 
     __init__._unicron = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
@@ -120,8 +130,9 @@ def _layout_to_restore(index: int) -> Layout | None:
 
 
 @contextlib.contextmanager
-def _initial_layout(layout: Layout) -> Iterator[None]:
-    """While DDP computes its initial buckets, hand it ``layout`` instead."""
+def _initial_layout(layout: Layout, used: list[Layout] | None = None) -> Iterator[None]:
+    """While DDP computes its initial buckets, hand it ``layout`` instead (appended to ``used``
+    when it fits)."""
     import torch.distributed as dist
 
     original = dist._compute_bucket_assignment_by_size
@@ -130,6 +141,8 @@ def _initial_layout(layout: Layout) -> Iterator[None]:
         indices, sizes = original(params, limits, *rest, **kw)
         if not _covers(layout, len(params)):
             return indices, sizes
+        if used is not None:
+            used.append(layout)
         # DDP reverses the bucket list it gets (to approximate gradient order): pre-reverse.
         return [list(b) for b in reversed(layout)], [max(limits)] * len(layout)
 

@@ -60,8 +60,8 @@ Usage::
     Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
     restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
     continues bit for bit. DDP rebuilds its buckets at its second forward, so the commit after
-    its first iteration writes no snapshot (its layout is not known yet): a failure before the
-    next commit restarts from the script's start, not from a step that would not replay exactly.
+    a fresh DDP's first iteration writes no snapshot (its layout is not known yet; a restored
+    one's is): a failure before the next commit restarts from the script's start.
 ``flush(timeout=None) -> bool``
     Waits until the last commit's snapshot is complete (False if ``timeout`` passed first).
     Needed only with a background commit, before changing parameters or optimizer state in place *outside*
