@@ -72,9 +72,11 @@ class Holdings:
         if any(n.steps.get(rank) for n in self.nodes.values()):
             return f"rank {rank} moved to a node that holds no snapshot of it"
         # Not "yet": a script may make its State on some ranks only, and then it never will; nor
-        # only that: a State takes none before a DDP model's first rebuild (28C F1).
-        return (f"rank {rank} holds no snapshot of that attempt (a State takes none before a "
-                "DistributedDataParallel model's second iteration; and every rank must make one)")
+        # only that: a State takes none before a DDP model's first rebuild (28C F1). The agent
+        # does not know whether the script has a DDP: the DDP case is worded as one of the
+        # possible ones, as a rank that died before its first commit is the usual one (31A F4).
+        return (f"rank {rank} made no snapshot in that attempt (it stopped before its first commit, or made "
+                "no State; with a DistributedDataParallel model, the first commit of a fresh start makes none)")
 
     def restored_bytes(self, step: int, node_ids: Iterable[str]) -> int:
         """Bytes of ``step`` held on ``node_ids`` (those of the new layout)."""
