@@ -398,6 +398,7 @@ critic = torch.optim.Adam(head.parameters(), lr=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
 state = unicron.State(model=model, optimizer=opt)
 for step in range(state.restore(), 4):
+    dist.barrier()  # in step: rank 0 does not finish before rank 1's injected kill stops it
     for o, m in ((opt, model), (critic, head)):
         o.zero_grad()
         m(torch.ones(2, 4)).sum().backward()
@@ -406,9 +407,12 @@ for step in range(state.restore(), 4):
     state.commit(step + 1)
 print(f"rank {dist.get_rank()} done", flush=True)
 """)
+    # Once per job, not once per attempt (31A F5): the restored attempt does not say it again.
     code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(workdir / "logs"),
-                                  str(workdir / "leftout.py")], workdir, timeout=100)
+                                  "--max-restarts", "1", "--inject", "kill@1:2", str(workdir / "leftout.py")],
+                                 workdir, timeout=100)
     assert code == 0, err
+    assert "restoring step" in err, err
     assert err.count("an LR scheduler of 'optimizer' is not in this unicron.State") == 1, err
     assert err.count("an optimizer (Adam) that has stepped is not in this unicron.State") == 1, err
 

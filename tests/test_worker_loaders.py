@@ -152,10 +152,12 @@ def test_a_restored_record_not_replayed_yet_goes_into_the_next_snapshot_once() -
 
 
 def test_a_persistent_loader_restored_after_its_first_epoch_is_said_not_bit_exact(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Its worker processes are new after a restore and draw from their seed again, where the
     interrupted ones had drawn through every earlier epoch (random transforms): said at the
-    restore, never silently. Restored in its first epoch it is exact, and nothing is said."""
+    restore, never silently, by rank 0 only (31A F5: every rank said it). Restored in its first
+    epoch it is exact, and nothing is said."""
+    monkeypatch.setenv("RANK", "0")
     torch.manual_seed(3)
     loader = _epoch(persistent=True, workers=1)
     for _ in range(3):  # epochs 1 and 2 done, epoch 3 begun
@@ -172,6 +174,13 @@ def test_a_persistent_loader_restored_after_its_first_epoch_is_said_not_bit_exac
     err = capsys.readouterr().err
     assert "persistent_workers was restored in its epoch 3" in err and "persistent_workers=False" in err
     assert [r["epochs"] for r in loaders.mid_epoch()] == [3]  # the count goes on from the interrupted run
+
+    loaders._latest.clear()
+    monkeypatch.setenv("RANK", "1")
+    loaders.arm(records)
+    next(iter(_epoch(persistent=True, workers=1)))
+    assert "persistent_workers" not in capsys.readouterr().err, "rank 0 says it for the job"
+    monkeypatch.setenv("RANK", "0")
 
     loaders._latest.clear()
     loaders.arm([dict(records[0], epochs=1)])

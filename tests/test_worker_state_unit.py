@@ -427,6 +427,29 @@ def test_an_lr_scheduler_left_out_of_the_state_is_warned_of_once_at_the_first_co
     assert "LR scheduler" not in capsys.readouterr().err
 
 
+def test_an_attempt_that_restored_does_not_warn_again_of_what_is_left_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """31A F5: the warnings are once per job, and the attempt that started fresh said them."""
+    snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
+    model, opt = _model_and_opt()
+    torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    first = State(model=model, optimizer=opt)
+    first.restore()
+    first.commit(3)
+    first.flush()
+    assert "LR scheduler" in capsys.readouterr().err
+    monkeypatch.setenv("UNICRON_RESTORE_STEP", "3")
+    restored = State(model=model, optimizer=opt)
+    assert restored.restore() == 3
+    restored.commit(4)
+    assert "LR scheduler" not in capsys.readouterr().err
+    monkeypatch.delenv("UNICRON_RESTORE_STEP")
+    fresh = State(model=model, optimizer=opt)  # a fresh start (new world size) says it again
+    fresh.restore()
+    fresh.commit(1)
+    assert "LR scheduler" in capsys.readouterr().err
+
+
 def test_schedulers_left_out_sees_each_optimizer_and_wrapping_schedulers() -> None:
     from unicron.worker.leftout import schedulers_left_out
     model, first = _model_and_opt()

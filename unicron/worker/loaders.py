@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from unicron.worker import env
+
 # An RNG record: torch's global RNG state, and the loader's own ``generator=``'s (None without one).
 Draws = tuple[torch.Tensor, torch.Tensor | None]
 _latest: dict[int, tuple[weakref.ref[Any], Draws, list[Any]]] = {}  # loader -> its iterator
@@ -157,7 +159,10 @@ def _take(mark: list[Any]) -> tuple[Draws, int] | None:
 
 def _warn_persistent(epoch: int) -> None:
     # Its worker processes are new: they start again from their seed, where the interrupted
-    # ones had drawn through every earlier epoch (random transforms in the dataset).
+    # ones had drawn through every earlier epoch (random transforms in the dataset). Every rank
+    # restores its loader alike: rank 0 says it, as the State's other warnings (31A F5).
+    if env.rank() != 0:
+        return
     print(f"unicron: a DataLoader with persistent_workers was restored in its epoch {epoch}: its new worker "
           "processes start from their seed, so random numbers they draw (random transforms) differ from the "
           "run before the restart; for a bit-exact restore use persistent_workers=False", file=sys.stderr,

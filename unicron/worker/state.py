@@ -56,7 +56,7 @@ Usage::
     cores it overlaps, and measured it bought nothing reliable (docs/benchmarks.md "Snapshot
     cost") while opening that window; ``background=True`` asks for the background half anyway.
     Outside unicron (no ``UNICRON_SNAPSHOT_DIR``) it only records the step. The first commit
-    warns (rank 0) of what is left out of it: an LR scheduler, an optimizer that stepped (``leftout``).
+    of a fresh start warns (rank 0) of what is left out of it: an LR scheduler, an optimizer that stepped (``leftout``).
     Each DDP's rebuilt gradient-bucket layout goes into the snapshot too; a DDP built in a
     restored worker starts with it (``unicron.worker.ddplayout``), so DDP with 3 or more ranks
     continues bit for bit. DDP rebuilds its buckets at its second forward, so the commit after
@@ -235,6 +235,7 @@ class State:
             step = 0
         if step:
             self._load(self._store.directory, step)
+            self._checked = True  # the attempt that started fresh warned already (31A F5: every attempt did)
         self._store.prepare(newest_kept=step)  # later steps belong to the attempt that failed
         return step
 
@@ -278,7 +279,7 @@ class State:
             return
         self._take_directory(taking_over=False)
         self._accumulation.at_commit(step)
-        if not self._checked and self._rank == 0:  # said once per job, not by every rank
+        if not self._checked and self._rank == 0:  # once per job: not by every rank, nor after a restore
             for warning in (leftout.schedulers_left_out(self._objects)
                             + leftout.optimizers_left_out(self._objects, hooks.built_optimizers())
                             + leftout.ddp_without_hooks(self._objects, ddplayout.tracked)):
