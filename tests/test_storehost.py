@@ -164,3 +164,51 @@ def test_a_host_that_answered_once_and_then_falls_silent_is_given_up_soon(monkey
         opener.close()
         for fd in (requests_r, replies_r, replies_w):
             os.close(fd)
+
+
+def _waiting_in_its_store(launcher: psutil.Process) -> bool:
+    """A worker is in gloo's connect of ``init_process_group``: it listens for its peers (gloo's
+    device) and is connected to the store, where it waits for their addresses. (Its environment
+    cannot tell its rank: a worker forked by the zygote sets it after its start.)"""
+    for proc in launcher.children(recursive=True):
+        try:
+            if "unicron.worker.boot" not in proc.cmdline():
+                continue
+            states = {c.status for c in proc.net_connections("tcp")}
+        except psutil.Error:
+            continue
+        if {psutil.CONN_LISTEN, psutil.CONN_ESTABLISHED} <= states:
+            return True
+    return False
+
+
+# Rank 1 sleeps before its init_process_group; rank 0 waits in its own, on the store, and takes
+# SIGTERM as a script that checkpoints on preemption does: it lives on to the grace period's SIGKILL.
+WAITS_FOR_ITS_PEER = """import os, signal, time
+import torch.distributed as dist
+signal.signal(signal.SIGTERM, lambda *_: None)
+if os.environ["RANK"] == "1":
+    time.sleep(3600)
+dist.init_process_group("gloo")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupted_launcher_stops_its_workers_before_their_store(workdir: Path) -> None:
+    """The launcher (hosting the coordinator) gets SIGTERM while rank 0 waits in its store for a
+    peer. It told the coordinator first, which closed the store under rank 0 as it was being
+    stopped: 40 lines of TCPStore's C++ stack ("recvValueWithTimeout failed ... Did the remote
+    server shutdown or crash?", acceptance 31A F2). The store now goes after the workers."""
+    from e2e import Launched
+
+    (workdir / "waits.py").write_text(WAITS_FOR_ITS_PEER)
+    job = Launched(["run", "--standalone", "--nproc-per-node", "2", "--grace-period", "2",
+                    str(workdir / "waits.py")], workdir)
+    try:
+        wait_for(lambda: _waiting_in_its_store(psutil.Process(job.proc.pid)), 60, "rank 0 waiting in its store")
+        job.proc.send_signal(signal.SIGTERM)
+        code, out, err = job.wait(60)
+    finally:
+        job.kill()
+    assert code != 0 and "interrupted by SIGTERM" in err, err
+    assert "recvValueWithTimeout" not in err and "remote server" not in err, err

@@ -100,8 +100,9 @@ def run_agent(s: AgentSettings) -> int:
                     server.stores.host = channel
                 elif s.warm:  # no zygote after all (a custom python): torch for the stores, ahead of time
                     preload_store()
+                # The stores stay open until the workers are stopped (the ``stop`` below).
                 agent.end_own_job = lambda why, code: server.stop(
-                    reason=f"the coordinator's node stopped: {why}", exit_code=code)
+                    reason=f"the coordinator's node stopped: {why}", exit_code=code, keep_stores=True)
             code = agent.run()
             if agent.output_left_behind:  # kept: the only copy of what the console did not take
                 ui.warn(f"the console took nothing for 10 s: the rest of the workers' output is in "

@@ -105,6 +105,7 @@ class CoordinatorServer:
         self._stop_reason = "the coordinator stopped"
         self._stop_code = 1  # the exit code recorded for jobs that ``stop`` ends
         self._end_jobs = True  # ``stop`` ends the jobs still going (else leaves them to a successor)
+        self._keep_stores = False  # see ``stop``
         self._wake_addr = f"inproc://unicron-coordinator-wake-{id(self)}-{os.urandom(4).hex()}"
         self.stores = StoreOpener()
         self.thread: threading.Thread | None = None
@@ -126,11 +127,14 @@ class CoordinatorServer:
         self.thread.start()
 
     def stop(self, timeout: float = 5.0, reason: str = "the coordinator stopped", exit_code: int = 1,
-             *, end_jobs: bool = True) -> None:
+             *, end_jobs: bool = True, keep_stores: bool = False) -> None:
         """Stop serving; jobs still going end now (their nodes are told ``reason``; the job's
         end is recorded with ``exit_code``), or, without ``end_jobs``, are left to train on as
-        after a crash: a coordinator started again on the port takes them back."""
+        after a crash: a coordinator started again on the port takes them back. ``keep_stores``:
+        until a later ``stop``, for the workers still stopping (31A F2: closed under a rank waiting
+        in one, in ``init_process_group``, it printed 40 lines of C++ stack)."""
         self._stop_reason, self._stop_code, self._end_jobs = reason, exit_code, end_jobs
+        self._keep_stores = keep_stores
         self._stop.set()
         # Wake the serving thread now rather than at its next deadline (a socket of our own:
         # zmq sockets are not shared between threads).
@@ -144,6 +148,8 @@ class CoordinatorServer:
         poke.close(0)
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)
+        if not keep_stores and (self.thread is None or not self.thread.is_alive()):
+            self._close_stores()  # kept by an earlier stop, or never served
 
     def serve(self) -> None:
         wake = self.ctx.socket(zmq.PULL)
@@ -185,12 +191,17 @@ class CoordinatorServer:
                     self.ended_on_stop.append(job_id)
                     self._run(job_id, slot, slot.core.fail(self._stop_reason, self.clock(), self._stop_code))
         finally:
-            for slot in self.slots.values():
-                slot.stores.close_all()
-            self.stores.close()
+            if not self._keep_stores:
+                self._close_stores()
             self.hearing.close()
             wake.close(0)
             self.sock.close(linger=2000)
+
+    def _close_stores(self) -> None:
+        """Close every job's stores and end the store host (each close is idempotent)."""
+        for slot in self.slots.values():
+            slot.stores.close_all()
+        self.stores.close()
 
     def _tick(self, job_id: str, slot: JobSlot, now: float) -> None:
         try:
