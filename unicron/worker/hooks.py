@@ -338,6 +338,7 @@ def add_hard_exit_callback(callback: Callable[[int], object]) -> None:
 
 def finished_cleanly() -> None:
     _rt.frames.stop()
+    _rt.frames.tail()  # past its end: ``alive`` while the interpreter tears down (unicron.agent.frozen)
     channel.get().emit("bye")
 
 

@@ -369,7 +369,6 @@ class FrameWatch:
         self._stopped = True
         self._judge.reset()
         self._others.reset()
-        self.tail()
 
     def sample(self, now: float) -> bool:
         """One sample (the thread's body, callable from tests); returns whether ``moved`` was sent."""
