@@ -40,10 +40,6 @@ parser.add_argument("--pause-after-restore", default="")
 # --pause-at-start KIND:SECONDS: rank 0 of the first attempt pauses so before its first step (a
 # preprocessing, a baseline evaluation) while its peers wait in that step
 parser.add_argument("--pause-at-start", default="")
-# --pause-before-init KIND:SECONDS: rank 1 of the first attempt pauses so (KIND of --pause, not
-# eval: no model yet) before its init_process_group (a big import, a data load) while its peers
-# wait in theirs
-parser.add_argument("--pause-before-init", default="")
 # --raise-after-step RANK:STEP: that rank raises after STEP's optimizer step, before its commit,
 # in every attempt (a loss check that fails the same way after each exact restore)
 parser.add_argument("--raise-after-step", default="")
@@ -118,9 +114,6 @@ def pause(kind: str, seconds: float) -> None:
 
 
 
-if os.environ.get("RANK") == "1" and args.pause_before_init and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-    kind, seconds = args.pause_before_init.split(":")
-    pause(kind, float(seconds))
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)

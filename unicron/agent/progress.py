@@ -68,17 +68,6 @@ class GroupProgress:
             return max(r.step, newest_snapshot(self.shm_dir, r.rank, since=self.started_at))
         return r.step
 
-    def peers_awaited(self) -> bool:
-        """Some local rank called ``init_process_group`` while another (or itself) has not got
-        past it: the job uses torch.distributed and is still starting up, so the ranks that
-        joined wait on the ones that have not (acceptance 31A F2: a rank asleep before its
-        ``init_process_group`` left its peer waiting there for good, never called hung, as no
-        rank had built an optimizer yet). Held to the first-step allowance like any start-up;
-        once every rank is past it, a script that never steps is judged by nothing, as before.
-        A rank that replaced its image (``exec``) says no more and is not waited for."""
-        live = [r for r in self.ranks.values() if r.exitcode is None and not (r.hello_at is not None and not r.hooked)]
-        return any(r.joining for r in live) and any(r.ready_at is None for r in live)
-
     def ran_past_startup(self, r: RankState, now: float) -> bool:
         """``r`` reports no steps (none in any attempt of this job) yet ran, after initialising
         torch.distributed, at least as long as it took to get there (and ``RAN_FOR_S``): it was

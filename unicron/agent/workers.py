@@ -293,10 +293,8 @@ class WorkerGroup(GroupProgress):
             return False
         # A rank that built an optimizer will report steps: before its first one the
         # first-step allowance applies, in the first attempt too (a rank stuck in its start-up
-        # while the others wait in a collective is a hang, found after --first-step-timeout);
-        # so is one that never reaches init_process_group while a peer waits in it (peers_awaited).
-        return (self.expect_steps or any(r.steps_in_attempt or r.steps_expected for r in self.ranks.values())
-                or self.peers_awaited())
+        # while the others wait in a collective is a hang, found after --first-step-timeout).
+        return self.expect_steps or any(r.steps_in_attempt or r.steps_expected for r in self.ranks.values())
 
     def past_last_step(self) -> bool:
         """Some local rank finished cleanly or destroyed its default process group. Even if the
