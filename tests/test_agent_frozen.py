@@ -29,7 +29,8 @@ def test_only_a_rank_past_its_end_that_used_no_cpu_is_frozen() -> None:
     assert frozen_for(_rank(1, **dict(closed, closed_raising=True)), 112.0, 5.0) is None  # an exception's way out
     assert frozen_for(_rank(1, alive_at=100.0, alive_cpu_s=5.0), 112.0, 5.0) is None  # still training: the hang detector's
     assert frozen_for(_rank(1, **dict(closed, exitcode=0)), 112.0, 5.0) is None  # gone
-    assert frozen_for(_rank(1, bye_at=99.0, alive_at=100.0, alive_cpu_s=5.0), 112.0, 5.0) == pytest.approx(12.0)
+    # its script ended: the interpreter finalizes, and a __del__ that waits stops the ticks (32A F4)
+    assert frozen_for(_rank(1, **dict(closed, bye_at=99.0)), 112.0, 5.0) is None
     assert frozen_for(_rank(1, **closed), 112.0, None) is None  # unreadable: no verdict
 
 

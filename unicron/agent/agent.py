@@ -252,6 +252,9 @@ class Agent(AgentOrders):
         self.link.paused(gap_s)
         if self.group is not None:
             self.group.hang.paused(gap_s, time.monotonic())  # the hang clocks are monotonic
+            for r in self.group.ranks.values():  # nor the frozen watch's: their ``alive`` waits unread (32A F3)
+                if r.alive_at is not None:
+                    r.alive_at += gap_s
         if stalled:  # news; a long stop is not
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 

@@ -8,7 +8,7 @@ thread frees a DDP reducer and joins gloo's work thread, which waits for the loc
 Python object that a finished collective held; acceptance 31A F1): the job trained, its other
 ranks exited 0, and the launcher waited for ever, as torchrun does.
 
-Past its end, a rank's liveness thread says ``alive`` every ``ALIVE_S`` (``unicron.worker.
+Past its end (its default group destroyed, its script still running), a rank's liveness thread says ``alive`` every ``ALIVE_S`` (``unicron.worker.
 liveness``): a Python thread, it runs whenever the lock is free, whatever the main thread waits
 for (a sleep, a socket, a non-daemon thread). Silence alone is not enough (a long native
 computation holding the lock is work): the rank is frozen once it has said nothing for
@@ -47,7 +47,10 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def past_its_end(r: RankState) -> bool:
-    return r.exitcode is None and (r.bye_at is not None or r.closed_cleanly) and r.alive_at is not None
+    """Destroyed its default group cleanly and its script has not ended: once it has, the
+    interpreter finalizes, when daemon threads can no longer take the lock, so a ``__del__`` that
+    waits would look frozen (32A F4)."""
+    return r.exitcode is None and r.closed_cleanly and r.bye_at is None and r.alive_at is not None
 
 
 def frozen_for(r: RankState, mono: float, cpu_s: float | None) -> float | None:
@@ -80,7 +83,6 @@ def next_frozen_check_s(ranks: Iterable[RankState], mono: float, limit_s: float)
 
 
 def frozen_notice(r: RankState, silent_s: float, busy_floor_s: float) -> str:
-    after = "its script ended" if r.bye_at is not None else "it destroyed its process group"
-    return (f"rank {r.rank} (pid {r.proc.pid}) froze after {after}: no Python ran in it for {silent_s:.1f}s "
+    return (f"rank {r.rank} (pid {r.proc.pid}) froze after it destroyed its process group: no Python ran in it for {silent_s:.1f}s "
             f"({FROZEN_FACTOR:g} x --hang-busy-floor {busy_floor_s:g}s) and it used no CPU, so a thread blocked in native code holds "
             f"the interpreter lock (as in torch's teardown deadlock after destroy_process_group); stack kept, {FROZEN_KILL}")
