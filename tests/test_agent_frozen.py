@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from unicron.agent.frozen import frozen_for, frozen_ranks, next_frozen_check_s, process_cpu_s
+from unicron.agent.frozen import excuse_pause, frozen_for, frozen_ranks, next_frozen_check_s, process_cpu_s
 from unicron.agent.ranks import RankState
 
 
@@ -32,6 +32,16 @@ def test_only_a_rank_past_its_end_that_used_no_cpu_is_frozen() -> None:
     # its script ended: the interpreter finalizes, and a __del__ that waits stops the ticks (32A F4)
     assert frozen_for(_rank(1, **dict(closed, bye_at=99.0)), 112.0, 5.0) is None
     assert frozen_for(_rank(1, **closed), 112.0, None) is None  # unreadable: no verdict
+
+
+def test_the_agents_own_pause_is_not_the_ranks_silence() -> None:
+    """32A F3: the launcher stopped 10 s while a rank slept past its end; its ``alive`` ticks of
+    that time were still in zmq's I/O thread when the watch ran, and it was killed as frozen."""
+    ticking, starting = _rank(1, closed=True, alive_at=100.0, alive_cpu_s=5.0), _rank(1, closed=True)
+    excuse_pause([ticking, starting], 10.0)
+    assert ticking.alive_at == 110.0 and starting.alive_at is None
+    assert frozen_for(ticking, 111.0, 5.0) == pytest.approx(1.0)
+    assert frozen_ranks([ticking], 111.0, 6.0) == []
 
 
 @pytest.mark.timeout(30)

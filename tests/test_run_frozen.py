@@ -9,8 +9,11 @@ through ``ctypes.PyDLL``, which does not release the lock)."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
-from e2e import read_events, run_unicron
+from e2e import Launched, read_events, run_unicron, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +68,30 @@ def test_a_rank_that_waits_without_the_interpreter_lock_after_its_last_collectiv
     assert "rank 1 done, restart 0, sum 2" in out, out
     events = read_events(workdir / "logs")
     assert not [e for e in events if e["kind"] in ("worker_frozen", "fault", "decision")], err
+
+
+@pytest.mark.timeout(150)
+def test_a_launcher_paused_while_a_rank_sleeps_past_its_end_does_not_call_the_rank_frozen(workdir) -> None:
+    """The launcher itself was stopped (SIGSTOP, a VM pause) for longer than the frozen limit
+    while rank 1 slept past its end (acceptance 32A F3): its ``alive`` ticks waited unread in the
+    channel, so the silence was the agent's, not the rank's; the job ends as it would have."""
+    marker = workdir / "tail_started"
+    tail = f"open({str(marker)!r}, 'w').close()\n    time.sleep(3 * 2 + 10)"
+    (workdir / "tail.py").write_text(SCRIPT.replace("TAIL", tail))
+    job = Launched(["run", *FLAGS, "--max-restarts", "1", "--log-dir", str(workdir / "logs"), str(workdir / "tail.py")],
+                   workdir)
+    try:
+        wait_for(marker.exists, 60, "rank 1's tail to start")
+        job.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(10)  # the pause is the fault: 10 s > 3 x --hang-busy-floor 2
+        finally:
+            job.proc.send_signal(signal.SIGCONT)
+        code, out, err = job.wait(90)
+    finally:
+        job.kill()
+    assert code == 0, err
+    assert "rank 1 done, restart 0, sum 2" in out, out
+    events = read_events(workdir / "logs")
+    assert not [e for e in events if e["kind"] in ("worker_frozen", "fault", "decision")], err
+    assert [e for e in events if e["kind"] == "agent_paused"], "the agent did not see its own pause"

@@ -28,7 +28,7 @@ from unicron.agent.attempt import (
     EarlierAttempts,
 )
 from unicron.agent.connwatch import ConnectionWatch
-from unicron.agent.frozen import frozen_limit_s, frozen_notice, frozen_ranks
+from unicron.agent.frozen import excuse_pause, frozen_limit_s, frozen_notice, frozen_ranks
 from unicron.agent.hostprobe import HostProbe
 from unicron.agent.inbox import WorkerInbox
 from unicron.agent.janitor import Janitor
@@ -252,9 +252,7 @@ class Agent(AgentOrders):
         self.link.paused(gap_s)
         if self.group is not None:
             self.group.hang.paused(gap_s, time.monotonic())  # the hang clocks are monotonic
-            for r in self.group.ranks.values():  # nor the frozen watch's: their ``alive`` waits unread (32A F3)
-                if r.alive_at is not None:
-                    r.alive_at += gap_s
+            excuse_pause(self.group.ranks.values(), gap_s)  # nor the frozen watch's
         if stalled:  # news; a long stop is not
             self.events.emit("agent_paused", gap_s=round(gap_s, 3))
 

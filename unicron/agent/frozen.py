@@ -64,6 +64,15 @@ def frozen_for(r: RankState, mono: float, cpu_s: float | None) -> float | None:
     return silent_s
 
 
+def excuse_pause(ranks: Iterable[RankState], gap_s: float) -> None:
+    """The agent did not run for ``gap_s`` (SIGSTOP, a VM pause): the ranks' ``alive`` ticks of
+    that time may still be on their way through zmq's I/O thread when the watch runs again, so
+    their silence clocks move on by the gap (32A F3), as the hang clocks do."""
+    for r in ranks:
+        if r.alive_at is not None:
+            r.alive_at += gap_s
+
+
 def frozen_ranks(ranks: Iterable[RankState], mono: float, limit_s: float) -> list[tuple[RankState, float]]:
     """The ranks past their end frozen for ``limit_s`` or more, with how long, each once."""
     out = []
