@@ -2,12 +2,12 @@
 
 The agent owns one ``WorkerGroup`` per attempt. It turns what the workers say on the local
 channel (steps, exceptions, snapshots) and how they end (exit codes, error files, stderr)
-into per-rank state for heartbeats and into fault values for the coordinator.
+into per-rank state for heartbeats and into fault values for the coordinator (what a fault
+says of a rank: ``unicron.agent.groupfaults``; how far the attempt got: ``unicron.agent.progress``).
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -15,13 +15,12 @@ from dataclasses import replace
 from typing import Any
 
 from unicron.agent.frozen import frozen_limit_s, next_frozen_check_s, process_cpu_s
-from unicron.agent.logs import RunLogDir, capture_stderr, full_copy_note
+from unicron.agent.groupfaults import GroupFaults
+from unicron.agent.logs import RunLogDir, capture_stderr
 from unicron.agent.outside import OutsideCollectives
 from unicron.agent.procs import start_worker
 from unicron.agent.proctree import is_exiting, process_state
-from unicron.agent.progress import GroupProgress
 from unicron.agent.ranks import GroupSpec, RankState, status_rows
-from unicron.agent.rootcause import WorkerFailure, build_failure, describe_exit
 from unicron.agent.sendqueues import SendQueueWatch
 from unicron.agent.stackdump import dump_stacks, keep_dumps
 from unicron.agent.tee import ConsoleTee
@@ -30,12 +29,11 @@ from unicron.agent.usage import tree_usage
 from unicron.agent.warm import WarmPool
 from unicron.detect.activity import Activity, ActivityTracker
 from unicron.detect.hang import HangDetector, uneven_progress
-from unicron.textclip import clip_fields
 
 LINGER_S = 30.0  # a process this long past its script's clean end is named once (lingering_notices)
 
 
-class WorkerGroup(GroupProgress):
+class WorkerGroup(GroupFaults):
     def __init__(self, spec: GroupSpec, *, cmd: list[str], env_for: Any, run_logs: RunLogDir, tee: ConsoleTee,
                  host: str, hang: HangDetector, role: str, stack_dir: str, pool: WarmPool | None = None,
                  expect_steps: bool = False, shm_dir: str = "") -> None:
@@ -217,32 +215,6 @@ class WorkerGroup(GroupProgress):
                 return faults
             time.sleep(0.005)
 
-    def confirmed_pending(self, now: float) -> list[dict[str, Any]]:
-        """After a stop: the faults of ranks that had an exception in hand as they destroyed their
-        group and then did not end cleanly (they were spared as raising ranks, and ended non-zero
-        or were killed at the end of the grace period). Reported before the node says it stopped,
-        so the decision names them, not their peers that lost them (acceptance 25A F1)."""
-        faults = []
-        for r in self.ranks.values():
-            if not r.fault_pending or r.exitcode is None:
-                continue
-            r.fault_pending = False
-            if r.exitcode == 0:
-                continue
-            self.reported_exc.add(r.rank)
-            if r.exitcode > 0:  # it ended by itself: its exit, which its exception explains
-                faults.append(self._exit_fault(r, now))
-            elif r.exception is not None:  # the stop's signal ended its cleanup: its exception
-                faults.append(self._exception_fault(r, r.exception, now))
-            elif r.exiting_code is not None:  # ... or the sys.exit code it was on its way out with
-                r.exitcode = r.exiting_code
-                faults.append(self._exit_fault(r, now))
-        return faults
-
-    def _exception_fault(self, r: RankState, exc: dict[str, str], now: float, **fields: Any) -> dict[str, Any]:
-        return self._fault(r, "exception", now, message=exc["msg"] + full_copy_note(r.logs, str(exc["msg"])),
-                           error_type=exc["type"], traceback=exc["tb"], **fields)
-
     def sample_activity(self, mono: float) -> Activity:
         """Sample the local ranks' CPU and I/O while the job is overdue for a step; returns what
         they are doing (``self.level``). Nothing is read while steps flow."""
@@ -403,37 +375,3 @@ class WorkerGroup(GroupProgress):
 
     def summary(self) -> list[dict[str, Any]]:
         return status_rows(self.ranks.values())
-
-    def _exit_fault(self, r: RankState, now: float) -> dict[str, Any]:
-        failure = build_failure(rank=r.rank, local_rank=r.local_rank, pid=r.proc.pid, exitcode=r.exitcode or 0,
-                                exited_at=now, error_file=r.logs.error_file, stderr_file=r.logs.stderr_path,
-                                host=self.host)
-        return self._fault(r, "exit", now, failure=failure, message=r.frozen)
-
-    def _fault(self, r: RankState, kind: str, now: float, *, failure: WorkerFailure | None = None,
-               at: float | None = None, **fields: Any) -> dict[str, Any]:
-        """``at``: when the failure happened, if known better than ``now`` (when it was seen)."""
-        when = at if at is not None else r.exiting_at if r.exiting_at is not None else now
-        fault: dict[str, Any] = {"kind": kind, "rank": r.rank, "local_rank": r.local_rank, "host": self.host,
-                                 "pid": r.proc.pid, "ts": now, "attempt": self.spec.attempt,
-                                 "steps_completed": self.steps_completed(r, when),
-                                 "into_attempt_s": round(now - self.started_at, 3),  # seconds since the attempt started
-                                 **self.how_far(when)}
-        if failure is not None:
-            fault.update(exitcode=failure.exitcode, signal=failure.signal_name, stderr_tail=failure.stderr_tail[-4000:],
-                         traceback=failure.traceback,
-                         summary=failure.summary or describe_exit(failure.exitcode))
-            if failure.error is not None:
-                fault["message"] = failure.error.message[-2000:]
-            # A background thread's exception explains an exit only if it came at the same step and
-            # the process exited rather than being killed (it died 20 steps before a SIGKILL: no).
-            explains = r.exception is not None and (r.exception_fatal or (
-                failure.signal_name is None and r.exception_step == r.step))
-            if explains and r.exception is not None:
-                fault.setdefault("error_type", r.exception.get("type"))
-                fault.setdefault("message", r.exception.get("msg"))
-                fault["traceback"] = fault.get("traceback") or r.exception.get("tb")
-            elif r.exception is not None and failure.signal_name is not None and failure.error is None:
-                fault["summary"] = describe_exit(failure.exitcode)  # not the old traceback in its stderr
-        fault.update({k: v for k, v in fields.items() if v is not None})
-        return clip_fields(json.loads(json.dumps(fault, default=str)))  # a worker's text is unbounded
