@@ -30,6 +30,9 @@
   that back.
 - **Hard exits.** ``os._exit`` (common after ``destroy_process_group``) skips atexit, so it is
   wrapped to finish pending snapshot writes, say ``bye`` on code 0 and flush the channel first.
+
+The wrappers of torch's functions (``Optimizer.__init__``, ``destroy_process_group``,
+``init_process_group``) are in ``unicron.worker.torchwraps``; this module installs them.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from types import ModuleType, TracebackType
 from typing import IO, Any, NoReturn
 
 from unicron.textclip import FAULT_FIELD_LIMITS, clip
-from unicron.worker import channel, env, importwatch
+from unicron.worker import channel, env, importwatch, torchwraps
 from unicron.worker.inject import Fault, faults_at, fire, parse_inject_spec
 from unicron.worker.liveness import FrameWatch, count_batches_of
 from unicron.worker.steps import StepCounter
@@ -71,7 +74,6 @@ class _Runtime:
         self.reported: set[int] = set()  # id()s of exceptions already sent
         self.hard_exit_callbacks: list[Callable[[int], object]] = []
         self.snapshot_step: int | None = None  # of unicron.State's newest complete snapshot
-        self.closed = False  # said ``closed``: the default process group was destroyed
         self.pid = os.getpid()
         # Tells the agent while this worker's Python keeps moving between steps (evaluation,
         # compilation), so a long phase between steps is not taken for a hang.
@@ -144,28 +146,17 @@ def set_completed_steps(completed: int) -> None:
 def _register_optimizer_hook(optimizer_module: ModuleType) -> None:
     if _rt.optimizer_hook is None:
         _rt.optimizer_hook = optimizer_module.register_optimizer_step_post_hook(_on_optimizer_step)
-    _announce_optimizers(optimizer_module)
+    torchwraps.announce_optimizers(optimizer_module, _optimizer_built)
 
 
-def _announce_optimizers(optimizer_module: ModuleType) -> None:
-    """Wrap ``Optimizer.__init__`` (once) to send ``optim`` when this rank builds its first
-    optimizer: it will report steps, so until it does it is before its first step (start-up),
-    however long that takes, and never a script of unknown progress."""
-    cls = getattr(optimizer_module, "Optimizer", None)
-    if cls is None or getattr(cls.__init__, "_unicron", False):
-        return
-    original = cls.__init__
-
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        _rt.optimizers.add(self)
-        if not _rt.optimizer_built:
-            _rt.optimizer_built = True
-            channel.get().emit("optim")
-
-    __init__._unicron = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__
+def _optimizer_built(optimizer: Any) -> None:
+    """Send ``optim`` when this rank builds its first optimizer: it will report steps, so until
+    it does it is before its first step (start-up), however long that takes, and never a
+    script of unknown progress."""
+    _rt.optimizers.add(optimizer)
+    if not _rt.optimizer_built:
+        _rt.optimizer_built = True
+        channel.get().emit("optim")
 
 
 def _install_ddp_layouts(ddp_module: ModuleType) -> None:
@@ -174,69 +165,21 @@ def _install_ddp_layouts(ddp_module: ModuleType) -> None:
     ddplayout.install(ddp_module)
 
 
-def _announce_destroy(c10d_module: ModuleType) -> None:
-    """Wrap ``destroy_process_group`` (once) to send ``closed`` as the default group goes,
-    and ``init_process_group`` to send ``opened`` before a new one is made after that (the
-    script goes on with collectives: no longer past them). Hooked as soon as
-    ``distributed_c10d`` is executed, before ``torch.distributed`` re-exports them; where that
-    already happened (torch imported before the hooks), the re-exports too."""
-    destroy = getattr(c10d_module, "destroy_process_group", None)
-    init = getattr(c10d_module, "init_process_group", None)
-    if destroy is None or init is None or getattr(destroy, "_unicron", False):
-        return
-
-    @functools.wraps(destroy)
-    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
-        members = getattr(c10d_module, "GroupMember", None)
-        default = group is None or (members is not None and group is getattr(members, "WORLD", None))
-        if default:  # said first: the peers' collectives fail on it before it returns
-            _rt.closed = True
-            # In a ``finally`` on an exception's way out (``try: train() finally:
-            # destroy_process_group()``): not a clean end. The exception is reported now: the
-            # cleanup after this may outlast the stop that its peers' failures on the destroyed
-            # group bring (acceptance 25A F1, 26A F2: it was never said).
-            err = sys.exc_info()[1]
-            raising = err is not None and not (isinstance(err, SystemExit) and err.code in (0, None))
-            # But inside an ``except`` that caught it and cleans up (an early stop: acceptance 27A
-            # F1) the same is true: so it is sent as pending, which the rank's exit decides.
-            channel.get().emit("closed", **({"raising": True} if raising else {}))
-            if not raising:
-                _rt.frames.tail()
-            if isinstance(err, SystemExit) and raising:
-                exiting(err.code, pending=True)
-            elif raising and err is not None:
-                report_exception(type(err), err, err.__traceback__, pending=True)
-        try:
-            return destroy(group, *args, **kwargs)
-        except BaseException:
-            if default:  # not destroyed after all
-                _rt.closed = False
-                channel.get().emit("opened")
-            raise
-
-    @functools.wraps(init)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        if _rt.closed:
-            _rt.closed = False
-            channel.get().emit("opened")
-        # Joining: a rank that fails in here (a peer it cannot reach) is still starting up.
-        channel.get().emit("init")
-        return init(*args, **kwargs)
-
-    package = sys.modules.get("torch.distributed")
-    for name, original, wrapper in (("destroy_process_group", destroy, destroy_process_group),
-                                    ("init_process_group", init, init_process_group)):
-        wrapper._unicron = True  # type: ignore[attr-defined]
-        setattr(c10d_module, name, wrapper)
-        if package is not None and getattr(package, name, None) is original:
-            setattr(package, name, wrapper)
+def _raised_as_group_destroyed(err: BaseException) -> None:
+    """The default group is destroyed with ``err`` on its way out (``torchwraps``): reported
+    now, as pending (it may yet be caught; the rank's exit decides)."""
+    if isinstance(err, SystemExit):
+        exiting(err.code, pending=True)
+    else:
+        report_exception(type(err), err, err.__traceback__, pending=True)
 
 
 # Modules to hook right after they are executed, and how.
 _AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {
     OPTIMIZER_MODULE: _register_optimizer_hook,
     DDP_MODULE: _install_ddp_layouts,
-    C10D_MODULE: _announce_destroy,
+    C10D_MODULE: functools.partial(torchwraps.announce_destroy, past_end=lambda: _rt.frames.tail(),
+                                   raised=_raised_as_group_destroyed),
     "torch.utils.data.dataloader": count_batches_of,
 }
 
@@ -265,7 +208,7 @@ def report_exception(
 ) -> None:
     """Send ``exc{rank,type,msg,tb,fatal,ts}`` for this exception, once. ``fatal`` is False for
     an exception that ended only a background thread: the agent records it but does not stop
-    the job for it. ``pending``: it may yet be caught (see ``_announce_destroy``); sent again
+    the job for it. ``pending``: it may yet be caught (see ``torchwraps.announce_destroy``); sent again
     unpending if it ends the script."""
     if id(exc) in _rt.reported:
         return
@@ -283,7 +226,7 @@ def report_exception(
 def exiting(code: object, *, pending: bool = False) -> None:
     """Announce a non-zero ``SystemExit`` before the interpreter tears down: the exit code is
     the root cause, and peers may fail on this rank's closed sockets before the agent can reap it.
-    ``pending``: it may yet be caught (see ``_announce_destroy``): the script goes on for now."""
+    ``pending``: it may yet be caught (see ``torchwraps.announce_destroy``): the script goes on for now."""
     if not pending:
         _rt.frames.stop()
     # The status the process will have: sys.exit(-1) is 255, sys.exit(256) is 0.
