@@ -378,6 +378,39 @@ def test_lines_of_hundreds_of_kb_from_two_ranks_reach_the_console_whole(tmp_path
     assert sorted(console.getvalue().split(b"\n")) == [b"", lines["a"], lines["b"]]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("raw", [True, False], ids=["untouched", "teed"])
+def test_a_line_of_many_mb_without_an_end_is_read_once_and_shown_whole(tmp_path: Path, monkeypatch, raw: bool) -> None:
+    """Acceptance 33A F7: each 64 KiB read of a line with no end yet joined and re-scanned all of
+    it held so far (quadratic: a 32 MiB line kept the launcher 8 s past the job's end). Every
+    byte is now scanned for line ends about once, and the line still reaches the console whole."""
+    import unicron.agent.tee as tee_module
+
+    scanned = [0]
+
+    class CountingLineEnd:
+        def split(self, data: bytes) -> list[bytes]:
+            scanned[0] += len(data)
+            return re.split(rb"\r\n|\r|\n", data)
+
+    monkeypatch.setattr(tee_module, "_LINE_END", CountingLineEnd())
+    console = io.BytesIO()
+    tee = ConsoleTee(stderr=console, interval_s=0.01, max_line_bytes=1 << 20)
+    line = bytes(range(65, 91)) * ((6 << 20) // 26) + b"END"
+    path = tmp_path / "rank.log"
+    with open(path, "wb", buffering=0) as writer:
+        writer.write(line + b"\n")
+    finish = tee.follow(str(path), "", stream="stderr", raw=raw)
+    finish()
+    assert tee.close(timeout_s=30)
+    if raw:  # byte for byte, as the worker wrote it
+        assert console.getvalue() == line + b"\n"
+    else:  # in pieces of about max_line_bytes, each a line of its own
+        pieces = console.getvalue().removesuffix(b"\n").split(b"\n")
+        assert b"".join(pieces) == line and len(pieces) == 6, [len(p) for p in pieces]
+    assert scanned[0] <= 2 * len(line), f"{scanned[0]} bytes scanned for a line of {len(line)}"
+
+
 def test_slow_console_does_not_block_the_worker(tmp_path: Path, workers: list[WorkerProcess]) -> None:
     release = threading.Event()
 
