@@ -536,3 +536,82 @@ def test_a_kill_that_unicron_injected_is_said_to_be_so() -> None:
     assert injected.rule == "sigkill" and injected.reason.endswith("was killed by SIGKILL (injected by unicron)")
     other = classify(F(exitcode=-9, rank=1, stderr_tail="step 14\n"), [])
     assert other.reason.endswith("(from outside, or by the kernel OOM killer)")
+
+
+# ---------------------------------------------------------------------------------------------
+# A mention is not a fault: acceptance 33A F1/F2. A rank's stderr holds its own log lines too;
+# the text rules match what the failing component prints, not any line that names the thing.
+
+PREFLIGHT = "preflight: ECC errors: 0, NVLink links down: 0\n"
+
+
+@pytest.mark.parametrize("tail", [
+    PREFLIGHT + "bad batch, giving up\n",
+    "gpu check: Xid events since boot: none\nbad batch, giving up\n",
+    "checked: no GPU is lost: 0 of 8, uncorrectable ECC errors: 0\nbad batch\n",
+    "NCCL INFO Channel 00 : 0[0] -> 1[1] via P2P/NVLink\nNVLink status: 12 links, errors 0\nbad batch\n",
+    # an optional helper it ran was missing; the script went on and failed later, for another reason
+    "/usr/bin/python3: can't open file '/w/optional_prefetch.py': [Errno 2] No such file or directory\n"
+    "dataset server not ready yet, exiting for a retry\n",
+    # an earlier log line about an OOM it recovered from, and a subprocess's usage error
+    "step 0: caught torch.OutOfMemoryError, retrying with batch 16 (CUDA out of memory was avoided)\n"
+    "usage: tool [-h]\ntool: error: unrecognized arguments: --x\nloader: giving up\n",
+])
+@pytest.mark.parametrize("exitcode", [1, 2])
+def test_a_line_that_mentions_a_fault_is_not_one(tail: str, exitcode: int) -> None:
+    for steps in (0, 4, None):
+        c = classify(F(exitcode=exitcode, rank=1, steps_completed=steps, stderr_tail=tail))
+        assert (c.rule, c.severity) == ("nonzero-exit", Severity.SEV2), (steps, c)
+
+
+def test_the_real_reports_are_still_faults() -> None:
+    """What the kernel, CUDA, NVML, NCCL, CPython and argparse print, after a script's own
+    harmless lines, still classifies as before."""
+    real = {
+        "gpu-xid": "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+        "gpu-ecc": "terminate called after throwing an instance of 'c10::Error'\n"
+                   "  what():  CUDA error: uncorrectable ECC error encountered",
+        "gpu-nvlink": "RuntimeError: CUDA error: uncorrectable NVLink error was detected during the execution",
+        "gpu-lost": "Unable to determine the device handle for GPU 0000:3B:00.0: GPU is lost.  Reboot the system "
+                    "to recover this GPU",
+        "out-of-memory": "terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc",
+    }
+    for rule, text in real.items():
+        c = classify(F(exitcode=1 if rule != "out-of-memory" else -6, stderr_tail=PREFLIGHT + text))
+        assert c.rule == rule, (rule, c)
+    missing = "python: can't open file '/x/train.py': [Errno 2] No such file or directory\n"
+    assert classify(F(exitcode=2, steps_completed=0, stderr_tail="starting\n" + missing)).rule == "user-missing-script"
+    click = "Usage: train.py [OPTIONS]\nTry 'train.py --help' for help.\n\nError: No such option: --lr\n"
+    assert classify(F(exitcode=2, steps_completed=0, stderr_tail=click)).rule == "user-usage-error"
+
+
+@pytest.mark.timeout(60)
+def test_real_health_line_and_missing_helper_then_exit_1_is_an_ordinary_exit(tmp_path: Path) -> None:
+    """33A's scripts, for real: a preflight line naming ECC and NVLink, an optional helper run
+    with python that is missing, then ``sys.exit(1)`` and ``os._exit(1)``: restarted (SEV2), not
+    a node left out (SEV1) nor a FATAL "the training script cannot be opened"."""
+    for ending in ("sys.exit(1)", "os._exit(1)"):
+        script = tmp_path / "train.py"
+        script.write_text(textwrap.dedent(f"""\
+            import os, subprocess, sys
+            print({PREFLIGHT.strip()!r}, file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "optional_prefetch.py"])
+            print("dataset server not ready yet, exiting for a retry", file=sys.stderr, flush=True)
+            {ending}
+            """))
+        proc = _run([sys.executable, str(script)], tmp_path)
+        assert proc.returncode == 1 and "can't open file" in proc.stderr, proc.stderr
+        for steps in (0, 4):
+            fault = Fault("exit", time.time(), rank=1, exitcode=1, stderr_tail=proc.stderr, steps_completed=steps)
+            c = classify(fault)
+            assert (c.rule, c.severity) == ("nonzero-exit", Severity.SEV2), (ending, steps, c)
+
+
+@pytest.mark.timeout(60)
+def test_real_missing_script_through_unicrons_worker_boot(tmp_path: Path) -> None:
+    """unicron's worker boot says so in its own words (exit 2), after any line a wrapper printed."""
+    proc = _run([sys.executable, "-m", "unicron.worker.boot", str(tmp_path / "missing.py")], REPO)
+    assert proc.returncode == 2 and "unicron worker: can't open file" in proc.stderr, proc.stderr
+    for before in ("", "starting training\n"):
+        fault = Fault("exit", 1.0, rank=0, exitcode=2, stderr_tail=before + proc.stderr, steps_completed=0)
+        assert classify(fault).rule == "user-missing-script", proc.stderr

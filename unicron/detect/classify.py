@@ -13,6 +13,7 @@ import signal as _signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from unicron.detect import errortext
 from unicron.detect.evidence import (
     FRAME_FILE,
     Evidence,
@@ -37,7 +38,6 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 69})
 CRASH_SIGNALS = frozenset({_signal.SIGSEGV, _signal.SIGBUS, _signal.SIGABRT, _signal.SIGILL, _signal.SIGFPE})
 TERMINATION_SIGNALS = frozenset({_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP, _signal.SIGQUIT})
 
-_XID_WORD = re.compile(r"\bXid\b[^\n]*")
 # "Xid 79", "Xid: 79" and the kernel's "NVRM: Xid (PCI:0000:3b:00): 79, pid=..."
 _XID_CODE = re.compile(r"\bXid\b(?:\s*\([^)]*\))?\s*:?\s*(\d{1,3})\b")
 
@@ -154,7 +154,7 @@ def _state_misuse(fault: Fault, ev: Evidence) -> bool:
 def _missing_script(fault: Fault, ev: Evidence) -> bool:
     if not (_failed_process(fault) and _before_first_step(fault)):
         return False
-    if "can't open file" in fault.stderr_tail:  # plain `python missing.py` (exit code 2)
+    if errortext.cant_open_script(fault):  # plain `python missing.py` (exit code 2)
         return True
     if ev.exception_type != "FileNotFoundError":
         return False
@@ -169,8 +169,11 @@ def _usage_error(fault: Fault, ev: Evidence) -> bool:
     if not (_failed_process(fault) and _before_first_step(fault)):
         return False
     exited_2 = fault.exitcode == 2 or (ev.exception_type == "SystemExit" and ev.exception_message.strip() == "2")
-    text = ev.text.lower()
-    return exited_2 and "usage:" in text and "error:" in text
+    return exited_2 and errortext.usage_error(fault)
+
+
+def _found(pattern: re.Pattern[str], ev: Evidence) -> bool:
+    return bool(pattern.search(ev.text))
 
 
 def _first_match(pattern: re.Pattern[str], text: str) -> str:
@@ -202,7 +205,6 @@ def _signal_in(signals: frozenset[int]) -> Callable[[Fault, Evidence], bool]:
 
 
 _SHARED_GPU = re.compile(r"Duplicate GPU detected[^\n]*")  # NCCL's words for two ranks of one communicator on one GPU
-_NVLINK_ERROR = re.compile(r"NVLink[^\n]*(error|fail|fault|down)|(error|fail|fault)[^\n]*NVLink", re.IGNORECASE)
 
 # fmt: off
 RULES: tuple[Rule, ...] = (
@@ -253,24 +255,20 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()} raised {error_summary(f, ev)} past start-up (the script reports no steps, "
          "so its progress is unknown)" + SAME_AGAIN_STOPS),
     # Hardware named in the error text: the node (or its GPU) must be excluded.
-    Rule("gpu-xid", Severity.SEV1, lambda f, ev: _failed_process(f) and bool(_XID_WORD.search(ev.text)),
-         lambda f, ev: f"{f.where()} hit a GPU Xid error: {short(_first_match(_XID_WORD, ev.text))}"),
-    Rule("gpu-ecc", Severity.SEV1, lambda f, ev: _failed_process(f) and _has(
-        "uncorrectable ECC", "ECC error", "ECC uncorrectable", "cudaErrorECCUncorrectable", case=False)(f, ev),
+    # The words of the kernel, CUDA, NVML or NCCL (errortext), never a mere mention in a log line.
+    Rule("gpu-xid", Severity.SEV1, lambda f, ev: _failed_process(f) and _found(errortext.XID_LINE, ev),
+         lambda f, ev: f"{f.where()} hit a GPU Xid error: {short(_first_match(errortext.XID_LINE, ev.text))}"),
+    Rule("gpu-ecc", Severity.SEV1, lambda f, ev: _failed_process(f) and _found(errortext.ECC_ERROR, ev),
          lambda f, ev: f"{f.where()} hit an uncorrectable ECC error ({error_summary(f, ev)})"),
-    Rule("gpu-nvlink", Severity.SEV1, lambda f, ev: _failed_process(f) and bool(_NVLINK_ERROR.search(ev.text)),
+    Rule("gpu-nvlink", Severity.SEV1, lambda f, ev: _failed_process(f) and _found(errortext.NVLINK_ERROR, ev),
          lambda f, ev: f"{f.where()} hit an NVLink error ({error_summary(f, ev)})"),
-    Rule("gpu-lost", Severity.SEV1, lambda f, ev: _failed_process(f) and _has(
-        "fallen off the bus", "GPU is lost", "cudaErrorDevicesUnavailable")(f, ev),
+    Rule("gpu-lost", Severity.SEV1, lambda f, ev: _failed_process(f) and _found(errortext.GPU_LOST, ev),
          lambda f, ev: f"{f.where()} lost its GPU ({error_summary(f, ev)})"),
     Rule("health-evidence-hardware", Severity.SEV1,
          lambda f, ev: _failed_process(f) and any(_sev1_health(h) for h in ev.health),
          lambda f, ev: f"{f.where()} failed ({error_summary(f, ev) or 'exit'}) while its node reported "
          + "; ".join(short(h.message) or h.error_type for h in ev.health if _sev1_health(h))),
-    Rule("out-of-memory", Severity.SEV2, lambda f, ev: _failed_process(f) and (
-        ev.exception_type in ("OutOfMemoryError", "MemoryError")
-        or _has("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "std::bad_alloc",
-                "DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")(f, ev)),
+    Rule("out-of-memory", Severity.SEV2, lambda f, ev: _failed_process(f) and errortext.out_of_memory(f, ev),
          lambda f, ev: f"{f.where()} ran out of memory ({error_summary(f, ev)})"),
     # CUDA errors a script's data or build causes (a class label or token id out of range fails
     # a kernel's index check: a device-side assert; a build without this GPU's architecture):

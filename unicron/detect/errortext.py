@@ -1,0 +1,85 @@
+"""The words a failing component really prints, for the classifier's text rules (pure).
+
+A rank's stderr tail holds everything it wrote, its own log lines too. A rule that looks for a
+word anywhere in it reads a script's start-up check (``preflight: ECC errors: 0, NVLink links
+down: 0``) as a hardware fault and leaves a healthy node out of the job; an optional helper's
+``can't open file`` earlier in the output made a transient exit FATAL (acceptance 33A F1/F2).
+So each pattern here is the wording of the component that reports the fault (the kernel, CUDA,
+NVML, NCCL, CPython, argparse), and where a tool's output could hold it by the way, the line has
+to be where that tool puts it (the last one, for a process that ended on it).
+"""
+
+from __future__ import annotations
+
+import re
+
+from unicron.detect.evidence import Evidence, strip_prefixes, without_source
+from unicron.detect.faults import Fault, stderr_summary
+
+# The kernel's report (dmesg, or a script that forwards it): "NVRM: Xid (PCI:0000:3b:00): 79, pid=...".
+# Never the bare word: "Xid" in a log line ("checked Xid events: none") is not one.
+XID_LINE = re.compile(r"\bXid \(PCI:[0-9A-Fa-f:.]+\): \d{1,3}\b[^\n]*")
+# CUDA's own message for cudaErrorECCUncorrectable (torch: "CUDA error: uncorrectable ECC error
+# encountered"), and the error's names; not "ECC errors: 0" from a health check.
+ECC_ERROR = re.compile(r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable|CUDA_ERROR_ECC_UNCORRECTABLE")
+# CUDA's cudaErrorNvlinkUncorrectable ("uncorrectable NVLink error was detected during the
+# execution"), or an NCCL warning line about a link that failed; plain `via P2P/NVLink` INFO
+# lines and a script's "NVLink links down: 0" are neither.
+NVLINK_ERROR = re.compile(r"uncorrectable NVLink error|cudaErrorNvlinkUncorrectable|CUDA_ERROR_NVLINK_UNCORRECTABLE"
+                          r"|NCCL WARN[^\n]*NVLink[^\n]*(?i:error|fail|fault|down)")
+# The driver's Xid 79 text; NVML's NVML_ERROR_GPU_IS_LOST as nvidia-smi and pynvml print it
+# ("...: GPU is lost.  Reboot the system", "NVMLError_GPUIsLost: GPU is lost"); CUDA's name.
+GPU_LOST = re.compile(r"GPU has fallen off the bus|: GPU is lost(?:\.|[ \t]*$)|cudaErrorDevicesUnavailable",
+                      re.MULTILINE)
+# CPython's words when it cannot open the script it was given, which it prints and exits 2 on:
+# "/usr/bin/python3: can't open file '/x/train.py': [Errno 2] No such file or directory"; and
+# unicron's worker boot's, in the same case (unicron.worker.boot, exit 2 too).
+_CANT_OPEN = re.compile(r"^(?:.*: can't open file '.*': \[Errno \d+\]|unicron worker: can't open file )")
+# argparse ends on "prog: error: ..." after its "usage: ..." block; click on "Error: ...".
+_USAGE_START = re.compile(r"^usage:", re.IGNORECASE)
+_USAGE_ERROR = re.compile(r"^(?:.+: )?error: ", re.IGNORECASE)
+# What a process may still print after the line it failed on: unicron's hooks' own warnings,
+# glog's W/I lines and Python warnings at interpreter teardown.
+_AFTERWORDS = re.compile(r"^(?:unicron: |\[?[WI]\d{4}\b|\S*Warning: )")
+# The allocators' and CUDA's own words for running out of memory (torch's caching allocator,
+# cuBLAS, C++'s bad_alloc, torch's CPU allocator), and torch's exception type as it ends a line
+# of a traceback; not "OutOfMemoryError" in a log line about a retry with a smaller batch.
+OOM_TEXT = re.compile(r"CUDA out of memory|^(?:[\w.]+\.)?OutOfMemoryError:|CUBLAS_STATUS_ALLOC_FAILED|std::bad_alloc"
+                      r"|DefaultCPUAllocator: (?:can't allocate|not enough) memory", re.MULTILINE)
+OOM_TYPES = frozenset({"OutOfMemoryError", "MemoryError"})
+
+
+def _last_lines(tail: str) -> list[str]:
+    """The non-empty lines of a stderr tail (launcher prefixes off), without what a process
+    prints after it failed (teardown warnings)."""
+    lines = [line.rstrip() for line in strip_prefixes(tail).splitlines() if line.strip()]
+    while lines and _AFTERWORDS.match(lines[-1]):
+        lines.pop()
+    return lines
+
+
+def cant_open_script(fault: Fault) -> bool:
+    """CPython could not open the script it was started with: its "can't open file" line is the
+    last the process wrote and it exited 2, as CPython does then. A line a helper subprocess
+    printed earlier (``python optional_prefetch.py``, missing) is not about the rank's script."""
+    lines = _last_lines(fault.stderr_tail)
+    return fault.exitcode == 2 and bool(lines) and bool(_CANT_OPEN.match(lines[-1]))
+
+
+def usage_error(fault: Fault) -> bool:
+    """The process ended on argparse's (or click's) error line, after a usage block: a
+    subprocess's usage error printed earlier is not the script's."""
+    lines = _last_lines(fault.stderr_tail)
+    return (bool(lines) and bool(_USAGE_ERROR.match(lines[-1]))
+            and any(_USAGE_START.match(line) for line in lines[:-1]))
+
+
+def out_of_memory(fault: Fault, ev: Evidence) -> bool:
+    """The error that ended the process is an out-of-memory one: its exception (type, message,
+    the traceback's chain) or the line its stderr ended on (a C++ ``what()``); not any line."""
+    if ev.exception_type in OOM_TYPES:
+        return True
+    said = stderr_summary(strip_prefixes(fault.stderr_tail))
+    where = "\n".join((ev.exception_message, without_source(fault.traceback), said) if ev.exception_type else (said,))
+    return bool(OOM_TEXT.search(where))
+
