@@ -615,3 +615,37 @@ def test_real_missing_script_through_unicrons_worker_boot(tmp_path: Path) -> Non
     for before in ("", "starting training\n"):
         fault = Fault("exit", 1.0, rank=0, exitcode=2, stderr_tail=before + proc.stderr, steps_completed=0)
         assert classify(fault).rule == "user-missing-script", proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_connection_is_a_lost_peer_only_out_of_torch_distributed(tmp_path: Path) -> None:
+    """Acceptance 33A F4: a rank's own socket to a service that is down (a feature store) was
+    "lost its connection to a peer" (SEV3, a victim). Real: a connection to a port nobody listens on."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""\
+        import socket
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        socket.create_connection(("127.0.0.1", port), timeout=5)  # the script's own redis, down
+        """))
+    proc = _run([sys.executable, str(script)], tmp_path)
+    assert proc.returncode == 1 and "ConnectionRefusedError" in proc.stderr, proc.stderr
+    tb = proc.stderr[:proc.stderr.index("ConnectionRefusedError")]
+    own = [Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=proc.stderr, steps_completed=4),
+           Fault("exception", 1.0, rank=1, error_type="ConnectionRefusedError", message="[Errno 111] Connection refused",
+                 traceback=tb, steps_completed=4)]
+    for fault in own:
+        c = classify(fault)
+        assert (c.rule, c.severity) == ("uncaught-exception", Severity.SEV2) and not is_victim(fault, c), c
+    # The same refusal out of torch.distributed (the store, gloo's pair) is a peer's loss.
+    store = [
+        F("exception", error_type="torch.distributed.DistNetworkError", message="The client socket has failed to "
+          "connect to [localhost]:41234 (errno: 111 - Connection refused)."),
+        F("exception", error_type="ConnectionRefusedError", message="[Errno 111] Connection refused",
+          traceback='  File "/site-packages/torch/distributed/rendezvous.py", line 189, in _create_c10d_store\n'),
+        F(exitcode=1, stderr_tail="[W socket.cpp:464] [c10d] The client socket has failed to connect to "
+          "[localhost]:41234 (errno: 111 - Connection refused).\n"),
+        F(exitcode=1, stderr_tail="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:144] "
+          "connect [127.0.0.1]:41234: Connection refused"),
+    ]
+    for fault in store:
+        assert classify(fault).rule == "peer-connection-lost", fault

@@ -88,6 +88,7 @@ def _before_first_step(fault: Fault) -> bool:
 
 
 _PEER_ERRORS = frozenset({"ConnectionResetError", "ConnectionRefusedError", "ConnectionAbortedError"})
+_REFUSED = ("Connection refused", "ECONNREFUSED")
 _PEER_NEEDLES = ("Connection reset by peer", "Connection refused", "Broken pipe", "Connection closed by peer",
                  "ECONNRESET", "ECONNREFUSED")
 
@@ -113,10 +114,13 @@ def _peer_connection_lost(fault: Fault, ev: Evidence) -> bool:
     whole output is searched."""
     if ev.exception_type == "BrokenPipeError" or _web_client(fault, ev):
         return False
-    if ev.exception_type in _PEER_ERRORS:
-        return True
     where = ev.exception_message if ev.exception_type else ev.text
-    return any(needle in where for needle in _PEER_NEEDLES)
+    said = [needle for needle in _PEER_NEEDLES if needle in where]
+    if ev.exception_type == "ConnectionRefusedError" or (said and all(n in _REFUSED for n in said)):
+        # Nobody listens there: a peer's (or the store's) port only when torch.distributed was
+        # connecting; the script's own service (a feature store, redis) otherwise (33A F4).
+        return errortext.from_collective(fault, ev, said[0] if said else "Connection refused")
+    return ev.exception_type in _PEER_ERRORS or bool(said)
 
 
 def _user_error(types: frozenset[str]) -> Callable[[Fault, Evidence], bool]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from unicron.detect.evidence import Evidence, strip_prefixes, without_source
+from unicron.detect.evidence import FRAME_FILE, Evidence, strip_prefixes, without_source
 from unicron.detect.faults import Fault, stderr_summary
 
 # The kernel's report (dmesg, or a script that forwards it): "NVRM: Xid (PCI:0000:3b:00): 79, pid=...".
@@ -83,3 +83,21 @@ def out_of_memory(fault: Fault, ev: Evidence) -> bool:
     where = "\n".join((ev.exception_message, without_source(fault.traceback), said) if ev.exception_type else (said,))
     return bool(OOM_TEXT.search(where))
 
+
+
+# torch.distributed's parts (its process groups, gloo, NCCL, the c10d store): a connection
+# refused there is a peer's (or the store's) loss; anywhere else it is the script's own socket.
+_COLLECTIVE_MARKS = ("gloo", "nccl", "processgroup", "c10d", "torch/distributed", "torch.distributed", "tcpstore",
+                     "distnetworkerror", "diststoreerror")
+
+
+def from_collective(fault: Fault, ev: Evidence, needle: str) -> bool:
+    """The error came out of torch.distributed: its type, message or frames name it, or (no
+    exception known) the very line that says ``needle`` does. Not any line of stderr: gloo
+    prints at start-up (``[Gloo] Rank 0 is connected to 1 peer ranks``)."""
+    if ev.exception_type:
+        frames = " ".join(FRAME_FILE.findall(fault.traceback or strip_prefixes(fault.stderr_tail)))
+        text = " ".join((fault.error_type, ev.exception_message, frames))
+    else:
+        text = " ".join(line for line in ev.text.splitlines() if needle in line)
+    return any(mark in text.lower() for mark in _COLLECTIVE_MARKS)
