@@ -134,6 +134,23 @@ def test_reattempt_escalates_to_restart_within_window_only() -> None:
     assert d2.action is Action.REATTEMPT and not d2.escalated
 
 
+def test_an_escalated_restart_that_fails_again_never_steps_back_to_reattempt() -> None:
+    """Acceptance 33A F4: reattempt, then restart (escalated), then the same transient failure
+    within the window was reattempted again: the ladder stepped back down."""
+    job = Job()
+    actions = [job.fail("conn", t, 4) for t in (100.0, 101.0, 102.0, 103.0)]
+    assert [d.action for d in actions] == [Action.REATTEMPT, Action.RESTART, Action.RESTART, Action.RESTART]
+    assert all(d.escalated for d in actions[1:]) and "stays at restart" in actions[2].reason
+    # After any restart that failed within the window, too; outside it, a reattempt again.
+    other = Job()
+    assert other.fail("crash", 100.0, 4).action is Action.RESTART
+    assert other.fail("conn", 110.0, 4).action is Action.RESTART
+    later = Job()
+    later.fail("crash", 100.0, 4)
+    d = later.fail("conn", 200.0, 4)
+    assert d.action is Action.REATTEMPT and not d.escalated
+
+
 def test_restart_failing_again_in_place_without_progress() -> None:
     elastic = Job(elastic=True)
     assert elastic.fail("crash", 1.0, 50, rank=3).action is Action.RESTART

@@ -9,7 +9,8 @@ Rules, in order (docs/failures.md explains each):
 4. Crash-loop guard: ``crash_loop_limit`` restarts in a row without one completed step stop;
    a restored attempt that fails as the one before it did, by the same rule and no further,
    from no earlier a snapshot (a replay: restores are bit-exact) counts as no step.
-5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART; a
+5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART, and
+   so does one after a RESTART or RECONFIGURE that failed within it (no stepping back down); a
    RESTART that fails again on the same rank (or node, for node faults) without progress becomes a RECONFIGURE
    when the job is elastic, else STOP. A SEV1 in a job that is not elastic cannot exclude
    anything: it restarts on the same nodes (the lost node may come back) and escalates from there.
@@ -312,6 +313,15 @@ class RestartPolicy:
         ):
             action, escalated = Action.RESTART, True
             notes.append(f"the reattempt failed again within {now - last.ts:.1f}s: escalated to restart")
+        elif (
+            # A restart (or reconfigure) that failed within the window is not followed by the
+            # cheaper reattempt: the ladder stayed escalated for one failure, then stepped back
+            # down, reattempt, restart, reattempt ... for the same failure (acceptance 33A F4).
+            last is not None and action is Action.REATTEMPT and last.action.order > Action.REATTEMPT.order
+            and now - last.ts <= self.reattempt_window_s
+        ):
+            action, escalated = Action.RESTART, True
+            notes.append(f"the {last.action.value} failed again within {now - last.ts:.1f}s: stays at restart")
         # The same error before any step, twice, on another rank is the same failure too: when
         # every rank fails alike at start-up, which one is seen first is chance, and must not
         # decide whether the job stops.
