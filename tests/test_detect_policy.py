@@ -17,6 +17,8 @@ POLICY = RestartPolicy(crash_loop_limit=3, reattempt_window_s=30.0, backoff_firs
 
 KINDS: dict[str, dict[str, object]] = {
     "crash": {"kind": "exit", "exitcode": -11},
+    "kill": {"kind": "exit", "exitcode": -9},  # a SIGKILL from outside (or an OOM kill unicron saw no trace of)
+    "term": {"kind": "exit", "exitcode": -15},
     "conn": {"kind": "exit", "exitcode": 1, "stderr_tail": "RuntimeError: Connection reset by peer"},
     "lost": {"kind": "node_lost", "rank": None},
     "oom": {"kind": "exception", "error_type": "torch.OutOfMemoryError", "message": "CUDA out of memory"},
@@ -169,6 +171,28 @@ def test_restart_failing_again_in_place_without_progress() -> None:
     progressed = Job()
     progressed.fail("crash", 1.0, 50, rank=3)
     assert progressed.fail("crash", 2.0, 7, rank=3).action is Action.RESTART
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_kill_from_outside_after_a_restart_is_no_failure_of_the_script(elastic: bool) -> None:
+    # Acceptance 33B F1: rank 1 killed at step 10, then SIGKILLed from outside during the
+    # restart's rendezvous, stopped the job saying "what failed points at the script".
+    job = Job(elastic=elastic, policy=RestartPolicy(crash_loop_limit=5))  # (the guard is below)
+    assert job.fail("kill", 1.0, 10, rank=1).action is Action.RESTART
+    d = job.fail("kill", 2.0, 0, rank=1)
+    assert d.action is Action.RESTART and not d.escalated, d.reason
+    # Nor is the script's own failure right after a kill a repeat of anything: the first one is restarted ...
+    assert job.fail("crash", 3.0, 0, rank=1).action is Action.RESTART
+    # ... and only the script failing alike again in place, with no step between, stops (or reconfigures).
+    d = job.fail("crash", 4.0, 0, rank=1)
+    assert d.action is (Action.RECONFIGURE if elastic else Action.STOP) and d.escalated
+    # A termination signal from outside is the same; the crash-loop guard still bounds kills.
+    term = Job(elastic=elastic)
+    term.fail("crash", 1.0, 10, rank=1)
+    assert term.fail("term", 2.0, 0, rank=1).action is Action.RESTART
+    assert term.fail("kill", 3.0, 0, rank=1).action is Action.RESTART
+    d = term.fail("kill", 4.0, 0, rank=1)
+    assert d.action is Action.STOP and d.stop is StopReason.CRASH_LOOP
 
 
 def test_sev1_reconfigures_only_when_elastic() -> None:

@@ -12,7 +12,7 @@ Rules, in order (docs/failures.md explains each):
 5. Escalation: a REATTEMPT that fails again within ``reattempt_window_s`` becomes a RESTART, and
    so does one after a RESTART or RECONFIGURE that failed within it (no stepping back down); a
    RESTART that fails again on the same rank (or node, for node faults) without progress becomes a RECONFIGURE
-   when the job is elastic, else STOP. A SEV1 in a job that is not elastic cannot exclude
+   when the job is elastic, else STOP; not when either failure came from outside (``OUTSIDE_RULES``). A SEV1 in a job that is not elastic cannot exclude
    anything: it restarts on the same nodes (the lost node may come back) and escalates from there.
 6. Budget: every REATTEMPT, RESTART and RECONFIGURE spends one unit of the job-wide
    ``max_restarts``; with none left the job stops.
@@ -38,6 +38,13 @@ from unicron.errors import (
 )
 
 BUDGETED_ACTIONS = frozenset({Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE})
+
+# Failures the script did not cause: a SIGKILL (sent from outside, the kernel OOM killer's kill
+# unicron saw no trace of, or --inject kill) or a termination signal from outside. One of them
+# on either side of a restart is no evidence that the script fails again at start-up, so it
+# never escalates (acceptance 33B F1: two unrelated kills of one rank stopped the job, blaming
+# the script); the crash-loop guard and the budget still bound it.
+OUTSIDE_RULES = frozenset({"sigkill", "terminated"})
 
 
 class StopReason(enum.Enum):
@@ -340,8 +347,9 @@ class RestartPolicy:
                          and bool(last.error) and last.error == classification.error)
         same_error = (last is not None and bool(last.error) and last.error == classification.error
                       and last.rule == classification.rule and (_no_progress(last.progress) or unknown_twice))
+        outside = classification.rule in OUTSIDE_RULES or (last is not None and last.rule in OUTSIDE_RULES)
         if (
-            last is not None and action is Action.RESTART and last.action is Action.RESTART
+            last is not None and action is Action.RESTART and last.action is Action.RESTART and not outside
             and (_no_progress(progress) or unknown_twice) and (_same_place(last, fault) or same_error)
         ):
             same_place = _same_place(last, fault)
