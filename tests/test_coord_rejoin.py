@@ -158,8 +158,9 @@ def test_holdings_need_every_rank_on_its_own_node() -> None:
     assert Holdings(0, 0).restorable_step([]) is None
     # A layout that restores nothing says why; one that restores, or no snapshot at all, says nothing.
     assert h.not_restored([("a", 0, 2), ("b", 2, 2)]) == ""
-    assert h.not_restored([("a", 0, 2)]) == ("the snapshots kept in memory (newest: step 6) cannot be restored: "
-                                             "the world size changed (4 -> 2)")
+    assert h.not_restored([("a", 0, 2)]) == ("the snapshots kept in memory (newest held by every rank that kept one: "
+                                             "step 5; step 6 by some only) cannot be restored: the world size "
+                                             "changed (4 -> 2)")
     assert h.not_restored([("a", 0, 2), ("c", 2, 2)]).endswith("rank 2's new node holds no snapshot of it")
     assert h.not_restored([("b", 0, 2), ("a", 2, 2)]).endswith("rank 0 moved to a node that holds no snapshot of it")
     early = Holdings(attempt=0, world_size=2)  # rank 0 failed before its first commit
@@ -170,8 +171,22 @@ def test_holdings_need_every_rank_on_its_own_node() -> None:
                                                       "model, the first commit of a fresh start makes none)")
     disjoint = Holdings(attempt=1, world_size=2)
     disjoint.add("a", {"snapshots": {"0": [7], "1": [8]}})
-    assert disjoint.not_restored([("a", 0, 2)]).endswith("no step is held for every rank")
+    assert disjoint.not_restored([("a", 0, 2)]) == ("the snapshots kept in memory (newest: step 8, on some ranks "
+                                                    "only) cannot be restored: no step is held for every rank")
     assert Holdings(0, 2).not_restored([("a", 0, 2)]) == ""
+
+
+def test_the_restore_note_names_the_step_a_restore_would_have_given() -> None:
+    # Acceptance 33B F2: rank 0 was killed at step 100 before committing it, node b (ranks 2-3)
+    # was lost with its snapshots; the note said "newest: step 100", though 99 was all there was.
+    h = Holdings(attempt=1, world_size=4)
+    h.add("a", {"snapshots": {"0": [98, 99], "1": [99, 100]}})
+    assert h.not_restored([("a", 0, 2), ("c", 2, 2)]) == (
+        "the snapshots kept in memory (newest held by every rank that kept one: step 99; step 100 by some only) "
+        "cannot be restored: rank 2's new node holds no snapshot of it")
+    even = Holdings(attempt=1, world_size=4)  # every rank at the same step: said as before
+    even.add("a", {"snapshots": {"0": [99, 100], "1": [99, 100]}})
+    assert even.not_restored([("a", 0, 2), ("c", 2, 2)]).startswith("the snapshots kept in memory (newest: step 100) ")
 
 
 def test_snapshot_reports_of_the_wrong_shape_are_skipped() -> None:

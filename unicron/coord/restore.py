@@ -53,8 +53,8 @@ class Holdings:
         """Why ``layout`` restores nothing though snapshots were kept ("" when none were, or
         when it restores): what the console says, so a fresh start is never silent."""
         layout = list(layout)
-        newest = max((s for n in self.nodes.values() for steps in n.steps.values() for s in steps), default=None)
-        if newest is None or self.restorable_step(layout) is not None:
+        newest = self._newest()
+        if not newest or self.restorable_step(layout) is not None:
             return ""
         world = sum(count for _, _, count in layout)
         if world != self.world_size:
@@ -63,7 +63,26 @@ class Holdings:
             missing = [rank for node_id, first, count in layout for rank in range(first, first + count)
                        if not (self.nodes[node_id].steps.get(rank) if node_id in self.nodes else None)]
             why = self._missing(missing[0], layout) if missing else "no step is held for every rank"
-        return f"the snapshots kept in memory (newest: step {newest}) cannot be restored: {why}"
+        return f"the snapshots kept in memory ({newest}) cannot be restored: {why}"
+
+    def _newest(self) -> str:
+        """The newest snapshot kept, in words ("" when none): the newest step held by every rank
+        that kept any (the one that would have been restored), and a newer one some ranks held.
+        The newest step of any rank alone overstated what was lost (33B F2: "newest: step 100"
+        where rank 0 never committed 100, and 99 was what a restore would have given)."""
+        held: dict[int, frozenset[int]] = {}
+        for node in self.nodes.values():
+            for rank, steps in node.steps.items():
+                held[rank] = held.get(rank, frozenset()) | steps
+        top = max((s for steps in held.values() for s in steps), default=None)
+        if top is None:
+            return ""
+        common = frozenset.intersection(*(steps for steps in held.values() if steps))
+        if not common:
+            return f"newest: step {top}, on some ranks only"
+        if max(common) == top:
+            return f"newest: step {top}"
+        return f"newest held by every rank that kept one: step {max(common)}; step {top} by some only"
 
     def _missing(self, rank: int, layout: list[tuple[str, int, int]]) -> str:
         node_id = next(n for n, first, count in layout if first <= rank < first + count)
