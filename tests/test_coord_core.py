@@ -337,6 +337,22 @@ def test_late_joiner_grows_the_job_without_spending_budget() -> None:
     assert {a["attempt"] for a in assigns.values()} == {1} and {a["restart_count"] for a in assigns.values()} == {0}
 
 
+@pytest.mark.parametrize("held", [{}, {"0": [40, 41], "1": [41]}])
+def test_growing_says_that_snapshots_held_in_memory_are_given_up(held: dict[str, list[int]]) -> None:
+    # Acceptance 33B F4: the INFO line said only "growing to 3 nodes"; a job that keeps its
+    # state only in unicron.State loses all its progress there.
+    core = JobCore(spec(1, 2), DetectDecider(), now=0)
+    core.on_join("a", join("a", mn=1, mx=2), 0)
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 5.9)
+    started(core, 6)
+    core.on_join("b", join("b", mn=1, mx=2), 7)
+    outs = core.on_stopped("a", {"attempt": 0, "snapshots": held, "stacks": {}}, 7.5)
+    decision = [o.fields for o in outs if isinstance(o, Emit) and o.kind == "decision"][0]
+    assert decision["severity"] == "INFO" and decision["reason"].startswith("node b joined: growing to 2 nodes")
+    given_up = "in-memory snapshots cannot be restored at another world size: the job restarts from the script's own"
+    assert (given_up in decision["reason"]) is bool(held), decision["reason"]
+
+
 PEER_RESET = {"kind": "exception", "rank": 2, "error_type": "RuntimeError", "ts": 7.6, "steps_completed": 40,
               "message": "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8108: "
                          "Connection reset by peer"}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from unicron.coord.records import Attempt, JobSpec
-from unicron.coord.restore import finished_ranks
+from unicron.coord.restore import finished_ranks, parse_snapshots
 from unicron.detect.classify import classify, is_victim, root_cause
 from unicron.detect.faults import Action, Fault, Severity
 from unicron.detect.policy import Decision as PolicyDecision
@@ -48,7 +48,14 @@ def decide_attempt(decider: Decider, attempt: Attempt, spec: JobSpec, stacks: di
     left out (the one whose agent hosts the coordinator)."""
     faults = failures(attempt)
     if not faults:
-        return Decision("restart", 0.0, attempt.stop_reason, "INFO", "scale-up" if attempt.scale_up else "re-form", 0)
+        reason = attempt.stop_reason
+        if attempt.scale_up and any(any(parse_snapshots(body).steps.values()) for body in attempt.stopped.values()):
+            # A snapshot restores only at the same world size (coord.restore), and growing changes
+            # it: say here that the progress held only in memory is given up (33B F4: the INFO line
+            # said only "growing", and the attempt line after it "from the script's own start").
+            reason += ("; the ranks' in-memory snapshots cannot be restored at another world size: the job "
+                       "restarts from the script's own checkpoint (from its start, without one)")
+        return Decision("restart", 0.0, reason, "INFO", "scale-up" if attempt.scale_up else "re-form", 0)
     return decider.decide(faults, stacks, now, max_restarts=spec.max_restarts, max_nodes=spec.max_nodes,
                           active_nodes=active_nodes, min_nodes=spec.min_nodes,
                           finished=finished_ranks(attempt.stopped.values()), spent=spent,
