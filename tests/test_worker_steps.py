@@ -6,6 +6,7 @@ import json
 import weakref
 from pathlib import Path
 
+import pytest
 from helpers_worker import agent_socket, base_env, finish, workers, write_script
 
 from unicron.worker.hooks import StepCounter
@@ -116,8 +117,40 @@ def test_a_second_optimizer_that_replaces_the_first_is_counted() -> None:
     steps = [critic.on_optimizer_step(o) for _ in range(2) for o in (probe, probe, probe, gen)]
     assert steps == [1, 2, 3, None, 4, 5, 6, None]
     # the generator first, then its critic 3 times: the critic looks like a replacement until the
-    # generator steps again; from then on they take turns and the generator counts
+    # generator steps again; from then on they take turns and the generator counts. Steps 2 and 3
+    # were announced during the first iteration: they are not announced again (acceptance 33A F5)
     wgan = StepCounter()
     steps = [wgan.on_optimizer_step(o) for _ in range(4) for o in (gen, probe, probe, probe)]
-    assert steps == [1, None, 2, 3, 2, None, None, None, 3, None, None, None, 4, None, None, None], steps
+    assert steps == [1, None, 2, 3, None, None, None, None, None, None, None, None, 4, None, None, None], steps
     assert wgan.completed == 4
+
+
+@pytest.mark.timeout(10)
+def test_an_optimizer_seen_taking_turns_that_steps_twice_does_not_take_over() -> None:
+    """Acceptance 33A F5: D then G every iteration, G twice every 4th. G's second step was taken
+    for a take-over (step 5 announced in iteration 4), then D's step announced 5 again."""
+    class Opt:
+        pass
+
+    counter = StepCounter()
+    d, g = Opt(), Opt()
+    announced, seen = [], []
+    for it in range(12):
+        announced.append(counter.on_optimizer_step(d))
+        for _ in range(2 if it % 4 == 3 else 1):
+            announced.append(counter.on_optimizer_step(g))
+        seen.append(counter.completed)
+    assert seen == list(range(1, 13)), seen
+    assert [n for n in announced if n is not None] == list(range(1, 13)), announced
+
+
+@pytest.mark.timeout(10)
+def test_a_restore_rebases_the_count_and_announces_from_there() -> None:
+    class Opt:
+        pass
+
+    counter = StepCounter()
+    gen, critic = Opt(), Opt()
+    assert [counter.on_optimizer_step(o) for o in (gen, critic, critic, critic, gen)] == [1, None, 2, 3, None]
+    counter.rebase(0)  # State.restore of an older step in the same process
+    assert counter.on_optimizer_step(gen) == 1

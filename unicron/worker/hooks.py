@@ -140,7 +140,7 @@ def note_snapshot(step: int) -> None:
 
 def set_completed_steps(completed: int) -> None:
     """Rebase the count, without a boundary (``State.restore`` after resuming at a step)."""
-    _rt.counter.completed = int(completed)
+    _rt.counter.rebase(completed)
 
 
 def _register_optimizer_hook(optimizer_module: ModuleType) -> None:
