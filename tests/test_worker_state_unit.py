@@ -558,3 +558,25 @@ def test_a_commit_between_optimizer_steps_with_gradients_accumulated_is_warned_o
     assert err.count(f"gradients were accumulated across State.commit({step - 7}) (no optimizer step since the "
                      "commit before it)") == 1, err
     assert err.count("accumulated") == 1, err
+
+
+def test_keep_1_with_several_ranks_is_said_once_on_rank_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys) -> None:
+    """Acceptance 33A F3: with one slot per rank, a kill between two ranks' commits of a step
+    left rank 0 holding only step 5 and rank 1 only step 4: nothing restored, silently."""
+    from unicron.worker.state import KEEP_ONE_WARNING
+
+    snapshot_env(monkeypatch, tmp_path / "snaps", rank=0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    State(keep=1)
+    assert capsys.readouterr().err.strip() == KEEP_ONE_WARNING
+    State(keep=2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # said in the first attempt
+    State(keep=1)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: its one step is the job's
+    State(keep=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")  # every rank sees the same: rank 0 says it
+    State(keep=1)
+    assert capsys.readouterr().err == ""

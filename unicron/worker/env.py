@@ -50,6 +50,14 @@ def local_rank(env: Mapping[str, str] | None = None) -> int:
     return _int(os.environ if env is None else env, "LOCAL_RANK", 0)
 
 
+def world_size(env: Mapping[str, str] | None = None) -> int:
+    return max(1, _int(os.environ if env is None else env, "WORLD_SIZE", 1))
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    return _int(os.environ if env is None else env, "TORCHELASTIC_RESTART_COUNT", 0)
+
+
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
     return max(1, _int(os.environ if env is None else env, "LOCAL_WORLD_SIZE", 1))
 

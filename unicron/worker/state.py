@@ -20,7 +20,9 @@ Usage::
     ``restore()``, and so do the script's own names for its tensors, lists and dicts (a tensor
     of another shape, a number, a string is replaced). ``background``:
     whether commits finish in the background (below); ``None`` (default): when the state is
-    on a GPU.
+    on a GPU. ``keep``: snapshots each rank holds; with several ranks keep at least 2 (ranks
+    commit one after another, so a fault between two ranks' commits can leave each holding a
+    different single step): ``keep=1`` is said once on rank 0.
 ``restore() -> int``
     Under a unicron restart (``UNICRON_RESTORE_STEP`` set), loads this rank's snapshot of that
     step into every object, ``extra`` and all RNG states (python ``random``, numpy's global RNG
@@ -102,7 +104,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import operator
 import sys
 import weakref
 from pathlib import Path
@@ -110,7 +111,6 @@ from typing import Any
 
 import torch
 
-from unicron.proto.messages import INT_LIMIT
 from unicron.worker import (
     ddplayout,
     env,
@@ -127,7 +127,13 @@ from unicron.worker import (
 )
 from unicron.worker.errors import SnapshotTypeError, StateError
 from unicron.worker.globalrng import capture_rng, restore_rng
+from unicron.worker.stepnumber import step_number
 
+# Ranks commit one after another: a kill between two ranks' commits of step N leaves one holding
+# only N and another only N-1 with a single slot each, and no step every rank holds (33A F3).
+KEEP_ONE_WARNING = ("unicron: State(keep=1) with several ranks: a fault that lands between two ranks' commits "
+                    "leaves no step that every rank holds, and the restart starts from the script's own start; "
+                    "keep at least 2 (the default is 3)")
 EXIT_WAIT_S = 10.0  # longest an exiting worker waits for its snapshot in flight
 
 # Rank directory -> the State that last restored or committed into it. Two live States that
@@ -174,6 +180,9 @@ class State:
             raise SnapshotTypeError(f"unicron.State(extra=...) must be a dict; got {type(extra).__qualname__}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise StateError(f"unicron.State(keep=...) must be an int >= 1; got {keep!r}")
+        if keep < snapslots.FAIR_SLOTS and env.world_size() > 1 and env.path_or_none(env.SNAPSHOT_DIR) \
+                and env.restart_count() == 0:  # once per job
+            _say_on_rank_0(env.rank(), KEEP_ONE_WARNING)
         self._extra: dict[str, Any] = extra if extra is not None else {}
         self._rank = env.rank()
         self._root = env.path_or_none(env.SNAPSHOT_DIR)
@@ -268,7 +277,7 @@ class State:
         hooks.set_completed_steps(step)
 
     def commit(self, step: int) -> None:
-        step = _step_number(step)
+        step = step_number(step)
         if step < self._step:  # the agent restores the newest step: a smaller one would be lost
             raise StateError(f"unicron.State.commit({step}) after step {self._step}: the step must not go back; "
                              "pass the steps completed over the whole run, not within an epoch")
@@ -393,31 +402,3 @@ class State:
 def _say_on_rank_0(rank: int, text: str) -> None:
     if rank == 0:  # every rank sees the same: rank 0 says it
         print(text, file=sys.stderr, flush=True)
-
-
-MAX_STEP = INT_LIMIT - 1  # what the mesh's messages carry (27C F2: commit(10**20) broke the stop)
-
-
-def _step_number(step: object) -> int:
-    """``commit``'s step as an int (a 0-d tensor or numpy integer too); anything else, a step
-    that is not whole, or one past 64 bits, is the script's mistake, said at once."""
-    try:
-        value = operator.index(step)  # type: ignore[arg-type]
-    except TypeError:
-        value = None
-        if isinstance(step, float) and step.is_integer():
-            value = int(step)
-        elif hasattr(step, "item") and not isinstance(step, (str, bytes)):  # a 0-d tensor
-            try:
-                item = step.item()
-            except (RuntimeError, ValueError, TypeError):
-                item = None
-            if isinstance(item, int) or (isinstance(item, float) and item.is_integer()):
-                value = int(item)
-    # Not a truth value (numpy's and torch's either), nor a tensor or array of one element (28A)
-    boolean = isinstance(step, bool) or "bool" in str(getattr(step, "dtype", ""))
-    if value is None or boolean or getattr(step, "ndim", 0) != 0:
-        raise StateError(f"unicron.State.commit({step!r}): the step must be a whole number (the steps completed)")
-    if not 0 <= value <= MAX_STEP:
-        raise StateError(f"unicron.State.commit({value}): the step must be between 0 and 2**63 - 1")
-    return value
