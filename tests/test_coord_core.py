@@ -556,13 +556,62 @@ def test_the_core_passes_the_ranks_that_finished_and_skips_garbage() -> None:
 def test_a_lost_nodes_workers_are_not_shown_running() -> None:
     core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
     core.on_heartbeat("a", {"workers": [{"rank": 0, "state": "running"}], "health": {}}, 3.5)
-    core.on_heartbeat("b", {"workers": [{"rank": 1, "state": "running"}, {"rank": 2, "state": "failed"}],
+    core.on_heartbeat("b", {"workers": [{"rank": 2, "state": "running"}, {"rank": 3, "state": "failed"}],
                             "health": {}}, 1.2)
     core.tick(4.5)  # b silent: lost
     nodes = {n["node_id"]: n for n in core.snapshot(4.5)["nodes"]}
     # A rank that failed stays failed (acceptance 25C F1: shown as its node's state, the cause hid).
     assert nodes["b"]["state"] == "lost" and [w["state"] for w in nodes["b"]["workers"]] == ["lost", "failed"]
     assert [w["state"] for w in nodes["a"]["workers"]] == ["running"]
+
+
+@pytest.mark.timeout(30)
+def test_a_node_lost_while_starting_its_workers_shows_every_rank_and_no_live_figures() -> None:
+    """Acceptance 33B F3: a node's launcher SIGKILLed while it forked its ranks had last said
+    only its first rank (its agent heartbeats between two forks), busy, at 100% CPU; then
+    `unicron status` listed ranks 0-2 of a world of 4, and the dead node as busy at 100%."""
+    from rich.console import Console
+
+    from unicron.status.render import render_nodes, render_ranks
+
+    core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
+    core.on_heartbeat("a", {"workers": [{"rank": 0, "pid": 10, "state": "running", "step": 5},
+                                        {"rank": 1, "pid": 11, "state": "running", "step": 5}],
+                            "health": {"cpu_percent": 40.0}, "attempt": 0, "activity": "idle"}, 3.5)
+    core.on_heartbeat("b", {"workers": [{"rank": 2, "pid": 23501, "state": "running", "step": 0}],
+                            "health": {"cpu_percent": 100.0, "mem_percent": 77.0,
+                                       "gpus": [{"index": 0, "util": 99, "xid": [79]}]},
+                            "attempt": 0, "activity": "busy"}, 1.2)
+    core.tick(4.5)  # b silent: lost
+    view = core.snapshot(4.5)
+    nodes = {n["node_id"]: n for n in view["nodes"]}
+    assert nodes["b"]["state"] == "lost" and nodes["b"]["activity"] == "unknown"
+    assert nodes["a"]["activity"] == "idle"
+    assert [(w["rank"], w["state"], w["pid"]) for w in nodes["b"]["workers"]] == [(2, "lost", 23501), (3, "lost", None)]
+    assert nodes["b"]["workers"][1]["local_rank"] == 1
+    console = Console(width=200, record=True)
+    console.print(render_ranks(view, 4.5))
+    console.print(render_nodes(view, 4.5))
+    text = console.export_text()
+    ranks = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    assert [r[0] for r in ranks[:4]] == ["0", "1", "2", "3"], text
+    assert ranks[3][:5] == ["3", "1", "-", "lost", "-"], text
+    lost_row = next(line for line in text.splitlines() if " h-b " in line)
+    # its last figures (busy, 100% CPU, 77% memory, 99% GPU) are not shown as its load now; its Xid is
+    assert "busy" not in lost_row and "%" not in lost_row and "Xid 79" in lost_row, lost_row
+    assert "40%" in next(line for line in text.splitlines() if " h-a " in line)
+
+
+@pytest.mark.timeout(30)
+def test_a_lost_nodes_heartbeat_of_an_earlier_attempt_adds_no_rank() -> None:
+    """A heartbeat sent before its assign came lists the node's ranks of the attempt before: a
+    node lost then shows those, not made-up ones of a layout it never ran."""
+    core = two_nodes_running(ScriptedDecider(Decision("reconfigure", 0.0, "lost", "SEV1", "node-lost")))
+    core.on_heartbeat("a", {"workers": [], "health": {}}, 3.5)
+    core.on_heartbeat("b", {"workers": [{"rank": 0, "state": "exited"}], "health": {}}, 1.2)
+    core.tick(4.5)
+    nodes = {n["node_id"]: n for n in core.snapshot(4.5)["nodes"]}
+    assert [(w["rank"], w["state"]) for w in nodes["b"]["workers"]] == [(0, "exited")]
 
 
 @pytest.mark.parametrize("outcome, shown", [("finished", "exited"), ("failed", "stopped")])

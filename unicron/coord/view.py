@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from unicron.coord.membership import NodeState
+from unicron.coord.membership import NodeRecord, NodeState
 from unicron.coord.records import Phase
 from unicron.textclip import clip_line, first_line, with_type
 
@@ -29,6 +29,7 @@ def job_view(core: JobCore) -> dict[str, Any]:
     gone = sorted((n for n in core.members.nodes.values() if n.state is not NodeState.ACTIVE),
                   key=lambda n: n.last_heartbeat or 0.0, reverse=True)
     dropped = {n.node_id for n in gone[GONE_NODES_SHOWN:]}
+    placed = attempt_ranks(core)
     for node in sorted(core.members.nodes.values(), key=lambda n: (n.state != NodeState.ACTIVE, n.node_rank)):
         if node.node_id in dropped:
             continue
@@ -38,13 +39,14 @@ def job_view(core: JobCore) -> dict[str, Any]:
                       # a member of a job that is over: not "healthy" with its heartbeat ageing (27B F10)
                       "state": over if over and node.state is NodeState.ACTIVE else node.state.value,
                       "last_heartbeat": node.heard_at if node.heard_at is not None else node.last_heartbeat,
-                      "activity": node.activity.name.lower(),
+                      # a gone node's last word on its ranks is no news of them now (33B F3)
+                      "activity": node.activity.name.lower() if node.state is NodeState.ACTIVE else "unknown",
                       "health": node.health,
                       # a node that is gone has no running workers, whatever it last said; one
                       # that failed or exited is shown so still (the root cause of the job's end)
                       "workers": workers if node.state is NodeState.ACTIVE else
                       [w if w.get("state") in ENDED else dict(w, state=node.state.value)
-                       for w in workers if isinstance(w, dict)]})
+                       for w in workers if isinstance(w, dict)] + unheard_ranks(node, workers, placed)})
     return {
         "job": {"id": core.spec.job_id, "state": core.phase.value,
                 **({"gone_nodes_not_shown": len(dropped)} if dropped else {}),
@@ -61,6 +63,39 @@ def job_view(core: JobCore) -> dict[str, Any]:
                  "transition": attempt.stop_reason if core.phase is Phase.STOPPING and attempt else ""},
         "events": distinct_events(core.recent_events),
     }
+
+
+def attempt_ranks(core: JobCore) -> dict[str, range]:
+    """Each node of the current (or last) attempt -> the global ranks it was given, laid out
+    as its ``assign`` said (``unicron.coord.assign``: node-rank order, ``nproc`` each)."""
+    out: dict[str, range] = {}
+    if core.attempt is None:
+        return out
+    offset = 0
+    for node_id in core.attempt.nodes:
+        node = core.members.nodes.get(node_id)
+        nproc = node.nproc if node is not None else 0
+        out[node_id] = range(offset, offset + nproc)
+        offset += nproc
+    return out
+
+
+def unheard_ranks(node: NodeRecord, workers: list[Any], placed: dict[str, range]) -> list[dict[str, Any]]:
+    """The ranks a gone node was given that none of its heartbeats listed, shown in its state.
+    A node lost while it started its workers last said only those forked by then (its agent
+    heartbeats between two forks), or none: such a rank vanished from ``unicron status`` while
+    the node's other ranks showed as they ended (acceptance 33B F3). An active node's next
+    heartbeat lists them all."""
+    if node.state is NodeState.ACTIVE or node.node_id not in placed:
+        return []
+    heard = {w.get("rank") for w in workers if isinstance(w, dict)}
+    ranks = placed[node.node_id]
+    if not heard <= set(ranks):  # an earlier attempt's ranks (a heartbeat before its assign came)
+        return []
+    first = ranks.start
+    return [{"rank": r, "local_rank": r - first, "pid": None, "state": node.state.value, "step": None,
+             "iter_time_s": None, "iter_times": [], "last_step_at": None, "snapshot_step": None}
+            for r in ranks if r not in heard]
 
 
 def distinct_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ JOB_STATE_STYLE = {"running": "bold green", "waiting": "bold cyan", "restarting"
                    "done": "bold blue", "failed": "bold red"}
 NODE_STATE_STYLE = {"healthy": "green", "lost": "bold red", "left": "dim", "exited": "dim", "stopped": "dim"}
 WORKER_STATE_STYLE = {"running": "green", "exited": "dim", "failed": "bold red", "hung": "bold magenta"}
+GONE_NODE_STATES = ("lost", "left", "excluded")  # a node no longer heard from: its figures are stale
 SEVERITY_STYLE = {"SEV3": "cyan", "SEV2": "yellow", "SEV1": "bold yellow", "FATAL": "bold red"}
 
 
@@ -155,10 +156,16 @@ def gpu_summary(health: Mapping[str, Any]) -> Text:
     if temps:
         hot = max(temps)
         text.append(f"{hot:.0f}°C", style="bold red" if hot >= 85 else "")
-    xids = sorted({str(x) for g in gpus for x in _list(g.get("xid"))})
-    if xids:
-        text.append(f" Xid {','.join(xids)}", style="bold red")
+    text.append(_xids(health, " "))
     return text
+
+
+def _xids(health: Mapping[str, Any], lead: str = "") -> Text:
+    """The Xid errors its GPUs reported; "-" for none."""
+    xids = sorted({str(x) for g in _list(health.get("gpus")) if isinstance(g, dict) for x in _list(g.get("xid"))})
+    if not xids:
+        return Text("" if lead else "-", style="dim")
+    return Text(f"{lead}Xid {','.join(xids)}", style="bold red")
 
 
 def _percent(value: Any, warn: float = 90.0) -> Text:
@@ -192,12 +199,17 @@ def render_nodes(snapshot: Mapping[str, Any], now: float) -> Table:
     for node in nodes_of(snapshot):
         health = _dict(node.get("health"))
         rank = node.get("node_rank")
+        # A lost or departed node's figures are its last heartbeat's, from before it went
+        # silent: shown as unknown, not as its load now (acceptance 33B F3: "busy, cpu 100%"
+        # on a node long dead). An Xid it reported stays: it may say why it was lost.
+        gone = node.get("state") in GONE_NODE_STATES
         # -1: joined, no place in an attempt yet (waiting, or lost before it got one)
         table.add_row(str(rank) if isinstance(rank, int) and rank >= 0 else "-", short_value(node.get("node_id", "?"), 24),
                       short_value(node.get("host", "-"), 24), state_text(node.get("state"), NODE_STATE_STYLE),
-                      fmt_age(node.get("last_heartbeat"), now), _between_steps(node.get("activity")),
-                      _percent(health.get("cpu_percent"), 98),
-                      _percent(health.get("mem_percent")), gpu_summary(health))
+                      fmt_age(node.get("last_heartbeat"), now), _between_steps(None if gone else node.get("activity")),
+                      _percent(None if gone else health.get("cpu_percent"), 98),
+                      _percent(None if gone else health.get("mem_percent")),
+                      _xids(health) if gone else gpu_summary(health))
     return table
 
 
@@ -217,12 +229,17 @@ def render_ranks(snapshot: Mapping[str, Any], now: float) -> Table:
         shown, recent = num(w.get("iter_time_s")), [t for t in (num(x) for x in times) if t is not None]
         # A rank whose latest step took far longer than its recent median is the straggler to look at.
         slow = len(recent) >= 3 and recent[-1] > 2 * statistics.median(recent)
-        table.add_row(str(w.get("rank", "-")), str(node.get("node_rank", "-")), str(w.get("pid", "-")),
-                      state_text(w.get("state"), WORKER_STATE_STYLE), str(w.get("step", "-")),
+        # pid and step are null for a rank its node never reported (lost while starting it)
+        table.add_row(str(w.get("rank", "-")), str(node.get("node_rank", "-")), str(w.get("pid") or "-"),
+                      state_text(w.get("state"), WORKER_STATE_STYLE), _or_dash(w.get("step")),
                       Text(fmt_iter_time(shown), style="yellow" if slow else ""),
                       Text(sparkline(times), style="cyan", no_wrap=True, overflow="crop"),
                       fmt_age(w.get("last_step_at"), now))
     return table
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def render_restarts(snapshot: Mapping[str, Any], now: float, limit: int = 5) -> Table | None:
