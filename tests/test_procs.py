@@ -24,6 +24,7 @@ from unicron.agent.logs import (
     LogSpec,
     RunLogDir,
     Std,
+    capture_stderr,
     line_prefix,
     parse_local_ranks_filter,
     parse_std,
@@ -260,6 +261,54 @@ def test_tee_finish_drains_everything_written(tmp_path: Path) -> None:
     tee.close(timeout_s=30)
     assert console.getvalue().decode().splitlines() == ["[p]:" + line for line in lines]
     assert tee.pending() == 0
+
+
+DYING_NOTICE = """\
+import os, signal, sys, time
+sys.stderr.write("unicron: injected fault on rank 0 after step 3: SIGKILL to itself\\n"); sys.stderr.flush()
+if sys.argv[1] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["die", "live"])
+def test_sync_echoes_a_ranks_last_words_before_the_agent_speaks_of_it(
+    tmp_path: Path, workers: list[WorkerProcess], how: str
+) -> None:
+    """Acceptance 33B F5: the agent's "exit on rank 3" came before the rank's own "injected
+    fault on rank 3" notice, which the tee echoes from its file only at its next round. After
+    ``sync`` what the rank wrote is on the console: at once, with no round due for 30 s."""
+    script = write_script(tmp_path, "notice.py", DYING_NOTICE)
+    plan = RunLogDir(LogSpec(log_dir=str(tmp_path / "logs")), "j").prepare_attempt(0, [(0, 0)])[0]
+    plan = capture_stderr(plan)  # as the agent runs a rank: its stderr echoed unprefixed
+    console = io.BytesIO()
+    tee = ConsoleTee(stderr=console, interval_s=30)
+    workers.append(start_worker([PY, script, how], {}, plan, tee=tee))
+    assert plan.stderr_path is not None
+    if how == "die":  # reaped, as the agent's poll sees the exit it is about to report
+        wait_until(lambda: workers[0].poll() is not None, what="the rank to die")
+    else:  # a rank that wrote its notice and still runs (an exception on its way, a hang)
+        wait_until(lambda: Path(plan.stderr_path or "").read_bytes().endswith(b"\n"), what="the notice")
+    assert tee.sync(timeout_s=10) is True
+    assert b"injected fault on rank 0 after step 3" in console.getvalue()
+    tee.close()
+
+
+@pytest.mark.timeout(60)
+def test_sync_gives_up_on_a_console_that_blocks_and_does_not_wait_for_it_again(tmp_path: Path) -> None:
+    log = tmp_path / "stderr.log"
+    log.write_text("first\n")
+    stuck = _SlowConsole(0.0)
+    stuck.stuck.set()
+    tee = ConsoleTee(stdout=stuck, interval_s=0.01)
+    tee.follow(str(log), "[p]:")
+    started = time.monotonic()
+    assert tee.sync(timeout_s=0.2) is False
+    assert tee.sync(timeout_s=30) is False  # nothing taken since: the agent's loop is not held again
+    assert time.monotonic() - started < 10
+    assert tee.close(timeout_s=0.2) is False
 
 
 class _SlowConsole(io.RawIOBase):

@@ -412,6 +412,12 @@ def test_restart_budget_is_job_wide(workdir) -> None:
     code, out, err = _train(workdir, "x.txt", "--inject", "kill@1:3", "--max-restarts", "0")
     assert code != 0
     assert "budget" in err
+    # The rank's notice of the fault it injects comes before the agent's line on its exit, as
+    # the README shows (acceptance 33B F5: the tee echoed it up to 0.1 s later, after it).
+    lines = err.splitlines()
+    notice = next(i for i, line in enumerate(lines) if "injected fault on rank 1 after step 3" in line)
+    exit_line = next(i for i, line in enumerate(lines) if "exit on rank 1 at step 3" in line)
+    assert notice < exit_line, err
 
 
 def test_a_native_spin_past_the_busy_threshold_is_a_hang(workdir) -> None:

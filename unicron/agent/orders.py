@@ -269,6 +269,7 @@ class AgentOrders:
         # The first report, not the verdict: the decision that follows names the root cause.
         # Said as the stop starts: ranks that handle SIGTERM themselves (Lightning) take the
         # whole grace period, and their own lines about it come after this one.
+        self.tee.sync()
         self.ui.warn(f"stopping attempt {body['attempt']} (first report: {body['reason']})")
         if group is not None and group.spec.attempt == body["attempt"]:
             self._stop_group(reason=body["reason"])
@@ -326,6 +327,9 @@ class AgentOrders:
                      f"grace period")
 
     def _report(self, fault: dict[str, Any]) -> None:
+        # What the ranks wrote before it (a rank's notice of the fault it injects, its last
+        # words) comes first on the console; the tee echoes it only every 0.1 s (33B F5).
+        self.tee.sync()
         self.reporter.report(fault, self.group)
 
     def _heartbeat(self, *, at_once: bool = False, starting: bool = False) -> None:

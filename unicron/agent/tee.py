@@ -27,6 +27,10 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 # hundreds of KB (acceptance 25B F2: cut at 64 KiB, two ranks' lines spliced); torchrun's ranks
 # write to the console directly, in one piece. A rank holds at most this much per stream.
 MAX_LINE_BYTES = 8 << 20
+# How long ``sync`` waits for the echo to catch up: the agent's loop waits so before its own
+# line about a rank, so it must stay short; a console this far behind shows the order it can.
+SYNC_WAIT_S = 0.25
+SYNC_READS = 64  # 64 KiB reads of one file per sync at most: a rank that writes faster is left to the next round
 
 class Console(Protocol):
     """Where teed lines go: a text stream (sys.stdout) or a binary one."""
@@ -96,6 +100,10 @@ class ConsoleTee:
         self._closing = False
         self._thread: threading.Thread | None = None
         self.read_bytes = 0  # read from the files so far: how close() tells a backlog from a blocked console
+        self._synced = threading.Condition(self._lock)
+        self._sync_asked = 0  # syncs asked for, numbered ...
+        self._sync_done = 0  # ... and the last one whose scan has ended
+        self._sync_stuck_at: int | None = None  # read_bytes when a sync last gave up (a console that blocks)
 
     def follow(
         self, path: str, prefix: str, *, stream: str = "stdout", copy: LineCopy | None = None, raw: bool = False
@@ -135,6 +143,24 @@ class ConsoleTee:
 
         return finish_all
 
+    def sync(self, timeout_s: float = SYNC_WAIT_S) -> bool:
+        """Echo what every followed file holds now (a finished one to its end) before returning:
+        the agent calls it before its own line about a rank, so the rank's last words (an
+        injected fault's notice, its traceback) come first on the console, not 0.1 s later
+        (acceptance 33B F5). False if the echo did not catch up within ``timeout_s``; a console
+        that took nothing since the last sync gave up is not waited for again."""
+        with self._lock:
+            if self._thread is None or not self._follows:
+                return True
+            if self._sync_stuck_at == self.read_bytes:
+                return False
+            self._sync_asked += 1
+            asked = self._sync_asked
+            self._wake.set()
+            caught_up = self._synced.wait_for(lambda: self._sync_done >= asked, timeout_s)
+            self._sync_stuck_at = None if caught_up else self.read_bytes
+            return caught_up
+
     def pending(self) -> int:
         """Files still being followed."""
         with self._lock:
@@ -166,7 +192,9 @@ class ConsoleTee:
             with self._lock:
                 follows = list(self._follows)
                 closing = self._closing
+                syncing = self._sync_asked  # asked before this scan: served by its end
             if not follows and closing:
+                self._synced_up_to(syncing)
                 return
             progressed = False
             for entry in follows:
@@ -174,13 +202,27 @@ class ConsoleTee:
                 # is seen next round, so no byte written before finish is ever skipped.
                 finished = entry.finished
                 progressed |= self._pump(entry)
+                if syncing > self._sync_done:  # to the file's end, as far as it was written before the sync
+                    for _ in range(SYNC_READS):
+                        if not self._pump(entry):
+                            break
                 if finished:
                     while self._pump(entry):
                         pass
                     self._flush_partial(entry)
                     self._drop(entry)
-            if not progressed:
+            self._synced_up_to(syncing)
+            # Closing: every follow was finished, so this scan dropped them all; the next one
+            # ends the thread. A wait here would hold close() for a round (one that came while
+            # the thread was mid-scan: its wake was cleared before the scan saw it).
+            if not progressed and not closing:
                 self._wake.wait(self.interval_s)
+
+    def _synced_up_to(self, asked: int) -> None:
+        if asked > self._sync_done:
+            with self._lock:
+                self._sync_done = asked
+                self._synced.notify_all()
 
     def _pump(self, entry: _Follow) -> bool:
         """Echo the complete lines now in the file; True if anything was read."""
