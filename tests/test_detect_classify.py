@@ -550,6 +550,7 @@ PREFLIGHT = "preflight: ECC errors: 0, NVLink links down: 0\n"
     "gpu check: Xid events since boot: none\nbad batch, giving up\n",
     "checked: no GPU is lost: 0 of 8, uncorrectable ECC errors: 0\nbad batch\n",
     "NCCL INFO Channel 00 : 0[0] -> 1[1] via P2P/NVLink\nNVLink status: 12 links, errors 0\nbad batch\n",
+    "health: no CUDA errors, no NCCL errors, no cuDNN errors since the last step\nbad batch\n",
     # an optional helper it ran was missing; the script went on and failed later, for another reason
     "/usr/bin/python3: can't open file '/w/optional_prefetch.py': [Errno 2] No such file or directory\n"
     "dataset server not ready yet, exiting for a retry\n",

@@ -284,14 +284,16 @@ RULES: tuple[Rule, ...] = (
          lambda f, ev: f"{f.where()} hit a CUDA error its script or build causes ({error_summary(f, ev)})"),
     Rule("cuda-error", Severity.SEV2, lambda f, ev: _failed_process(f) and (
         ev.exception_type == "AcceleratorError" or _has(
-            "CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS_", "CUDNN_STATUS_",
-            "cuDNN error")(f, ev)),
+            # torch's and CUDA's wording ends on a colon: "CUDA error: an illegal memory access ...";
+            # "checked CUDA errors: none" in a script's log is no fault (33A F1's kind)
+            "CUDA error:", "illegal memory access", "device-side assert", "CUBLAS_STATUS_", "CUDNN_STATUS_",
+            "cuDNN error:")(f, ev)),
          lambda f, ev: f"{f.where()} hit a CUDA error ({error_summary(f, ev)})"),
     Rule("nccl-remote", Severity.SEV3, lambda f, ev: _failed_process(f) and _may_be_a_victim(ev) and _has(
         "ncclRemoteError", "Connection closed by remote peer", "remote process exited")(f, ev),
          lambda f, ev: f"{f.where()} lost an NCCL peer ({error_summary(f, ev)})", victim=True),
     Rule("nccl-error", Severity.SEV2, lambda f, ev: _failed_process(f) and _has(
-        "NCCL error", "ncclInternalError", "ncclSystemError", "ncclUnhandledCudaError", "ncclInvalidUsage",
+        "NCCL error in:", "NCCL error:", "ncclInternalError", "ncclSystemError", "ncclUnhandledCudaError", "ncclInvalidUsage",
         "unhandled system error")(f, ev),
          lambda f, ev: f"{f.where()} hit an NCCL error ({error_summary(f, ev)})"),
     Rule("collective-timeout", Severity.SEV2, lambda f, ev: _failed_process(f) and (
