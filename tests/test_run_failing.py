@@ -319,3 +319,23 @@ def test_slurms_usr1_to_every_process_lets_the_workers_handler_finish(workdir, l
     assert all((workdir / f"ckpt.{r}").read_text() == "checkpoint" for r in (0, 1)), err
     assert not gone, gone
     assert "hang on node" not in err and "SIGUSR1 to the launcher: left to the workers" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_ranks_traceback_is_on_the_console_before_the_agents_line_about_it(workdir) -> None:
+    """Acceptance 34A F5: the worker reported its exception before Python's hook wrote the
+    traceback, so 'exception on rank 1' could come first. An exception whose text takes time
+    to make (formatted for the report and for the traceback alike) made it so every time."""
+    (workdir / "slow.py").write_text(
+        "import os, time\n"
+        "class SlowError(Exception):\n"
+        "    def __str__(self):\n"
+        "        time.sleep(0.5)\n"
+        "        return 'slow to say'\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise SlowError()\n")
+    code, _, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                                str(workdir / "slow.py")], workdir, timeout=90)
+    assert code != 0, err
+    assert "SlowError: slow to say" in err and "exception on rank 1" in err, err
+    assert err.index("SlowError: slow to say") < err.index("exception on rank 1"), err

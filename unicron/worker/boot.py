@@ -242,11 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         # The error file first: once the agent hears of the exception the job may stop at once,
         # and the launcher's own error file is copied from this one (unicron.agent.errorfile).
         write_error_file(exc, tb_text, started_at)
-        hooks.report_exception(type(exc), exc, tb)
+        first = hooks.traceback_first()
+        if not first:
+            hooks.report_exception(type(exc), exc, tb)
         try:
-            sys.excepthook(type(exc), exc, tb)
+            sys.excepthook(type(exc), exc, tb)  # ours reports once, whichever comes first
         except (OSError, ValueError):
             pass  # stderr cannot be written (a full disk): the agent has the report
+        finally:
+            if first:
+                hooks.report_exception(type(exc), exc, tb)
         if isinstance(exc, KeyboardInterrupt):
             _die_of_sigint()
         return 1

@@ -255,9 +255,24 @@ def _watch_ready() -> None:
         time.sleep(READY_POLL_S)
 
 
+def traceback_first() -> bool:
+    """Whether the hook in place is Python's own, which only writes the traceback (to the rank's
+    log file: it never blocks): written before the agent hears of the exception, it is on the
+    console before the agent's line about it (34A F5). A script's own hook (an error reporter
+    that uploads) may wait: the agent hears first then."""
+    hook = sys.excepthook
+    return hook is sys.__excepthook__ or (hook is _excepthook and _prev_excepthook is sys.__excepthook__)
+
+
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    _rt.frames.stop()  # the main thread is done: hold none of its frames through shutdown
+    if traceback_first():
+        try:
+            _prev_excepthook(exc_type, exc, tb)
+        finally:
+            report_exception(exc_type, exc, tb)
+        return
     try:
-        _rt.frames.stop()  # the main thread is done: hold none of its frames through shutdown
         report_exception(exc_type, exc, tb)
     finally:
         _prev_excepthook(exc_type, exc, tb)
