@@ -90,20 +90,25 @@ _prev_threading_excepthook = threading.excepthook
 # -- steps ------------------------------------------------------------------------------------
 
 
-def _boundary(completed: int) -> None:
+def _boundary(completed: int, since: int | None = None) -> None:
+    """Announce the steps after ``since`` (default: the one before) up to ``completed``."""
+    counts = range(completed if since is None else since + 1, completed + 1)
     # The newest complete snapshot rides on the step message: a message of its own woke the
     # agent once more per step and rank, launcher CPU a snapshot-every-step job paid for.
-    channel.get().emit("step", step=completed, snap=_rt.snapshot_step)
+    for n in counts:  # several at once where a replacing optimizer's earlier steps count too
+        channel.get().emit("step", step=n, snap=_rt.snapshot_step)
     _rt.frames.boundary()
-    if _rt.faults:
-        for fault in faults_at(_rt.faults, _rt.rank, completed):
-            fire(fault, _rt.rank, completed)
+    if _rt.faults:  # after every announcement: one that raises leaves no step unannounced
+        for n in counts:
+            for fault in faults_at(_rt.faults, _rt.rank, n):
+                if fault.kind != "slow" or n == completed:  # a straggler's delay once per boundary
+                    fire(fault, _rt.rank, n)
 
 
 def _on_optimizer_step(optimizer: object, args: Any, kwargs: Any) -> None:
-    completed = _rt.counter.on_optimizer_step(optimizer)
-    if completed is not None:
-        _boundary(completed)
+    counts = _rt.counter.on_optimizer_step(optimizer)
+    if counts:
+        _boundary(counts[-1], counts[0] - 1)
 
 
 def step(completed: int | None = None) -> int:
