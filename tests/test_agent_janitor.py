@@ -74,9 +74,14 @@ def _owner_leaves(tmp_path: Path, how: str) -> tuple[psutil.Process, psutil.Proc
                              stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout is not None
-        janitor, marked, other = (psutil.Process(int(p)) for p in owner.stdout.readline().split())
+        janitor_pid, marked_pid, other_pid = (int(p) for p in owner.stdout.readline().split())
+        marked, other = psutil.Process(marked_pid), psutil.Process(other_pid)
         if how == "close":
+            # Not looked up: the owner may have closed and reaped it already (a race this test
+            # lost on a loaded machine, NoSuchProcess); it says "closed" once it has.
             assert owner.stdout.readline().strip() == "closed"
+        else:
+            janitor = psutil.Process(janitor_pid)  # alive until the owner dies: it waits for that
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
         if how != "close":
