@@ -650,3 +650,36 @@ def test_a_refused_connection_is_a_lost_peer_only_out_of_torch_distributed(tmp_p
     ]
     for fault in store:
         assert classify(fault).rule == "peer-connection-lost", fault
+
+
+@pytest.mark.timeout(60)
+def test_a_traceback_the_script_caught_and_printed_is_not_what_ended_it(tmp_path: Path) -> None:
+    """Acceptance 34A F1: an optional import's ModuleNotFoundError, caught and printed with
+    ``traceback.print_exc()``, then a ``sys.exit(1)`` for another reason before the first step,
+    was FATAL "failed to import". Real: the traceback ends the stderr only when it ended the rank."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""\
+        import sys, traceback
+        try:
+            import apex_fused_adam_optional_34a
+        except ImportError:
+            traceback.print_exc(); print("optional feature unavailable, continuing", file=sys.stderr)
+        if sys.argv[1:] == ["raise"]:
+            import missing_for_real_34a
+        print("dataset server not ready yet, exiting for a retry", file=sys.stderr)
+        sys.exit(1)
+        """))
+    proc = _run([sys.executable, str(script)], tmp_path)
+    assert proc.returncode == 1 and "ModuleNotFoundError" in proc.stderr, proc.stderr
+    for steps in (0, None):
+        c = classify(Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=proc.stderr, traceback=proc.stderr,
+                           steps_completed=steps))
+        assert (c.rule, c.severity) == ("nonzero-exit", Severity.SEV2), (steps, c)
+    # The import that did end it is still a user error, in a chain and before teardown warnings too.
+    proc = _run([sys.executable, str(script), "raise"], tmp_path)
+    assert proc.returncode == 1 and "missing_for_real_34a" in proc.stderr, proc.stderr
+    for tail in (proc.stderr, "[rank1]: " + proc.stderr.replace("\n", "\n[rank1]: "),
+                 DATALOADER_CHAIN.replace("RuntimeError: DataLoader", "ImportError: DataLoader"),
+                 proc.stderr + "unicron: snapshot write failed\nsys:1: ResourceWarning: unclosed file\n"):
+        c = classify(Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=tail, steps_completed=0))
+        assert c.rule == "user-import-error", (tail, c)

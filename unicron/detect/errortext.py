@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from unicron.detect.evidence import FRAME_FILE, Evidence, strip_prefixes, without_source
+from unicron.detect.evidence import AFTERWORDS, FRAME_FILE, Evidence, strip_prefixes, without_source
 from unicron.detect.faults import Fault, stderr_summary
 
 # The kernel's report (dmesg, or a script that forwards it): "NVRM: Xid (PCI:0000:3b:00): 79, pid=...".
@@ -38,9 +38,6 @@ _CANT_OPEN = re.compile(r"^(?:.*: can't open file '.*': \[Errno \d+\]|unicron wo
 # argparse ends on "prog: error: ..." after its "usage: ..." block; click on "Error: ...".
 _USAGE_START = re.compile(r"^usage:", re.IGNORECASE)
 _USAGE_ERROR = re.compile(r"^(?:.+: )?error: ", re.IGNORECASE)
-# What a process may still print after the line it failed on: unicron's hooks' own warnings,
-# glog's W/I lines and Python warnings at interpreter teardown.
-_AFTERWORDS = re.compile(r"^(?:unicron: |\[?[WI]\d{4}\b|\S*Warning: )")
 # The allocators' and CUDA's own words for running out of memory (torch's caching allocator,
 # cuBLAS, C++'s bad_alloc, torch's CPU allocator), and torch's exception type as it ends a line
 # of a traceback; not "OutOfMemoryError" in a log line about a retry with a smaller batch.
@@ -53,7 +50,7 @@ def _last_lines(tail: str) -> list[str]:
     """The non-empty lines of a stderr tail (launcher prefixes off), without what a process
     prints after it failed (teardown warnings)."""
     lines = [line.rstrip() for line in strip_prefixes(tail).splitlines() if line.strip()]
-    while lines and _AFTERWORDS.match(lines[-1]):
+    while lines and AFTERWORDS.match(lines[-1]):
         lines.pop()
     return lines
 

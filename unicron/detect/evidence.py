@@ -22,6 +22,10 @@ _EXCEPTION_LINE = re.compile(
 _LINE_PREFIX = re.compile(r"^\[[\w.\-]{1,40}\]:[ ]?", re.MULTILINE)
 FRAME_FILE = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
 _FRAME_LINE = re.compile(r'^(\s*)File "[^"]*", line \d+')
+# What a process may still print after the line it failed on: unicron's hooks' own warnings,
+# glog's W/I lines and Python warnings at interpreter teardown (bare, or as the warnings module
+# prints them: "sys:1: ResourceWarning: unclosed file ...").
+AFTERWORDS = re.compile(r"^(?:unicron: |\[?[WI]\d{4}\b|\S*Warning: |\S+:\d+: \w*Warning: )")
 
 
 @dataclass(frozen=True)
@@ -80,14 +84,32 @@ def without_source(text: str) -> str:
     return "\n".join(out)
 
 
+def ending_exception(text: str) -> tuple[str, str] | None:
+    """The exception a traceback in ``text`` ends on, if ``text`` ends on it: its ``XError: msg``
+    line is the last line, but for what a process prints after it failed (``AFTERWORDS``). In a
+    chain (``During handling of the above exception ...``) that is the last one, the one that
+    ended the process. A traceback the script caught and printed, then carried on (``optional
+    feature unavailable, continuing``) and exited for another reason, is not it (acceptance 34A
+    F1: an optional import's ModuleNotFoundError made a later ``sys.exit(1)`` FATAL). A message
+    over several lines is not recognised: the fault is then an exit with its code."""
+    lines = [line.rstrip() for line in strip_prefixes(text).splitlines() if line.strip()]
+    while lines and AFTERWORDS.match(lines[-1]) and not _EXCEPTION_LINE.fullmatch(lines[-1]):
+        lines.pop()
+    found = _EXCEPTION_LINE.fullmatch(lines[-1]) if lines else None
+    if found is None:
+        return None
+    return found.group(1).rsplit(".", 1)[-1], (found.group(2) or "").strip()
+
+
 def final_exception(fault: Fault) -> tuple[str, str]:
+    """The exception that ended the process: the one its hooks forwarded, else the one a
+    traceback in its error file or stderr ends on (``ending_exception``)."""
     if fault.error_type:
         return fault.error_type.rsplit(".", 1)[-1], fault.message
-    for text in (fault.traceback, strip_prefixes(fault.stderr_tail)):
-        found = list(_EXCEPTION_LINE.finditer(text))
+    for text in (fault.traceback, fault.stderr_tail):
+        found = ending_exception(text)
         if found:
-            last = found[-1]
-            return last.group(1).rsplit(".", 1)[-1], (last.group(2) or "").strip()
+            return found
     return "", fault.message
 
 
