@@ -158,6 +158,7 @@ CASES: list[tuple[str, Fault, tuple[Fault, ...]]] = [
     ("user-state-error", F("exception", error_type="unicron.worker.errors.StateError", steps_completed=40,
                            message="unicron.State.commit(1) after step 40: the step must not go back"), ()),
     ("user-state-error", F(exitcode=1, steps_completed=3, stderr_tail=(
+        "[rank1]: Traceback (most recent call last):\n"
         "[rank1]: unicron.worker.errors.SnapshotTypeError: unicron.State cannot snapshot extra['h'] of type ndarray")),
      ()),
     ("uncaught-exception", F("exception", error_type="mylib.StateError", message="lock held", steps_completed=4), ()),
@@ -683,3 +684,47 @@ def test_a_traceback_the_script_caught_and_printed_is_not_what_ended_it(tmp_path
                  proc.stderr + "unicron: snapshot write failed\nsys:1: ResourceWarning: unclosed file\n"):
         c = classify(Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=tail, steps_completed=0))
         assert c.rule == "user-import-error", (tail, c)
+
+
+@pytest.mark.timeout(60)
+def test_an_out_of_memory_log_line_is_not_an_out_of_memory(tmp_path: Path) -> None:
+    """Acceptance 34A F2: a rank that logged ``OutOfMemoryError: retrying with smaller batch`` (or
+    caught and printed a real OOM traceback) and later exited 1, or whose last line was a log
+    line ``warning: CUDA out of memory on previous try``, was "ran out of memory" (which the
+    policy's oom_fatal_after counts). Real processes; a real OOM that ended the rank still is."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""\
+        import sys, traceback
+        class OutOfMemoryError(RuntimeError):
+            pass
+        def oom():
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        how = sys.argv[1]
+        if how == "log":
+            print("OutOfMemoryError: retrying with smaller batch", file=sys.stderr)
+            print("carrying on, then a transient failure", file=sys.stderr)
+        if how == "warning":
+            print("warning: CUDA out of memory on previous try, halving batch", file=sys.stderr)
+        if how in ("caught", "caught-then-raise"):
+            try:
+                oom()
+            except OutOfMemoryError:
+                traceback.print_exc(); print("retrying with batch 16", file=sys.stderr)
+        if how == "caught-then-raise":
+            raise ValueError("bad label 7")
+        if how == "real":
+            oom()
+        if how == "chained":
+            try:
+                oom()
+            except OutOfMemoryError as e:
+                raise RuntimeError("training step failed") from e
+        sys.exit(1)
+        """))
+    for how, rule in (("log", "nonzero-exit"), ("warning", "nonzero-exit"), ("caught", "nonzero-exit"),
+                      ("caught-then-raise", "uncaught-exception"), ("real", "out-of-memory"),
+                      ("chained", "out-of-memory")):
+        proc = _run([sys.executable, str(script), how], tmp_path)
+        assert proc.returncode == 1, proc.stderr
+        fault = Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=proc.stderr, traceback=proc.stderr, steps_completed=3)
+        assert classify(fault).rule == rule, (how, proc.stderr)

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import re
 
-from unicron.detect.evidence import AFTERWORDS, FRAME_FILE, Evidence, strip_prefixes, without_source
+from unicron.detect.evidence import (
+    AFTERWORDS,
+    FRAME_FILE,
+    Evidence,
+    final_traceback,
+    strip_prefixes,
+    without_source,
+)
 from unicron.detect.faults import Fault, stderr_summary
 
 # The kernel's report (dmesg, or a script that forwards it): "NVRM: Xid (PCI:0000:3b:00): 79, pid=...".
@@ -39,10 +46,14 @@ _CANT_OPEN = re.compile(r"^(?:.*: can't open file '.*': \[Errno \d+\]|unicron wo
 _USAGE_START = re.compile(r"^usage:", re.IGNORECASE)
 _USAGE_ERROR = re.compile(r"^(?:.+: )?error: ", re.IGNORECASE)
 # The allocators' and CUDA's own words for running out of memory (torch's caching allocator,
-# cuBLAS, C++'s bad_alloc, torch's CPU allocator), and torch's exception type as it ends a line
-# of a traceback; not "OutOfMemoryError" in a log line about a retry with a smaller batch.
-OOM_TEXT = re.compile(r"CUDA out of memory|^(?:[\w.]+\.)?OutOfMemoryError:|CUBLAS_STATUS_ALLOC_FAILED|std::bad_alloc"
-                      r"|DefaultCPUAllocator: (?:can't allocate|not enough) memory", re.MULTILINE)
+# "CUDA out of memory. Tried to allocate 2.00 GiB"; CUDA's cudaErrorMemoryAllocation as torch and
+# the driver API print it; cuBLAS, C++'s bad_alloc, torch's CPU allocator), and torch's exception
+# type as it ends a line of a traceback; not "OutOfMemoryError" in a log line about a retry with
+# a smaller batch, nor "warning: CUDA out of memory on previous try" (acceptance 34A F2).
+OOM_TEXT = re.compile(r"(?:CUDA|HIP) out of memory\. Tried to allocate|CUDA error: out of memory"
+                      r"|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|^(?:[\w.]+\.)?OutOfMemoryError:"
+                      r"|CUBLAS_STATUS_ALLOC_FAILED|std::bad_alloc|DefaultCPUAllocator: (?:can't allocate|not enough) memory",
+                      re.MULTILINE)
 OOM_TYPES = frozenset({"OutOfMemoryError", "MemoryError"})
 
 
@@ -73,11 +84,13 @@ def usage_error(fault: Fault) -> bool:
 
 def out_of_memory(fault: Fault, ev: Evidence) -> bool:
     """The error that ended the process is an out-of-memory one: its exception (type, message,
-    the traceback's chain) or the line its stderr ended on (a C++ ``what()``); not any line."""
+    the traceback's chain) or the line its stderr ended on (a C++ ``what()``); not any line: an
+    earlier traceback the script caught (a ``traceback`` that is the stderr's copy holds them all)."""
     if ev.exception_type in OOM_TYPES:
         return True
     said = stderr_summary(strip_prefixes(fault.stderr_tail))
-    where = "\n".join((ev.exception_message, without_source(fault.traceback), said) if ev.exception_type else (said,))
+    where = "\n".join((ev.exception_message, without_source(final_traceback(fault.traceback)), said)
+                       if ev.exception_type else (said,))
     return bool(OOM_TEXT.search(where))
 
 

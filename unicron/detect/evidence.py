@@ -20,6 +20,9 @@ _EXCEPTION_LINE = re.compile(
 )
 # torch (and torchrun --tee) prefix every line a rank writes with "[rank0]: " / "[default0]:".
 _LINE_PREFIX = re.compile(r"^\[[\w.\-]{1,40}\]:[ ]?", re.MULTILINE)
+_TRACEBACK_START = re.compile(r'^(?:Traceback\b|\s*File "[^"]*", line \d+)')
+# How CPython joins a chain's tracebacks (raise ... from, an exception while handling another).
+_CHAINED = re.compile(r"^(?:During handling of the above exception|The above exception was the direct cause)")
 FRAME_FILE = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
 _FRAME_LINE = re.compile(r'^(\s*)File "[^"]*", line \d+')
 # What a process may still print after the line it failed on: unicron's hooks' own warnings,
@@ -96,9 +99,25 @@ def ending_exception(text: str) -> tuple[str, str] | None:
     while lines and AFTERWORDS.match(lines[-1]) and not _EXCEPTION_LINE.fullmatch(lines[-1]):
         lines.pop()
     found = _EXCEPTION_LINE.fullmatch(lines[-1]) if lines else None
-    if found is None:
+    # ... of a traceback: its header, or a frame (CPython prints a SyntaxError in the script it
+    # was given as its frame alone); a log line "OutOfMemoryError: retrying" alone is none.
+    if found is None or not any(_TRACEBACK_START.match(line) for line in lines[:-1]):
         return None
     return found.group(1).rsplit(".", 1)[-1], (found.group(2) or "").strip()
+
+
+def final_traceback(text: str) -> str:
+    """The last traceback in ``text``, with the exceptions chained before it (``During handling
+    of the above exception ...``): not one printed earlier that the script caught and went on
+    from. All of ``text`` when it holds no traceback header."""
+    lines = strip_prefixes(text).splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return "\n".join(lines)
+    k = len(starts) - 1
+    while k > 0 and any(_CHAINED.match(line) for line in lines[starts[k - 1]:starts[k]]):
+        k -= 1
+    return "\n".join(lines[starts[k]:])
 
 
 def final_exception(fault: Fault) -> tuple[str, str]:
