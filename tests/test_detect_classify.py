@@ -728,3 +728,32 @@ def test_an_out_of_memory_log_line_is_not_an_out_of_memory(tmp_path: Path) -> No
         assert proc.returncode == 1, proc.stderr
         fault = Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=proc.stderr, traceback=proc.stderr, steps_completed=3)
         assert classify(fault).rule == rule, (how, proc.stderr)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_connection_from_a_script_in_a_directory_named_nccl_is_the_scripts_own(tmp_path: Path) -> None:
+    """Acceptance 34A F3: the same refused connection as above, from ``nccl_experiments/train.py``,
+    was "lost its connection to a peer" (SEV3): any frame's path that said nccl, gloo or c10d
+    counted. Only torch.distributed's own frames do."""
+    for folder in ("nccl_experiments", "gloo_c10d_tests/torch_distributed"):
+        script = tmp_path / folder / "train.py"
+        script.parent.mkdir(parents=True)
+        script.write_text(textwrap.dedent("""\
+            import socket
+            s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+            socket.create_connection(("127.0.0.1", port), timeout=5)  # the script's own redis, down
+            """))
+        proc = _run([sys.executable, str(script)], tmp_path)
+        assert proc.returncode == 1 and "ConnectionRefusedError" in proc.stderr, proc.stderr
+        tb = proc.stderr[:proc.stderr.index("ConnectionRefusedError")]
+        for fault in (Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=proc.stderr, traceback=proc.stderr,
+                            steps_completed=4),
+                      Fault("exception", 1.0, rank=1, error_type="ConnectionRefusedError",
+                            message="[Errno 111] Connection refused", traceback=tb, steps_completed=4)):
+            c = classify(fault)
+            assert (c.rule, c.severity) == ("uncaught-exception", Severity.SEV2), (folder, c)
+        # Called through torch.distributed's own code, the same refusal is a peer's loss.
+        torch_frame = '  File "/venv/lib/python3.11/site-packages/torch/distributed/rendezvous.py", line 189, in x\n'
+        through = Fault("exception", 1.0, rank=1, error_type="ConnectionRefusedError",
+                        message="[Errno 111] Connection refused", traceback=tb + torch_frame, steps_completed=4)
+        assert classify(through).rule == "peer-connection-lost"

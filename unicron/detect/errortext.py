@@ -95,19 +95,26 @@ def out_of_memory(fault: Fault, ev: Evidence) -> bool:
 
 
 
-# torch.distributed's parts (its process groups, gloo, NCCL, the c10d store): a connection
-# refused there is a peer's (or the store's) loss; anywhere else it is the script's own socket.
+# torch.distributed's parts (its process groups, gloo, NCCL, the c10d store) as its exceptions'
+# types and messages name them (gloo's and c10d's C++ sources: "[../third_party/gloo/...]"): a
+# connection refused there is a peer's (or the store's) loss; anywhere else it is the script's own socket.
 _COLLECTIVE_MARKS = ("gloo", "nccl", "processgroup", "c10d", "torch/distributed", "torch.distributed", "tcpstore",
                      "distnetworkerror", "diststoreerror")
+# A Python frame of torch.distributed itself: a file inside the torch package, not a script's own
+# directory that happens to be called nccl_experiments/ or gloo_tests/ (acceptance 34A F3).
+_TORCH_DISTRIBUTED_FRAME = re.compile(r"(?:^|[/\\])torch[/\\]distributed[/\\]")
 
 
 def from_collective(fault: Fault, ev: Evidence, needle: str) -> bool:
-    """The error came out of torch.distributed: its type, message or frames name it, or (no
-    exception known) the very line that says ``needle`` does. Not any line of stderr: gloo
-    prints at start-up (``[Gloo] Rank 0 is connected to 1 peer ranks``)."""
+    """The error came out of torch.distributed: its type or message name it, or a frame of its
+    traceback (the final one, with its chain) is torch.distributed's own; or (no exception known)
+    the very line that says ``needle`` does. Not any line of stderr: gloo prints at start-up
+    (``[Gloo] Rank 0 is connected to 1 peer ranks``)."""
     if ev.exception_type:
-        frames = " ".join(FRAME_FILE.findall(fault.traceback or strip_prefixes(fault.stderr_tail)))
-        text = " ".join((fault.error_type, ev.exception_message, frames))
+        frames = FRAME_FILE.findall(final_traceback(fault.traceback or fault.stderr_tail))
+        if any(_TORCH_DISTRIBUTED_FRAME.search(frame) for frame in frames):
+            return True
+        text = " ".join((fault.error_type, ev.exception_message))
     else:
         text = " ".join(line for line in ev.text.splitlines() if needle in line)
     return any(mark in text.lower() for mark in _COLLECTIVE_MARKS)
