@@ -619,16 +619,20 @@ def test_real_missing_script_through_unicrons_worker_boot(tmp_path: Path) -> Non
         assert classify(fault).rule == "user-missing-script", proc.stderr
 
 
+# A rank's own connection to a port nobody listens on (its redis, down): not a peer's.
+REFUSED_SCRIPT = textwrap.dedent("""\
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    socket.create_connection(("127.0.0.1", port), timeout=5)
+    """)
+
+
 @pytest.mark.timeout(60)
 def test_a_refused_connection_is_a_lost_peer_only_out_of_torch_distributed(tmp_path: Path) -> None:
     """Acceptance 33A F4: a rank's own socket to a service that is down (a feature store) was
     "lost its connection to a peer" (SEV3, a victim). Real: a connection to a port nobody listens on."""
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""\
-        import socket
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-        socket.create_connection(("127.0.0.1", port), timeout=5)  # the script's own redis, down
-        """))
+    script.write_text(REFUSED_SCRIPT)
     proc = _run([sys.executable, str(script)], tmp_path)
     assert proc.returncode == 1 and "ConnectionRefusedError" in proc.stderr, proc.stderr
     tb = proc.stderr[:proc.stderr.index("ConnectionRefusedError")]
@@ -738,11 +742,7 @@ def test_a_refused_connection_from_a_script_in_a_directory_named_nccl_is_the_scr
     for folder in ("nccl_experiments", "gloo_c10d_tests/torch_distributed"):
         script = tmp_path / folder / "train.py"
         script.parent.mkdir(parents=True)
-        script.write_text(textwrap.dedent("""\
-            import socket
-            s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-            socket.create_connection(("127.0.0.1", port), timeout=5)  # the script's own redis, down
-            """))
+        script.write_text(REFUSED_SCRIPT)
         proc = _run([sys.executable, str(script)], tmp_path)
         assert proc.returncode == 1 and "ConnectionRefusedError" in proc.stderr, proc.stderr
         tb = proc.stderr[:proc.stderr.index("ConnectionRefusedError")]
