@@ -685,7 +685,9 @@ def test_a_traceback_the_script_caught_and_printed_is_not_what_ended_it(tmp_path
     assert proc.returncode == 1 and "missing_for_real_34a" in proc.stderr, proc.stderr
     for tail in (proc.stderr, "[rank1]: " + proc.stderr.replace("\n", "\n[rank1]: "),
                  DATALOADER_CHAIN.replace("RuntimeError: DataLoader", "ImportError: DataLoader"),
-                 proc.stderr + "unicron: snapshot write failed\nsys:1: ResourceWarning: unclosed file\n"):
+                 proc.stderr + "unicron: snapshot write failed\nsys:1: ResourceWarning: unclosed file\n",
+                 # 35A F5: an atexit warning, as the warnings module prints it, with its source line
+                 proc.stderr + "/w/train.py:15: UserWarning: teardown thing\n  warnings.warn('teardown thing')\n"):
         c = classify(Fault("exit", 1.0, rank=1, exitcode=1, stderr_tail=tail, steps_completed=0))
         assert c.rule == "user-import-error", (tail, c)
 
@@ -709,6 +711,8 @@ def test_an_out_of_memory_log_line_is_not_an_out_of_memory(tmp_path: Path) -> No
             print("carrying on, then a transient failure", file=sys.stderr)
         if how == "warning":
             print("warning: CUDA out of memory on previous try, halving batch", file=sys.stderr)
+        if how == "log-last":  # 35A F4: the log line is the last one
+            print("OutOfMemoryError: retrying with smaller batch", file=sys.stderr)
         if how in ("caught", "caught-then-raise"):
             try:
                 oom()
@@ -725,7 +729,8 @@ def test_an_out_of_memory_log_line_is_not_an_out_of_memory(tmp_path: Path) -> No
                 raise RuntimeError("training step failed") from e
         sys.exit(1)
         """))
-    for how, rule in (("log", "nonzero-exit"), ("warning", "nonzero-exit"), ("caught", "nonzero-exit"),
+    for how, rule in (("log", "nonzero-exit"), ("log-last", "nonzero-exit"), ("warning", "nonzero-exit"),
+                      ("caught", "nonzero-exit"),
                       ("caught-then-raise", "uncaught-exception"), ("real", "out-of-memory"),
                       ("chained", "out-of-memory")):
         proc = _run([sys.executable, str(script), how], tmp_path)
@@ -739,10 +744,15 @@ def test_a_refused_connection_from_a_script_in_a_directory_named_nccl_is_the_scr
     """Acceptance 34A F3: the same refused connection as above, from ``nccl_experiments/train.py``,
     was "lost its connection to a peer" (SEV3): any frame's path that said nccl, gloo or c10d
     counted. Only torch.distributed's own frames do."""
-    for folder in ("nccl_experiments", "gloo_c10d_tests/torch_distributed"):
+    # 35A F2: a script whose main is wrapped in torch's @record has that wrapper's frame (under
+    # torch/distributed/elastic/) in every traceback; and a script under proj/torch/distributed/
+    recorded = ("from torch.distributed.elastic.multiprocessing.errors import record\n@record\ndef main():\n"
+                + "".join("    " + line + "\n" for line in REFUSED_SCRIPT.splitlines()) + "main()\n")
+    for folder, text in (("nccl_experiments", REFUSED_SCRIPT), ("gloo_c10d_tests/torch_distributed", REFUSED_SCRIPT),
+                         ("proj/torch/distributed", REFUSED_SCRIPT), ("recorded", recorded)):
         script = tmp_path / folder / "train.py"
         script.parent.mkdir(parents=True)
-        script.write_text(REFUSED_SCRIPT)
+        script.write_text(text)
         proc = _run([sys.executable, str(script)], tmp_path)
         assert proc.returncode == 1 and "ConnectionRefusedError" in proc.stderr, proc.stderr
         tb = proc.stderr[:proc.stderr.index("ConnectionRefusedError")]

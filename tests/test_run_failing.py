@@ -339,3 +339,25 @@ def test_a_ranks_traceback_is_on_the_console_before_the_agents_line_about_it(wor
     assert code != 0, err
     assert "SlowError: slow to say" in err and "exception on rank 1" in err, err
     assert err.index("SlowError: slow to say") < err.index("exception on rank 1"), err
+
+
+@pytest.mark.timeout(150)
+def test_a_printed_traceback_then_a_transient_sys_exit_before_the_first_step_is_restarted(workdir) -> None:
+    """Acceptance 35A F1: an optional import's ImportError, caught and printed with
+    ``traceback.print_exc()``, then ``sys.exit(1)`` before any step (a service not ready yet):
+    the stderr ended on the printed traceback, so the rank was FATAL "failed to import". Its
+    hooks heard the sys.exit: that ended it, and it is restarted as torchrun does."""
+    (workdir / "caught.py").write_text(
+        "import os, sys, traceback\n"
+        "try:\n"
+        "    import not_installed_optional_pkg\n"
+        "except ImportError:\n"
+        "    traceback.print_exc()\n"
+        "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    sys.exit(1)\n"
+        "print('attempt', os.environ['TORCHELASTIC_RESTART_COUNT'], 'ok', flush=True)\n")
+    code, out, err = run_unicron(["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                                  str(workdir / "caught.py")], workdir, timeout=120)
+    assert code == 0, err
+    assert "SEV2 restart: rank 1" in err and "exited with code 1" in err and "FATAL" not in err, err
+    assert out.count("attempt 1 ok") == 2, out

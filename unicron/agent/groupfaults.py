@@ -82,5 +82,8 @@ class GroupFaults(GroupProgress):
                 fault["traceback"] = fault.get("traceback") or r.exception.get("tb")
             elif r.exception is not None and failure.signal_name is not None and failure.error is None:
                 fault["summary"] = describe_exit(failure.exitcode)  # not the old traceback in its stderr
+            if not explains and r.exiting_code is not None and failure.signal_name is None \
+                    and failure.exitcode == r.exiting_code:
+                fault["sys_exit"] = True  # said by its hooks: what its stderr printed before did not end it
         fault.update({k: v for k, v in fields.items() if v is not None})
         return clip_fields(json.loads(json.dumps(fault, default=str)))  # a worker's text is unbounded

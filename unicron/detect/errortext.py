@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 
 from unicron.detect.evidence import (
-    AFTERWORDS,
     FRAME_FILE,
     Evidence,
+    drop_afterwords,
     final_traceback,
     strip_prefixes,
     without_source,
@@ -50,20 +50,20 @@ _USAGE_ERROR = re.compile(r"^(?:.+: )?error: ", re.IGNORECASE)
 # the driver API print it; cuBLAS, C++'s bad_alloc, torch's CPU allocator), and torch's exception
 # type as it ends a line of a traceback; not "OutOfMemoryError" in a log line about a retry with
 # a smaller batch, nor "warning: CUDA out of memory on previous try" (acceptance 34A F2).
-OOM_TEXT = re.compile(r"(?:CUDA|HIP) out of memory\. Tried to allocate|CUDA error: out of memory"
-                      r"|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|^(?:[\w.]+\.)?OutOfMemoryError:"
-                      r"|CUBLAS_STATUS_ALLOC_FAILED|std::bad_alloc|DefaultCPUAllocator: (?:can't allocate|not enough) memory",
-                      re.MULTILINE)
+_OOM_WORDS = (r"(?:CUDA|HIP) out of memory\. Tried to allocate|CUDA error: out of memory"
+              r"|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation"
+              r"|CUBLAS_STATUS_ALLOC_FAILED|std::bad_alloc|DefaultCPUAllocator: (?:can't allocate|not enough) memory")
+OOM_TEXT = re.compile(_OOM_WORDS + r"|^(?:[\w.]+\.)?OutOfMemoryError:", re.MULTILINE)
+# Without an exception that ended the process, its last line must be the allocator's or CUDA's
+# own words: "OutOfMemoryError: retrying with smaller batch" alone is a log line (35A F4).
+OOM_WORDS = re.compile(_OOM_WORDS)
 OOM_TYPES = frozenset({"OutOfMemoryError", "MemoryError"})
 
 
 def _last_lines(tail: str) -> list[str]:
     """The non-empty lines of a stderr tail (launcher prefixes off), without what a process
     prints after it failed (teardown warnings)."""
-    lines = [line.rstrip() for line in strip_prefixes(tail).splitlines() if line.strip()]
-    while lines and AFTERWORDS.match(lines[-1]):
-        lines.pop()
-    return lines
+    return drop_afterwords([line.rstrip() for line in strip_prefixes(tail).splitlines() if line.strip()])
 
 
 def cant_open_script(fault: Fault) -> bool:
@@ -89,8 +89,9 @@ def out_of_memory(fault: Fault, ev: Evidence) -> bool:
     if ev.exception_type in OOM_TYPES:
         return True
     said = stderr_summary(strip_prefixes(fault.stderr_tail))
-    where = "\n".join((ev.exception_message, without_source(final_traceback(fault.traceback)), said)
-                       if ev.exception_type else (said,))
+    if not ev.exception_type:
+        return bool(OOM_WORDS.search(said))
+    where = "\n".join((ev.exception_message, without_source(final_traceback(fault.traceback)), said))
     return bool(OOM_TEXT.search(where))
 
 
@@ -100,9 +101,12 @@ def out_of_memory(fault: Fault, ev: Evidence) -> bool:
 # connection refused there is a peer's (or the store's) loss; anywhere else it is the script's own socket.
 _COLLECTIVE_MARKS = ("gloo", "nccl", "processgroup", "c10d", "torch/distributed", "torch.distributed", "tcpstore",
                      "distnetworkerror", "diststoreerror")
-# A Python frame of torch.distributed itself: a file inside the torch package, not a script's own
-# directory that happens to be called nccl_experiments/ or gloo_tests/ (acceptance 34A F3).
-_TORCH_DISTRIBUTED_FRAME = re.compile(r"(?:^|[/\\])torch[/\\]distributed[/\\]")
+# A Python frame of torch.distributed itself: a file of an installed torch (site-packages,
+# dist-packages), not a script's own directory called nccl_experiments/ (34A F3) or
+# proj/torch/distributed/, and not the ``@record`` decorator's wrapper (torch.distributed.elastic.multiprocessing.errors),
+# which is a frame of every traceback of a script that uses it (35A F2).
+_TORCH_DISTRIBUTED_FRAME = re.compile(r"[/\\](?:site|dist)-packages[/\\]torch[/\\]distributed[/\\]"
+                                      r"(?!elastic[/\\]multiprocessing[/\\]errors[/\\])")
 
 
 def from_collective(fault: Fault, ev: Evidence, needle: str) -> bool:

@@ -29,6 +29,22 @@ _FRAME_LINE = re.compile(r'^(\s*)File "[^"]*", line \d+')
 # glog's W/I lines and Python warnings at interpreter teardown (bare, or as the warnings module
 # prints them: "sys:1: ResourceWarning: unclosed file ...").
 AFTERWORDS = re.compile(r"^(?:unicron: |\[?[WI]\d{4}\b|\S*Warning: |\S+:\d+: \w*Warning: )")
+# The warnings module prints the warning's source line, indented, under "file:N: XWarning: msg".
+_WARNING_AT = re.compile(r"^\S+:\d+: \w*Warning: ")
+
+
+def drop_afterwords(lines: list[str]) -> list[str]:
+    """``lines`` (a process's last ones, rstripped) without what it printed after the line it
+    failed on (``AFTERWORDS``, and a warning's quoted source line: 35A F5, an atexit warning
+    hid the exception under ``--no-inject``); an exception's own line is never dropped."""
+    while lines:
+        if AFTERWORDS.match(lines[-1]) and not _EXCEPTION_LINE.fullmatch(lines[-1]):
+            lines.pop()
+        elif len(lines) > 1 and lines[-1][:1].isspace() and _WARNING_AT.match(lines[-2]):
+            del lines[-2:]
+        else:
+            break
+    return lines
 
 
 @dataclass(frozen=True)
@@ -96,8 +112,7 @@ def ending_exception(text: str) -> tuple[str, str] | None:
     F1: an optional import's ModuleNotFoundError made a later ``sys.exit(1)`` FATAL). A message
     over several lines is not recognised: the fault is then an exit with its code."""
     lines = [line.rstrip() for line in strip_prefixes(text).splitlines() if line.strip()]
-    while lines and AFTERWORDS.match(lines[-1]) and not _EXCEPTION_LINE.fullmatch(lines[-1]):
-        lines.pop()
+    drop_afterwords(lines)
     found = _EXCEPTION_LINE.fullmatch(lines[-1]) if lines else None
     # ... of a traceback: its header, or a frame (CPython prints a SyntaxError in the script it
     # was given as its frame alone); a log line "OutOfMemoryError: retrying" alone is none.
@@ -125,6 +140,8 @@ def final_exception(fault: Fault) -> tuple[str, str]:
     traceback in its error file or stderr ends on (``ending_exception``)."""
     if fault.error_type:
         return fault.error_type.rsplit(".", 1)[-1], fault.message
+    if fault.sys_exit:  # left through sys.exit: a traceback it printed before is not its end (35A F1)
+        return "", fault.message
     for text in (fault.traceback, fault.stderr_tail):
         found = ending_exception(text)
         if found:

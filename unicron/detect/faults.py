@@ -104,6 +104,9 @@ class Fault:
     attempt: int = 0
     gpu: int | None = None  # health faults: the GPU index on the node
     culprit_ranks: tuple[int, ...] = field(default=())  # hangs: the ranks named by stack analysis
+    # The rank's hooks heard it leave through a non-zero ``sys.exit`` and no exception explains
+    # it: a traceback in its stderr is one the script printed, not what ended it (35A F1).
+    sys_exit: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -161,6 +164,7 @@ class Fault:
             attempt=attempt if attempt is not None else 0,
             gpu=_opt_int(data.get("gpu"), "gpu"),
             culprit_ranks=tuple(culprits),
+            sys_exit=data.get("sys_exit") is True,
         )
 
     @classmethod

@@ -67,7 +67,7 @@ FAULT_FIELDS: dict[str, Any] = {"kind": str, "ts": NUM, "rank": OPT_INT, "node":
                                 "exitcode": OPT_INT, "signal": (str, int, type(None)), "error_type": OPT_STR,
                                 "message": OPT_STR, "traceback": OPT_STR, "stderr_tail": OPT_STR,
                                 "summary": OPT_STR, "steps_completed": OPT_INT, "attempt": int,
-                                "culprit_ranks": list, "gpu": OPT_INT}
+                                "culprit_ranks": list, "gpu": OPT_INT, "sys_exit": (bool, type(None))}
 NESTED: dict[tuple[str, str], dict[str, Any]] = {("fault", "fault"): FAULT_FIELDS}
 
 
