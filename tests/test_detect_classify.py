@@ -767,3 +767,20 @@ def test_a_refused_connection_from_a_script_in_a_directory_named_nccl_is_the_scr
         through = Fault("exception", 1.0, rank=1, error_type="ConnectionRefusedError",
                         message="[Errno 111] Connection refused", traceback=tb + torch_frame, steps_completed=4)
         assert classify(through).rule == "peer-connection-lost"
+
+
+def test_python_m_of_a_missing_module_is_a_missing_script_whatever_the_steps_known() -> None:
+    """Acceptance 35A F3: under --no-inject (steps unknown) ``-m missing_mod`` spent the whole
+    restart budget; CPython's line says no code of the script ran."""
+    for line in ("/venv/bin/python: No module named missing_mod_xyz",
+                 "/usr/bin/python3.11: Error while finding module specification for 'pkg.sub' "
+                 "(ModuleNotFoundError: No module named 'pkg')"):
+        for steps in (0, None):
+            c = classify(F(exitcode=1, rank=0, steps_completed=steps, stderr_tail=line + "\n"))
+            assert (c.rule, c.severity) == ("user-missing-script", Severity.FATAL), (line, steps, c)
+    # the script's own words, or after steps, or another code: not CPython's
+    for tail, code, steps in (("loader: No module named plugins, giving up\n", 1, None),
+                              ("/venv/bin/python: No module named missing_mod_xyz\n", 1, 5),
+                              ("/venv/bin/python: No module named missing_mod_xyz\nretrying later\n", 1, None),
+                              ("/venv/bin/python: No module named missing_mod_xyz\n", 3, None)):
+        assert classify(F(exitcode=code, rank=0, steps_completed=steps, stderr_tail=tail)).rule != "user-missing-script"

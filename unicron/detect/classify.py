@@ -156,10 +156,13 @@ def _state_misuse(fault: Fault, ev: Evidence) -> bool:
 
 
 def _missing_script(fault: Fault, ev: Evidence) -> bool:
+    # CPython's own words as the process's last (before any of the script ran, so whatever the
+    # steps are known to be: --no-inject reports none)
+    if _failed_process(fault) and fault.steps_completed in (0, None) and (
+            errortext.cant_open_script(fault) or errortext.missing_module(fault)):
+        return True  # `python missing.py` (exit code 2), `python -m missing` (exit code 1)
     if not (_failed_process(fault) and _before_first_step(fault)):
         return False
-    if errortext.cant_open_script(fault):  # plain `python missing.py` (exit code 2)
-        return True
     if ev.exception_type != "FileNotFoundError":
         return False
     # Only when no frame of the user's code ran: the launcher's own frames (runpy, the boot

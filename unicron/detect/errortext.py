@@ -66,6 +66,20 @@ def _last_lines(tail: str) -> list[str]:
     return drop_afterwords([line.rstrip() for line in strip_prefixes(tail).splitlines() if line.strip()])
 
 
+# CPython's words when ``python -m X`` finds no module X (it prints them and exits 1):
+# "/usr/bin/python3: No module named missing_mod", or for a package's submodule "...: Error while
+# finding module specification for 'pkg.sub' (ModuleNotFoundError: No module named 'pkg')".
+_NO_MODULE = re.compile(r"^\S*python[\w.]*: (?:No module named [\w.]+|Error while finding module specification "
+                        r"for '[\w.]+' \(ModuleNotFoundError: No module named '[\w.]+'\))$")
+
+
+def missing_module(fault: Fault) -> bool:
+    """CPython could not find the module ``-m`` named: its line is the last the process wrote and
+    it exited 1 (35A F3: under ``--no-inject`` this spent the whole restart budget)."""
+    lines = _last_lines(fault.stderr_tail)
+    return fault.exitcode == 1 and bool(lines) and bool(_NO_MODULE.match(lines[-1]))
+
+
 def cant_open_script(fault: Fault) -> bool:
     """CPython could not open the script it was started with: its "can't open file" line is the
     last the process wrote and it exited 2, as CPython does then. A line a helper subprocess
