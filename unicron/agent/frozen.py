@@ -8,8 +8,8 @@ thread frees a DDP reducer and joins gloo's work thread, which waits for the loc
 Python object that a finished collective held; acceptance 31A F1): the job trained, its other
 ranks exited 0, and the launcher waited for ever, as torchrun does.
 
-Past its end (its default group destroyed, its script still running), a rank's liveness thread says ``alive`` every ``ALIVE_S`` (``unicron.worker.
-liveness``): a Python thread, it runs whenever the lock is free, whatever the main thread waits
+Past its end (its default group destroyed, its script still running), a rank's liveness
+thread says ``alive`` every ``ALIVE_S`` (``unicron.worker.liveness``): a Python thread, it runs whenever the lock is free, whatever the main thread waits
 for (a sleep, a socket, a non-daemon thread). Silence alone is not enough (a long native
 computation holding the lock is work): the rank is frozen once it has said nothing for
 ``FROZEN_FACTOR`` x the busy floor (``--hang-busy-floor``, the time any busy rank is given: 30 s)

@@ -73,19 +73,22 @@ _NO_MODULE = re.compile(r"^\S*python[\w.]*: (?:No module named [\w.]+|Error whil
                         r"for '[\w.]+' \(ModuleNotFoundError: No module named '[\w.]+'\))$")
 
 
-def missing_module(fault: Fault) -> bool:
-    """CPython could not find the module ``-m`` named: its line is the last the process wrote and
-    it exited 1 (35A F3: under ``--no-inject`` this spent the whole restart budget)."""
+def _ended_on(fault: Fault, line: re.Pattern[str], exitcode: int) -> bool:
+    """The process exited ``exitcode`` and ``line`` is the last it wrote: CPython's own words
+    then, not a helper subprocess's printed earlier (``python optional_prefetch.py``, missing)."""
     lines = _last_lines(fault.stderr_tail)
-    return fault.exitcode == 1 and bool(lines) and bool(_NO_MODULE.match(lines[-1]))
+    return fault.exitcode == exitcode and bool(lines) and bool(line.match(lines[-1]))
+
+
+def missing_module(fault: Fault) -> bool:
+    """CPython could not find the module ``-m`` named, and exited 1 (35A F3: under
+    ``--no-inject`` this spent the whole restart budget)."""
+    return _ended_on(fault, _NO_MODULE, 1)
 
 
 def cant_open_script(fault: Fault) -> bool:
-    """CPython could not open the script it was started with: its "can't open file" line is the
-    last the process wrote and it exited 2, as CPython does then. A line a helper subprocess
-    printed earlier (``python optional_prefetch.py``, missing) is not about the rank's script."""
-    lines = _last_lines(fault.stderr_tail)
-    return fault.exitcode == 2 and bool(lines) and bool(_CANT_OPEN.match(lines[-1]))
+    """CPython could not open the script it was started with, and exited 2."""
+    return _ended_on(fault, _CANT_OPEN, 2)
 
 
 def usage_error(fault: Fault) -> bool:
@@ -109,7 +112,6 @@ def out_of_memory(fault: Fault, ev: Evidence) -> bool:
     return bool(OOM_TEXT.search(where))
 
 
-
 # torch.distributed's parts (its process groups, gloo, NCCL, the c10d store) as its exceptions'
 # types and messages name them (gloo's and c10d's C++ sources: "[../third_party/gloo/...]"): a
 # connection refused there is a peer's (or the store's) loss; anywhere else it is the script's own socket.
@@ -117,8 +119,8 @@ _COLLECTIVE_MARKS = ("gloo", "nccl", "processgroup", "c10d", "torch/distributed"
                      "distnetworkerror", "diststoreerror")
 # A Python frame of torch.distributed itself: a file of an installed torch (site-packages,
 # dist-packages), not a script's own directory called nccl_experiments/ (34A F3) or
-# proj/torch/distributed/, and not the ``@record`` decorator's wrapper (torch.distributed.elastic.multiprocessing.errors),
-# which is a frame of every traceback of a script that uses it (35A F2).
+# proj/torch/distributed/, and not the ``@record`` decorator's wrapper
+# (torch.distributed.elastic.multiprocessing.errors), in every traceback of a script using it (35A F2).
 _TORCH_DISTRIBUTED_FRAME = re.compile(r"[/\\](?:site|dist)-packages[/\\]torch[/\\]distributed[/\\]"
                                       r"(?!elastic[/\\]multiprocessing[/\\]errors[/\\])")
 

@@ -315,20 +315,17 @@ class RestartPolicy:
             action = Action.RESTART
             notes.append(f"{fixed_why}: restarting on the same nodes")
         if (
-            last is not None and action is Action.REATTEMPT and last.action is Action.REATTEMPT
+            # A reattempt that failed again within the window is escalated; so is one after a
+            # restart (or reconfigure) that failed within it: the ladder never steps back down
+            # (it stayed escalated for one failure, then went reattempt, restart, reattempt ...
+            # for the same failure: acceptance 33A F4).
+            last is not None and action is Action.REATTEMPT and last.action.order >= Action.REATTEMPT.order
             and now - last.ts <= self.reattempt_window_s
         ):
             action, escalated = Action.RESTART, True
-            notes.append(f"the reattempt failed again within {now - last.ts:.1f}s: escalated to restart")
-        elif (
-            # A restart (or reconfigure) that failed within the window is not followed by the
-            # cheaper reattempt: the ladder stayed escalated for one failure, then stepped back
-            # down, reattempt, restart, reattempt ... for the same failure (acceptance 33A F4).
-            last is not None and action is Action.REATTEMPT and last.action.order > Action.REATTEMPT.order
-            and now - last.ts <= self.reattempt_window_s
-        ):
-            action, escalated = Action.RESTART, True
-            notes.append(f"the {last.action.value} failed again within {now - last.ts:.1f}s: stays at restart")
+            notes.append(f"the reattempt failed again within {now - last.ts:.1f}s: escalated to restart"
+                         if last.action is Action.REATTEMPT else
+                         f"the {last.action.value} failed again within {now - last.ts:.1f}s: stays at restart")
         # The same error before any step, twice, on another rank is the same failure too: when
         # every rank fails alike at start-up, which one is seen first is chance, and must not
         # decide whether the job stops.
